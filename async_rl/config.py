@@ -1,0 +1,308 @@
+"""Typed run configuration: one msgspec Struct per section, loaded from YAML with `section.key=value` overrides.
+
+Everything is validated before any process starts. A wrong key, type or range raises `ConfigError` whose
+message names the dotted key, the bad value and what is allowed, e.g.
+`algo.max_staleness: expected int >= 0, got -1`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from async_rl.errors import ConfigError
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+UpdateMode = Literal["immediate+correction", "outcome-only", "immediate-only"]
+CreditMode = Literal["outcome+step", "outcome"]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunConfig(_Section):
+    name: str = "local"  # run name; files go to <dir>/<name>/
+    dir: str = "runs"  # parent directory of run directories
+    seed: int = 0  # seeds model init, sampling and the learner
+    max_env_steps: PosInt | None = None  # budget: stop after this many environment steps (stage records)
+    max_versions: PosInt | None = 400  # budget: stop after this many learner optimizer steps
+    target_success: Fraction | None = 0.8  # stop early once success_rate reaches this (None: never)
+    max_wall_s: PosFloat | None = None  # stop after this many seconds
+    threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class ModelConfig(_Section):
+    path: str = ""  # a local Hugging Face model directory; empty builds the tiny model below (random init)
+    hidden_size: PosInt = 64
+    num_layers: PosInt = 2
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt = 2
+    intermediate_size: PosInt = 128
+    max_seq_len: PosInt = 256
+
+
+class EnvConfig(_Section):
+    name: Literal["trap"] = "trap"  # the built-in multi-stage environment with traps (ALGORITHM.md §5)
+    seed: int = 0  # derives every task's secret code and trap stages
+    num_tasks: PosInt = 16
+    stages: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4  # symbols in each secret code
+    choices: Annotated[int, msgspec.Meta(ge=2, le=26)] = 6  # options per stage
+    traps: NonNegInt = 2  # stages that also have a trap symbol
+    retries: NonNegInt = 1  # extra attempts at a stage after a miss
+    step_latency_s: NonNegFloat = 0.0  # simulated tool time per environment step
+    outcome_delay_s: NonNegFloat = 0.0  # simulated judge time before the outcome is known
+
+
+class SGLangConfig(_Section):
+    urls: list[str] = []  # SGLang servers (or one sglang-router URL)
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    pause_mode: Literal["in_place", "abort"] = "in_place"
+    request_timeout_s: PosFloat = 60.0
+    max_retries: NonNegInt = 2
+    dist_backend: Literal["gloo", "nccl"] = "gloo"
+    dist_master_addr: str = "127.0.0.1"
+    dist_master_port: PosInt = 29620
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch", "sglang"] = "torch"
+    workers: PosInt = 1  # rollout worker processes started by `async-rl train`
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # G trajectories per task
+    temperature: PosFloat = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    max_new_tokens: PosInt = 1  # action tokens per stage
+    ack_timeout_s: PosFloat = 5.0  # resend an unacknowledged record after this long
+    heartbeat_s: PosFloat = 2.0
+    sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
+
+
+class ReplayConfig(_Section):
+    endpoint: str = "tcp://127.0.0.1:5555"  # ROUTER: rollout workers and learners connect here
+    stage_group_timeout_s: PosFloat = 30.0  # a stage group is complete after this long with >= min_stage_peers
+    min_stage_peers: Annotated[int, msgspec.Meta(ge=2)] = 2
+    lease_timeout_s: PosFloat = 120.0  # a group whose worker is silent this long is abandoned
+    batch_ack_timeout_s: PosFloat = 120.0  # a batch not acked this long goes back to the queue
+    success_window: PosInt = 64  # success_rate is over the last this-many finished trajectories
+
+
+class LearnerConfig(_Section):
+    publish_endpoint: str = "tcp://127.0.0.1:5556"  # PUB: new policy versions
+    lr: PosFloat = 3e-3
+    weight_decay: NonNegFloat = 0.0
+    grad_clip: NonNegFloat = 1.0  # 0 disables
+    zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0
+    batch_tokens: PosInt = 4096  # token budget of one batch (padded length x items)
+    min_batch_items: PosInt = 16  # wait for at least this many items ...
+    batch_wait_s: NonNegFloat = 0.5  # ... or this long, whichever comes first
+    publish_every: PosInt = 1  # write weights and announce a version every N steps
+    checkpoint_every: NonNegInt = 0  # DeepSpeed checkpoint every N steps (0: only at the end)
+    keep_weights: PosInt = 3  # published weight files kept on disk
+
+
+class AlgoConfig(_Section):
+    updates: UpdateMode = "immediate+correction"
+    credit: CreditMode = "outcome+step"
+    omega: NonNegFloat = 1.0  # weight of stage credit (ω)
+    gamma: Fraction = 0.95  # discount of the stage return-to-go (γ)
+    eps: PosFloat = 1e-6  # ε in the normalizations
+    is_cap: PosFloat = 2.0  # truncation of the importance ratio (TIS)
+    staleness_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # weight × decay**staleness
+    max_staleness: NonNegInt = 4  # admission bound, and hard bound for immediate items
+    max_correction_staleness: NonNegInt = 16  # corrections later than this are dropped (counted)
+    groups_per_step: PosInt = 2  # groups one learner step is expected to consume (admission rule)
+    ppo_epochs: PosInt = 1  # > 1 switches to the decoupled PPO loss
+    clip_low: Fraction = 0.2
+    clip_high: NonNegFloat = 0.28
+    aggregation: Literal["token-mean", "seq-mean-token-sum"] = "token-mean"
+    seq_norm: PosFloat = 8.0  # fixed normalizer of seq-mean-token-sum (Dr. GRPO)
+    kl_beta: NonNegFloat = 0.0  # KL to the initial policy (k3); 0 = off
+
+
+class WandbConfig(_Section):
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "async-rl"
+    entity: str | None = None
+    tags: list[str] = []
+
+
+class Config(_Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (the embedded local default when `path` is None), apply `a.b=value` overrides, validate."""
+    source = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(source.read_text()) if source.exists() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if path is not None and not source.exists():
+        raise ConfigError(f"config file {source} does not exist")
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    _check_keys(raw, Config, "")
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, raw)) from None
+    _check_relations(config)
+    return config
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(config)
+
+
+def dump_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key or not re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", key):
+        raise ConfigError(f"override {override!r}: expected section.key=value, e.g. algo.max_staleness=2")
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        value = text
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _struct_type(annotation: Any) -> type[msgspec.Struct] | None:
+    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+        return annotation
+    return None
+
+
+def _check_keys(raw: Any, struct: type[msgspec.Struct], prefix: str) -> None:
+    if not isinstance(raw, dict):
+        where = prefix.rstrip(".") or "config"
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(struct, include_extras=True)
+    for key, value in raw.items():
+        if key not in struct.__struct_fields__:
+            close = difflib.get_close_matches(str(key), struct.__struct_fields__, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            allowed = ", ".join(struct.__struct_fields__)
+            raise ConfigError(f"{prefix}{key}: unknown key{hint} (allowed: {allowed})")
+        sub = _struct_type(hints[key])
+        if sub is not None:
+            _check_keys(value, sub, f"{prefix}{key}.")
+
+
+def _lookup(raw: Any, dotted: list[str]) -> Any:
+    for part in dotted:
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and part.isdigit() and int(part) < len(raw):
+            raw = raw[int(part)]
+        else:
+            return None
+    return raw
+
+
+def _allowed(annotation: Any) -> str:
+    """A short human description of what a field accepts."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        base, *metas = typing.get_args(annotation)
+        bounds = []
+        for meta in metas:
+            for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+                bound = getattr(meta, name, None)
+                if bound is not None:
+                    bounds.append(f"{op} {bound}")
+        return f"{_allowed(base)} {' and '.join(bounds)}".strip()
+    if origin is Literal:
+        return "one of " + " | ".join(repr(v) for v in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_allowed(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _field_annotation(dotted: list[str]) -> Any:
+    struct: Any = Config
+    annotation: Any = None
+    for part in dotted:
+        hints = typing.get_type_hints(struct, include_extras=True)
+        if part not in hints:
+            return annotation
+        annotation = hints[part]
+        struct = _struct_type(annotation) or annotation
+    return annotation
+
+
+def _explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
+    message = str(exc)
+    match = re.search(r" - at `\$\.?(.*)`$", message)
+    path = match.group(1) if match else ""
+    dotted = [p for p in re.split(r"[.\[\]]+", path) if p]
+    key = ".".join(dotted) or "config"
+    annotation = _field_annotation(dotted)
+    got = _lookup(raw, dotted)
+    allowed = _allowed(annotation) if annotation is not None else message.split(" - at ")[0]
+    return f"{key}: expected {allowed}, got {got!r}"
+
+
+def _check_relations(config: Config) -> None:
+    env, rollout, replay = config.env, config.rollout, config.replay
+    if env.traps > env.stages:
+        raise ConfigError(f"env.traps: expected <= env.stages ({env.stages}), got {env.traps}")
+    if replay.min_stage_peers > rollout.group_size:
+        raise ConfigError(
+            f"replay.min_stage_peers: expected <= rollout.group_size ({rollout.group_size}), "
+            f"got {replay.min_stage_peers}"
+        )
+    if rollout.engine == "sglang" and not rollout.sglang.urls:
+        raise ConfigError("rollout.sglang.urls: expected at least one server URL when rollout.engine is 'sglang'")
+    if config.algo.clip_high <= 0 and config.algo.ppo_epochs > 1:
+        raise ConfigError("algo.clip_high: expected > 0 when algo.ppo_epochs > 1")
+    for name in ("replay.endpoint", "learner.publish_endpoint"):
+        section, field = name.split(".")
+        value = getattr(getattr(config, section), field)
+        if not re.fullmatch(r"(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)", value):
+            raise ConfigError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")

@@ -1,0 +1,17 @@
+"""The project's user-facing exception types.
+
+Errors a user can cause (a bad config, a malformed message, a bad task file) raise one of these, with a
+message that names the field and says what is allowed. Anything else is a bug and should fail loudly.
+"""
+
+
+class AsyncRLError(Exception):
+    """Base of every error a user (or a peer process) can cause."""
+
+
+class ConfigError(AsyncRLError):
+    """The config file or a command-line override is wrong; the message names the dotted key."""
+
+
+class ProtocolError(AsyncRLError):
+    """A message on the wire could not be decoded or is not valid for this protocol version."""

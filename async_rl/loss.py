@@ -1,0 +1,112 @@
+"""The token loss of ALGORITHM.md §3, one form for immediate and correction items.
+
+    s_t = v − v_t
+    ρ_t = exp(log π_θ(a_t) − log μ_t)
+    w_t = stopgrad(min(ρ_t, is_cap)) · staleness_decay ** s_t            (TIS × decay)
+    ℓ_t = − w_t · Â_t · log π_θ(a_t)
+
+With ppo_epochs > 1 the decoupled PPO form (AReaL) is used instead:
+    u_t = π_θ / π_prox,   w_t = stopgrad(min(π_prox / μ, is_cap)) · decay ** s_t
+    ℓ_t = − w_t · min(u_t · Â_t, clip(u_t, 1 − ε_low, 1 + ε_high) · Â_t)
+With one epoch (π_prox = π_θ) both give the same gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from async_rl.config import AlgoConfig
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(tokens[:, t] | tokens[:, :t]) for t ≥ 1, shape (B, T−1); logits are (B, T, V)."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def importance_weights(
+    logp_reference: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    staleness: torch.Tensor,
+    algo: AlgoConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_t = min(ρ_t, is_cap) · decay**s_t with no gradient; returns (w, ρ)."""
+    rho = torch.exp(logp_reference.detach() - behaviour_logp)
+    weight = torch.clamp(rho, max=algo.is_cap) * algo.staleness_decay ** staleness.float()
+    return weight.detach(), rho.detach()
+
+
+def tis_token_loss(
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, staleness: torch.Tensor,
+    algo: AlgoConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ℓ_t = − w_t · Â_t · log π_θ(a_t); returns (ℓ, ρ)."""
+    weight, rho = importance_weights(logp, behaviour_logp, staleness, algo)
+    return -weight * advantages * logp, rho
+
+
+def decoupled_ppo_token_loss(
+    logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
+    staleness: torch.Tensor, algo: AlgoConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ℓ_t = − w_t · min(u·Â, clip(u, 1−ε_low, 1+ε_high)·Â), u = π_θ/π_prox; returns (ℓ, ρ = π_prox/μ)."""
+    weight, rho = importance_weights(prox_logp, behaviour_logp, staleness, algo)
+    u = torch.exp(logp - prox_logp.detach())
+    surrogate = torch.minimum(u * advantages, torch.clamp(u, 1 - algo.clip_low, 1 + algo.clip_high) * advantages)
+    return -weight * surrogate, rho
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(π_θ ‖ π_ref) per token: exp(r) − r − 1 with r = log π_ref − log π_θ."""
+    r = ref_logp.detach() - logp
+    return torch.exp(r) - r - 1
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
+    """Token mean over all action tokens of the batch, or Dr. GRPO's seq-mean-token-sum / seq_norm."""
+    mask = mask.to(token_loss.dtype)
+    if algo.aggregation == "token-mean":
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
+
+
+@dataclass
+class LossStats:
+    is_ratio_mean: float
+    is_ratio_max: float
+    is_capped_frac: float
+    kl: float
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    staleness: torch.Tensor,
+    mask: torch.Tensor,
+    algo: AlgoConfig,
+    prox_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1)."""
+    if prox_logp is None:
+        token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
+    else:
+        token_loss, rho = decoupled_ppo_token_loss(logp, prox_logp, behaviour_logp, advantages, staleness, algo)
+    kl_value = 0.0
+    if algo.kl_beta > 0 and ref_logp is not None:
+        kl = k3_kl(logp, ref_logp)
+        token_loss = token_loss + algo.kl_beta * kl
+        kl_value = float(aggregate(kl.detach(), mask, algo))
+    loss = aggregate(token_loss, mask, algo)
+    on = mask.bool()
+    rho_on = rho[on] if on.any() else torch.ones(1)
+    stats = LossStats(
+        is_ratio_mean=float(rho_on.mean()),
+        is_ratio_max=float(rho_on.max()),
+        is_capped_frac=float((rho_on > algo.is_cap).float().mean()),
+        kl=kl_value,
+    )
+    return loss, stats

@@ -1,0 +1,103 @@
+"""The policy model and its tokenizer, shared by the learner and the built-in engine.
+
+By default a tiny Llama-architecture causal LM is built from `model.*` sizes with random weights (seeded by
+`run.seed`) and a word-level tokenizer over the built-in environment's vocabulary. It is written once, as an
+ordinary Hugging Face model directory under the run directory, so the learner, every rollout worker and an
+SGLang server all load the very same version-0 weights. `model.path` points at any local HF model instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from async_rl.config import Config
+from async_rl.errors import ConfigError
+from async_rl.vocab import EOS, PAD, UNK, vocabulary
+
+log = logging.getLogger("async_rl.model")
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A whitespace-split, word-level tokenizer: one token per vocabulary word."""
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+
+
+def build_tiny_model(config: Config, vocab_size: int, pad_id: int, eos_id: int) -> LlamaForCausalLM:
+    m = config.model
+    if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) must divide by model.num_heads ({m.num_heads}), "
+            f"and num_heads by model.num_kv_heads ({m.num_kv_heads})"
+        )
+    llama = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_seq_len,
+        tie_word_embeddings=False,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
+    torch.manual_seed(config.run.seed)
+    return LlamaForCausalLM(llama).float()
+
+
+def ensure_model_dir(config: Config) -> Path:
+    """The HF directory every role loads; built (atomically, once) for the tiny default model."""
+    if config.model.path:
+        path = Path(config.model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+        return path
+    target = config.run_dir / "model"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = word_tokenizer(vocabulary(config.env))
+    model = build_tiny_model(config, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    staging = Path(tempfile.mkdtemp(prefix=".model-", dir=target.parent))
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.rename(staging, target)
+        log.info("built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), target)
+    except OSError:  # another role won the race; its copy is identical (same seed and config)
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a safetensors file atomically (readers never see a partial file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    if unexpected or [k for k in missing if "rotary" not in k]:
+        raise RuntimeError(f"weights {path} do not fit the model: missing={missing} unexpected={unexpected}")

@@ -1,0 +1,285 @@
+"""The wire protocol: every message the pods exchange, and nothing else.
+
+Read this file to learn the whole system. msgspec Structs form one tagged union (`type` field) encoded as
+MessagePack. Token ids and log-probs travel as packed little-endian arrays (bytes), never as lists of
+Python ints; typed accessors unpack them. Every message carries `protocol`; `decode` turns anything
+malformed or of another protocol version into `ProtocolError` and never raises anything else.
+
+Sockets (endpoints come from the config):
+  rollout worker  DEALER -> replay ROUTER   LeaseRequest, StageRecord, Outcome, Heartbeat
+                                            (replies: Ack, LeaseGrant, LeaseDenied)
+  learner         DEALER -> replay ROUTER   BatchRequest, BatchAck                         (replies: Batch, Ack)
+  learner         PUB    -> rollout SUB     WeightsPublished
+Any peer may receive `Error` in reply to a message the replay service could not accept.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from async_rl.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+TOKEN = np.dtype("<i4")  # token ids and policy versions
+LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
+ADVANTAGE = np.dtype("<f8")  # advantages: the credit ledger is exact in float64
+MASK = np.dtype("u1")
+
+
+def pack(values, dtype: np.dtype) -> bytes:
+    """Pack a sequence (list, numpy array or CPU tensor) into little-endian bytes of `dtype`."""
+    return np.ascontiguousarray(np.asarray(values), dtype=dtype).tobytes()
+
+
+def unpack(buffer: bytes, dtype: np.dtype) -> np.ndarray:
+    return np.frombuffer(buffer, dtype=dtype)
+
+
+def _count(buffer: bytes, dtype: np.dtype, name: str) -> int:
+    if len(buffer) % dtype.itemsize:
+        raise ValueError(f"{name}: {len(buffer)} bytes is not a whole number of {dtype.itemsize}-byte items")
+    return len(buffer) // dtype.itemsize
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    protocol: int = PROTOCOL_VERSION
+
+
+# --- rollout -> replay ---------------------------------------------------------------------------
+
+
+class LeaseRequest(Message, tag="lease_request"):
+    """A worker asks to start a new group (admission, ALGORITHM.md §4)."""
+
+    worker_id: str
+    msg_id: int
+
+
+class LeaseGrant(Message, tag="lease_grant"):
+    """Start `group_size` trajectories of task `task_id` as group `group_id`."""
+
+    msg_id: int
+    group_id: str
+    task_id: int
+    group_size: int
+    policy_version: int  # the learner's version when the lease was granted
+
+
+class LeaseDenied(Message, tag="lease_denied"):
+    msg_id: int
+    reason: Literal["staleness", "budget", "draining"]
+    retry_after_s: float
+    policy_version: int
+
+
+class StageRecord(Message, tag="stage_record"):
+    """One stage of one trajectory, sent the moment it completes. Only new tokens travel."""
+
+    msg_id: int
+    worker_id: str
+    group_id: str
+    trajectory_id: str
+    member: int  # index of the trajectory in its group, 0..G-1
+    task_id: int
+    stage_index: int  # k, from 0
+    observation_tokens: bytes  # int32: the environment's text before this stage's action (never trained)
+    action_tokens: bytes  # int32: what the policy generated
+    behaviour_logprobs: bytes  # float32, one per action token: log mu(a)
+    policy_versions: bytes  # int32, one per action token: v_b of the weights that produced it
+    stage_reward: float | None  # r[i,k]; None = absent
+    terminal: bool  # True on the trajectory's last stage
+
+    def __post_init__(self) -> None:
+        if self.member < 0 or self.stage_index < 0:
+            raise ValueError("member and stage_index must be >= 0")
+        n = _count(self.action_tokens, TOKEN, "action_tokens")
+        _count(self.observation_tokens, TOKEN, "observation_tokens")
+        if n == 0:
+            raise ValueError("action_tokens: a stage must have at least one action token")
+        if _count(self.behaviour_logprobs, LOGPROB, "behaviour_logprobs") != n:
+            raise ValueError("behaviour_logprobs: expected one per action token")
+        if _count(self.policy_versions, TOKEN, "policy_versions") != n:
+            raise ValueError("policy_versions: expected one per action token")
+
+    def action_ids(self) -> np.ndarray:
+        return unpack(self.action_tokens, TOKEN)
+
+    def observation_ids(self) -> np.ndarray:
+        return unpack(self.observation_tokens, TOKEN)
+
+    def logprobs(self) -> np.ndarray:
+        return unpack(self.behaviour_logprobs, LOGPROB)
+
+    def versions(self) -> np.ndarray:
+        return unpack(self.policy_versions, TOKEN)
+
+
+class Outcome(Message, tag="outcome"):
+    """A trajectory's final reward R_i, or its abandonment (worker or server failure)."""
+
+    msg_id: int
+    worker_id: str
+    group_id: str
+    trajectory_id: str
+    member: int
+    num_stages: int  # how many stage records this trajectory sent
+    outcome: float | None
+    abandoned: bool = False
+    reason: str = ""
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Keeps a worker's leases alive (and tells the replay service it is there)."""
+
+    worker_id: str
+    group_ids: list[str] = []
+
+
+class Ack(Message, tag="ack"):
+    msg_id: int
+    duplicate: bool = False  # the record was already stored (a resend): acknowledged, not counted twice
+
+
+# --- learner <-> replay --------------------------------------------------------------------------
+
+
+class BatchRequest(Message, tag="batch_request"):
+    learner_id: str
+    msg_id: int
+    policy_version: int  # the version the batch will be trained at
+    max_tokens: int  # token budget: padded length x items
+    min_items: int
+    max_wait_s: float
+
+
+class TrainItem(Message, tag="train_item"):
+    """One sequence to train: a trajectory prefix, with advantages on the action tokens of some stages."""
+
+    item_id: int
+    kind: Literal["immediate", "correction"]
+    group_id: str
+    trajectory_id: str
+    tokens: bytes  # int32, the whole sequence
+    loss_mask: bytes  # uint8, 1 on trained action tokens
+    advantages: bytes  # float64 per token (0 off the mask): A_imm or C
+    behaviour_logprobs: bytes  # float32 per token (0 off the mask)
+    policy_versions: bytes  # int32 per token (0 off the mask)
+
+    def __post_init__(self) -> None:
+        n = _count(self.tokens, TOKEN, "tokens")
+        if n == 0:
+            raise ValueError("tokens: an item must have at least one token")
+        for name, dtype in (
+            ("loss_mask", MASK),
+            ("advantages", ADVANTAGE),
+            ("behaviour_logprobs", LOGPROB),
+            ("policy_versions", TOKEN),
+        ):
+            if _count(getattr(self, name), dtype, name) != n:
+                raise ValueError(f"{name}: expected one per token ({n})")
+
+    def token_ids(self) -> np.ndarray:
+        return unpack(self.tokens, TOKEN)
+
+    def mask(self) -> np.ndarray:
+        return unpack(self.loss_mask, MASK)
+
+    def advantage_values(self) -> np.ndarray:
+        return unpack(self.advantages, ADVANTAGE)
+
+    def logprobs(self) -> np.ndarray:
+        return unpack(self.behaviour_logprobs, LOGPROB)
+
+    def versions(self) -> np.ndarray:
+        return unpack(self.policy_versions, TOKEN)
+
+
+class ReplayStats(Message, tag="replay_stats"):
+    """What the replay service knows that the learner's metrics line needs (cumulative unless noted)."""
+
+    env_steps: int = 0
+    trajectories_finished: int = 0
+    success_rate: float = 0.0  # over the last replay.success_window finished trajectories
+    stage_reward_mean: float = 0.0  # over the same window, per stage
+    groups_started: int = 0
+    groups_closed: int = 0
+    immediate_skipped_stale: int = 0
+    credit_dropped: int = 0  # stage credits lost to max_correction_staleness
+    ledger_residual_max: float = 0.0  # over groups closed since the previous batch
+    items_queued: int = 0
+    leases_denied: int = 0
+    bad_messages: int = 0
+    trajectories_abandoned: int = 0
+
+
+class Batch(Message, tag="batch"):
+    msg_id: int
+    batch_id: int
+    items: list[TrainItem]
+    stats: ReplayStats
+
+
+class BatchAck(Message, tag="batch_ack"):
+    """Sent after the optimizer step: the batch's credit is now trained (ledger `issued`)."""
+
+    learner_id: str
+    msg_id: int
+    batch_id: int
+    policy_version: int  # the version after the step
+
+
+# --- learner -> rollout --------------------------------------------------------------------------
+
+
+class WeightsPublished(Message, tag="weights_published"):
+    version: int
+    path: str  # safetensors file on storage the workers can read; "" for the distributed path
+    format: Literal["safetensors", "hf-dir", "distributed"] = "safetensors"
+
+
+class Error(Message, tag="error"):
+    """Reply to a message the replay service rejected (it is counted and logged, never fatal)."""
+
+    msg_id: int
+    code: Literal["malformed", "protocol_version", "unknown_group", "bad_state"]
+    detail: str
+
+
+AnyMessage = (
+    LeaseRequest
+    | LeaseGrant
+    | LeaseDenied
+    | StageRecord
+    | Outcome
+    | Heartbeat
+    | Ack
+    | BatchRequest
+    | Batch
+    | BatchAck
+    | WeightsPublished
+    | Error
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(buffer: bytes) -> AnyMessage:
+    """Decode one message; anything malformed raises `ProtocolError` (and nothing else)."""
+    try:
+        message = _decoder.decode(buffer)
+    except (msgspec.MsgspecError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from None
+    if message.protocol != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {message.protocol} is not supported (this build speaks {PROTOCOL_VERSION})"
+        )
+    return message
