@@ -41,6 +41,7 @@ class GroupLedger:
         self.issued: dict[Stage, float] = {}
         self.trained: dict[Stage, float] = {}
         self.a_final: dict[Stage, float] | None = None
+        self.updates: UpdateMode = "immediate+correction"  # the mode the group was finalized under
         self.immediate_done: set[int] = set()  # stage indices whose stage group was handled
 
     # --- arrivals ---------------------------------------------------------------------------------
@@ -78,8 +79,10 @@ class GroupLedger:
         }
 
     def immediate(self, k: int, algo: AlgoConfig) -> dict[int, float]:
-        """A_imm for stage group k (call once, when it is complete or timed out)."""
+        """A_imm for stage group k (call once, when it is complete or timed out); {} in `outcome-only` mode."""
         self.immediate_done.add(k)
+        if not immediate_updates_on(algo.updates):
+            return {}
         return immediate_advantages(self.stage_group(k), algo.omega, algo.eps)
 
     def record_trained(self, i: int, k: int, advantage: float, immediate: bool) -> None:
@@ -109,11 +112,14 @@ class GroupLedger:
         outcomes = {i: self.outcomes[i] for i in members}
         per_member = final_credit(rewards, outcomes, algo.credit, algo.omega, algo.gamma, algo.eps)
         self.a_final = {(i, k): a for i, stages in per_member.items() for k, a in enumerate(stages)}
+        self.updates = algo.updates
         return self.a_final
 
     def corrections(self) -> dict[Stage, float]:
-        """C[i,k] = A_final[i,k] − issued[i,k]; corrections within 1e-8 of zero are not sent."""
+        """C[i,k] = A_final[i,k] − issued[i,k]; corrections within 1e-8 of zero are not sent; {} in `immediate-only`."""
         assert self.a_final is not None, "finalize() first"
+        if not corrections_on(self.updates):
+            return {}
         c = {stage: a - self.issued.get(stage, 0.0) for stage, a in self.a_final.items()}
         return {stage: value for stage, value in c.items() if abs(value) > ZERO_CORRECTION}
 

@@ -214,6 +214,7 @@ class ReplayStats(Message, tag="replay_stats"):
     leases_denied: int = 0
     bad_messages: int = 0
     trajectories_abandoned: int = 0
+    immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
 
 
 class Batch(Message, tag="batch"):

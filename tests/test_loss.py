@@ -1,0 +1,118 @@
+"""The token loss (ALGORITHM.md §3) on a real tiny model, with autograd."""
+
+import pytest
+import torch
+
+from async_rl.config import AlgoConfig, load_config
+from async_rl.loss import aggregate, importance_weights, k3_kl, policy_loss, token_logprobs
+from async_rl.model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = load_config(None, ["model.hidden_size=32", "model.num_layers=1", "run.seed=3"])
+    return build_tiny_model(config, vocab_size=17, pad_id=0, eos_id=1)
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, 17, (3, 9), generator=g)
+    mask = torch.zeros(3, 8)
+    mask[:, 4:] = 1
+    mask[2, 6:] = 0
+    advantages = torch.randn(3, 8, generator=g)
+    staleness = torch.randint(0, 4, (3, 8), generator=g)
+    return tokens, mask, advantages, staleness
+
+
+def gradient(model, algo, behaviour_shift, ppo):
+    model.zero_grad()
+    tokens, mask, advantages, staleness = batch()
+    logp = token_logprobs(model(tokens).logits, tokens)
+    behaviour = logp.detach() + behaviour_shift  # a behaviour policy a little off the learner's
+    prox = logp.detach() if ppo else None  # one epoch: π_prox is the current policy
+    loss, _ = policy_loss(logp, behaviour, advantages, staleness, mask, algo, prox_logp=prox)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.8])
+def test_one_epoch_tis_and_decoupled_ppo_give_the_same_gradient(model, decay):
+    algo = AlgoConfig(staleness_decay=decay)
+    shift = torch.linspace(-0.9, 0.9, 24).reshape(3, 8)  # ratios both under and over is_cap
+    tis = gradient(model, algo, shift, ppo=False)
+    ppo = gradient(model, algo, shift, ppo=True)
+    assert any(g.abs().sum() > 0 for g in tis)
+    for a, b in zip(tis, ppo, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_importance_weight_is_capped_and_carries_no_gradient():
+    algo = AlgoConfig(is_cap=2.0)
+    logp = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
+    behaviour = torch.tensor([-1.0, -3.0, -0.5])  # ρ = 1, e², e^-0.5
+    weight, rho = importance_weights(logp, behaviour, torch.zeros(3), algo)
+    assert not weight.requires_grad
+    torch.testing.assert_close(rho, torch.exp(torch.tensor([0.0, 2.0, -0.5])))
+    torch.testing.assert_close(weight, torch.tensor([1.0, 2.0, float(torch.exp(torch.tensor(-0.5)))]))
+
+
+def test_staleness_decay_multiplies_the_weight_per_version():
+    algo = AlgoConfig(staleness_decay=0.5)
+    logp = torch.zeros(4)
+    weight, _ = importance_weights(logp, logp.clone(), torch.tensor([0, 1, 2, 3]), algo)
+    torch.testing.assert_close(weight, torch.tensor([1.0, 0.5, 0.25, 0.125]))
+
+
+def test_tis_gradient_is_weight_times_advantage_times_score():
+    algo = AlgoConfig(is_cap=2.0)
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    behaviour = torch.tensor([[-1.5, -0.5]])
+    advantages = torch.tensor([[2.0, -1.0]])
+    loss, stats = policy_loss(logp, behaviour, advantages, torch.zeros(1, 2), torch.ones(1, 2), algo)
+    loss.backward()
+    w = torch.clamp(torch.exp(logp.detach() - behaviour), max=2.0)
+    torch.testing.assert_close(logp.grad, -(w * advantages) / 2)
+    assert stats.is_capped_frac == 0.0 and stats.is_ratio_max == pytest.approx(float(torch.exp(torch.tensor(0.5))))
+
+
+def test_capped_fraction_is_reported():
+    algo = AlgoConfig(is_cap=1.5)
+    logp = torch.zeros(1, 4, requires_grad=True)
+    behaviour = torch.tensor([[0.0, -1.0, -2.0, 0.5]])
+    _, stats = policy_loss(logp, behaviour, torch.ones(1, 4), torch.zeros(1, 4), torch.ones(1, 4), algo)
+    assert stats.is_capped_frac == pytest.approx(0.5)
+
+
+def test_decoupled_ppo_clips_a_policy_that_moved_too_far():
+    algo = AlgoConfig(clip_low=0.2, clip_high=0.28)
+    prox = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.5, 0.5]])).requires_grad_()  # u = 1.5 and 0.5, both outside the clip
+    loss, _ = policy_loss(logp, prox, torch.tensor([[1.0, -1.0]]), torch.zeros(1, 2), torch.ones(1, 2), algo,
+                          prox_logp=prox)
+    loss.backward()
+    assert torch.all(logp.grad == 0)  # both tokens are clipped on the side that stops the gradient
+
+
+def test_token_mean_and_seq_mean_token_sum():
+    token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert float(aggregate(token_loss, mask, AlgoConfig())) == pytest.approx(10.0 / 4)
+    dr_grpo = AlgoConfig(aggregation="seq-mean-token-sum", seq_norm=5.0)
+    assert float(aggregate(token_loss, mask, dr_grpo)) == pytest.approx((6.0 + 4.0) / (2 * 5.0))
+
+
+def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere():
+    logp = torch.log(torch.tensor([0.2, 0.5]))
+    assert torch.allclose(k3_kl(logp, logp), torch.zeros(2))
+    assert torch.all(k3_kl(logp, torch.log(torch.tensor([0.4, 0.1]))) > 0)
+
+
+def test_kl_term_pulls_towards_the_reference(model):
+    algo = AlgoConfig(kl_beta=0.5)
+    tokens, mask, _, staleness = batch(1)
+    logp = token_logprobs(model(tokens).logits, tokens)
+    ref = logp.detach() - 0.3
+    zero_adv = torch.zeros_like(mask)
+    loss, stats = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, algo, ref_logp=ref)
+    assert stats.kl > 0 and float(loss.detach()) == pytest.approx(0.5 * stats.kl, rel=1e-5)

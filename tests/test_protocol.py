@@ -1,0 +1,155 @@
+"""Wire protocol: every message round-trips; malformed bytes only ever raise ProtocolError."""
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from async_rl.errors import ProtocolError
+from async_rl.protocol import (
+    ADVANTAGE,
+    LOGPROB,
+    MASK,
+    PROTOCOL_VERSION,
+    TOKEN,
+    Ack,
+    Batch,
+    BatchAck,
+    BatchRequest,
+    Error,
+    Heartbeat,
+    LeaseDenied,
+    LeaseGrant,
+    LeaseRequest,
+    Outcome,
+    ReplayStats,
+    StageRecord,
+    TrainItem,
+    WeightsPublished,
+    decode,
+    encode,
+    pack,
+)
+
+
+def stage_record(**changes) -> StageRecord:
+    fields = dict(
+        msg_id=7, worker_id="rollout-0", group_id="g3", trajectory_id="g3/1", member=1, task_id=5, stage_index=2,
+        observation_tokens=pack([4, 9, 11], TOKEN), action_tokens=pack([20, 21], TOKEN),
+        behaviour_logprobs=pack([-0.5, -1.25], LOGPROB), policy_versions=pack([3, 4], TOKEN),
+        stage_reward=1.0, terminal=False,
+    )
+    fields.update(changes)
+    return StageRecord(**fields)
+
+
+def train_item() -> TrainItem:
+    return TrainItem(
+        item_id=1, kind="correction", group_id="g3", trajectory_id="g3/1", tokens=pack([1, 2, 3], TOKEN),
+        loss_mask=pack([0, 1, 1], MASK), advantages=pack([0.0, 0.25, -1.5], ADVANTAGE),
+        behaviour_logprobs=pack([0.0, -0.1, -0.2], LOGPROB), policy_versions=pack([0, 2, 2], TOKEN),
+    )
+
+
+ALL_MESSAGES = [
+    LeaseRequest(worker_id="rollout-0", msg_id=1),
+    LeaseGrant(msg_id=1, group_id="g0", task_id=3, group_size=8, policy_version=2),
+    LeaseDenied(msg_id=1, reason="staleness", retry_after_s=0.05, policy_version=2),
+    stage_record(),
+    stage_record(stage_reward=None, terminal=True),
+    Outcome(msg_id=2, worker_id="rollout-0", group_id="g0", trajectory_id="g0/0", member=0, num_stages=3, outcome=1.0),
+    Outcome(msg_id=3, worker_id="rollout-0", group_id="g0", trajectory_id="g0/1", member=1, num_stages=1,
+            outcome=None, abandoned=True, reason="server died"),
+    Heartbeat(worker_id="rollout-0", group_ids=["g0", "g1"]),
+    Ack(msg_id=9, duplicate=True),
+    BatchRequest(learner_id="learner-0", msg_id=4, policy_version=5, max_tokens=4096, min_items=8, max_wait_s=0.5),
+    Batch(msg_id=4, batch_id=11, items=[train_item()], stats=ReplayStats(env_steps=100, success_rate=0.5)),
+    BatchAck(learner_id="learner-0", msg_id=5, batch_id=11, policy_version=6),
+    WeightsPublished(version=6, path="/runs/x/weights/v6.safetensors"),
+    Error(msg_id=-1, code="malformed", detail="truncated"),
+]
+
+
+@pytest.mark.parametrize("message", ALL_MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message):
+    assert decode(encode(message)) == message
+
+
+def test_packed_arrays_are_little_endian_and_typed():
+    record = stage_record()
+    assert record.action_tokens == b"\x14\x00\x00\x00\x15\x00\x00\x00"
+    np.testing.assert_array_equal(record.action_ids(), [20, 21])
+    np.testing.assert_array_equal(record.versions(), [3, 4])
+    np.testing.assert_allclose(record.logprobs(), [-0.5, -1.25])
+    item = train_item()
+    assert item.advantage_values().dtype == np.float64
+    np.testing.assert_array_equal(item.mask(), [0, 1, 1])
+
+
+def test_token_ids_do_not_travel_as_lists():
+    raw = msgspec.msgpack.decode(encode(stage_record()))
+    assert isinstance(raw["action_tokens"], bytes)
+    assert isinstance(raw["behaviour_logprobs"], bytes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"behaviour_logprobs": pack([-0.5], LOGPROB)}, "behaviour_logprobs: expected one per action token"),
+        ({"policy_versions": pack([1, 2, 3], TOKEN)}, "policy_versions: expected one per action token"),
+        ({"action_tokens": b"\x01\x02\x03"}, "not a whole number"),
+        ({"action_tokens": b""}, "at least one action token"),
+    ],
+)
+def test_inconsistent_stage_records_are_rejected_on_decode(changes, problem):
+    raw = msgspec.msgpack.decode(encode(stage_record()))
+    raw.update(changes)
+    with pytest.raises(ProtocolError, match=problem):
+        decode(msgspec.msgpack.encode(raw))
+
+
+def test_other_protocol_versions_are_rejected():
+    raw = msgspec.msgpack.decode(encode(Ack(msg_id=1)))
+    raw["protocol"] = PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError, match="protocol version"):
+        decode(msgspec.msgpack.encode(raw))
+
+
+def test_unknown_message_type_is_rejected():
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode(msgspec.msgpack.encode({"type": "launch_missiles", "protocol": PROTOCOL_VERSION}))
+
+
+def _mutate(data: bytes, rng: random.Random) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        op = rng.random()
+        if op < 0.4 and buf:
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        elif op < 0.6 and buf:
+            del buf[rng.randrange(len(buf)):][: rng.randint(1, 16)]
+        elif op < 0.8:
+            pos = rng.randrange(len(buf) + 1)
+            buf[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        else:
+            buf = buf[: rng.randrange(len(buf) + 1)]
+    return bytes(buf)
+
+
+def test_ten_thousand_fuzzed_messages_raise_only_protocol_errors():
+    rng = random.Random(1234)
+    seeds = [encode(m) for m in ALL_MESSAGES]
+    decoded = rejected = 0
+    for n in range(10_000):
+        if n % 10 == 0:
+            data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+        else:
+            data = _mutate(rng.choice(seeds), rng)
+        try:
+            decode(data)
+            decoded += 1
+        except ProtocolError:
+            rejected += 1
+    assert decoded + rejected == 10_000
+    assert rejected > 5_000  # most mutations must be caught, and caught as ProtocolError
