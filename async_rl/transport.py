@@ -19,11 +19,21 @@ class BadFrame(ProtocolError):
         self.identity = identity
 
 
+def bind_address(endpoint: str) -> str:
+    """Where the owner of an endpoint binds: peers connect to `tcp://replay-service:5555`, the replay pod binds
+    `tcp://*:5555`. Loopback and ipc:// endpoints bind as written."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if host not in ("127.0.0.1", "localhost", "*", "0.0.0.0", "[::1]"):
+            return f"tcp://*:{port}"
+    return endpoint
+
+
 def bind_router(context: zmq.Context, endpoint: str) -> zmq.Socket:
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished peer are dropped, never raise
-    socket.bind(endpoint)
+    socket.bind(bind_address(endpoint))
     return socket
 
 
@@ -38,7 +48,7 @@ def connect_dealer(context: zmq.Context, endpoint: str, identity: str) -> zmq.So
 def bind_publisher(context: zmq.Context, endpoint: str) -> zmq.Socket:
     socket = context.socket(zmq.PUB)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.bind(endpoint)
+    socket.bind(bind_address(endpoint))
     return socket
 
 

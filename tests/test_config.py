@@ -80,3 +80,12 @@ def test_missing_file_and_bad_yaml_are_config_errors(tmp_path):
     path.write_text("algo: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(path)
+
+
+def test_every_shipped_config_is_valid():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        load_config(path)

@@ -1,0 +1,225 @@
+"""`async-rl train`: replay, learner and rollout workers as separate OS processes on this machine.
+
+Each child runs `python -m async_rl.cli ROLE --config <run_dir>/config.yaml` (the same command a cluster pod
+runs), in its own session so that Ctrl-C reaches the launcher alone, which then stops the learner first (it
+writes the summary) and the others after it. A child that dies is reported by name with the tail of its log,
+and the run stops with a non-zero exit. The last stdout line is one JSON object with the run's result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from async_rl.config import Config, dump_config
+from async_rl.model import ensure_model_dir
+
+log = logging.getLogger("async_rl.launcher")
+
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    log_file: IO = field(repr=False)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _local_endpoint(endpoint: str) -> str:
+    """A configured loopback port that is taken (another run, a test) is replaced by a free one."""
+    if not endpoint.startswith("tcp://127.0.0.1:"):
+        return endpoint
+    port = int(endpoint.rsplit(":", 1)[1])
+    if _port_free("127.0.0.1", port):
+        return endpoint
+    replacement = f"tcp://127.0.0.1:{_free_port()}"
+    log.info("%s is in use; using %s", endpoint, replacement)
+    return replacement
+
+
+def _fresh_run_dir(config: Config) -> Config:
+    """Never write over an earlier run: `runs/local` becomes `runs/local-2`, `-3`, ..."""
+    import msgspec
+
+    name, n = config.run.name, 1
+    while (Path(config.run.dir) / name).exists():
+        n += 1
+        name = f"{config.run.name}-{n}"
+    replay = msgspec.structs.replace(config.replay, endpoint=_local_endpoint(config.replay.endpoint))
+    learner = msgspec.structs.replace(
+        config.learner, publish_endpoint=_local_endpoint(config.learner.publish_endpoint)
+    )
+    run = msgspec.structs.replace(config.run, name=name)
+    return msgspec.structs.replace(config, run=run, replay=replay, learner=learner)
+
+
+def _start(name: str, args: list[str], config_path: Path, run_dir: Path, env: dict[str, str]) -> Child:
+    log_path = run_dir / "logs" / f"{name}.log"
+    log_file = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_all
+    process = subprocess.Popen(
+        [sys.executable, "-m", "async_rl.cli", *args, "--config", str(config_path)],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    return Child(name, process, log_path, log_file)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop_all(children: list[Child]) -> None:
+    """SIGTERM the learner first (it finishes its step and writes the summary), then everyone else."""
+    for group in (children[:1], children[1:]):
+        for child in group:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in group:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
+                child.process.kill()
+                child.process.wait()
+    for child in children:
+        child.log_file.close()
+
+
+class MetricsTail:
+    """Follows <run_dir>/metrics.jsonl, the learner's one-line-per-step record."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.last = path, 0, {}
+
+    def poll(self) -> dict:
+        if self.path.exists():
+            with open(self.path) as f:
+                f.seek(self.offset)
+                for line in f:
+                    if line.endswith("\n"):
+                        self.last = json.loads(line)
+                        self.offset += len(line.encode())
+        return self.last
+
+
+def _table(metrics: dict, elapsed: float, children: list[Child]) -> Table:
+    table = Table(title="async-rl train", show_header=False, expand=False)
+    table.add_column(style="bold cyan")
+    table.add_column()
+    rows = [
+        ("elapsed", f"{elapsed:.0f} s"),
+        ("policy version", metrics.get("version", 0)),
+        ("env steps", metrics.get("env_steps", 0)),
+        ("success rate", f"{metrics.get('success_rate', 0.0):.3f}"),
+        ("stage reward", f"{metrics.get('stage_reward_mean', 0.0):.3f}"),
+        ("staleness mean / max imm / max corr", "{:.2f} / {} / {}".format(
+            metrics.get("staleness_mean", 0.0), metrics.get("staleness_max_immediate", 0),
+            metrics.get("staleness_max_correction", 0))),
+        ("items immediate / correction", f"{metrics.get('items_immediate', 0)} / {metrics.get('items_correction', 0)}"),
+        ("ledger residual", f"{metrics.get('ledger_residual_max', 0.0):.1e}"),
+        ("processes", " ".join(c.name for c in children if c.process.poll() is None)),
+    ]
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def train(config: Config) -> int:
+    config = _fresh_run_dir(config)
+    run_dir = config.run_dir
+    (run_dir / "logs").mkdir(parents=True)
+    config_path = run_dir / "config.yaml"
+    dump_config(config, config_path)
+    ensure_model_dir(config)  # once, before the roles race for it
+    env = dict(os.environ, ASYNC_RL_RUN_START=str(time.time()), OMP_NUM_THREADS=str(config.run.threads_per_process))
+    console = Console(stderr=True)
+    console.print(f"[bold]async-rl[/] run dir [cyan]{run_dir}[/] (logs in {run_dir / 'logs'})")
+
+    roles = [("learner", ["learner"]), ("replay", ["replay"])]
+    roles += [(f"rollout-{i}", ["rollout", "--index", str(i)]) for i in range(config.rollout.workers)]
+    children = [_start(name, args, config_path, run_dir, env) for name, args in roles]
+    (run_dir / "processes.json").write_text(json.dumps({c.name: c.process.pid for c in children}))
+    interrupted = failed = None
+    started = time.monotonic()
+    metrics = MetricsTail(run_dir / "metrics.jsonl")
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt)
+    last_plain = 0.0
+    try:
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while True:
+                time.sleep(0.5)
+                elapsed = time.monotonic() - started
+                live.update(_table(metrics.poll(), elapsed, children))
+                if not console.is_terminal and elapsed - last_plain >= 15:
+                    last_plain = elapsed
+                    m = metrics.last
+                    log.info("t=%.0fs version=%s env_steps=%s success=%.3f", elapsed, m.get("version", 0),
+                             m.get("env_steps", 0), m.get("success_rate", 0.0))
+                learner = children[0].process.poll()
+                if learner == 0:
+                    break
+                dead = [c for c in children if c.process.poll() is not None]
+                if dead:
+                    failed = dead[0]
+                    break
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: stopping every process[/]")
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        _stop_all(children)
+
+    if failed is not None:
+        code = failed.process.returncode
+        console.print(f"[red bold]{failed.name} died (exit code {code}); the run is stopped.[/] Last lines of "
+                      f"{failed.log_path}:\n{_tail(failed.log_path)}")
+        return 1
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        console.print(f"[red]the learner wrote no summary; see {children[0].log_path}[/]")
+        return 1
+    summary = json.loads(summary_path.read_text())
+    result = {key: summary.get(key) for key in ("final_success_rate", "env_steps", "versions", "wall_s", "run_dir")}
+    result["stop_reason"] = summary.get("stop_reason")
+    print(json.dumps(result), flush=True)
+    return 130 if interrupted else 0

@@ -1,0 +1,118 @@
+"""`async-rl train` end to end: real replay, learner and rollout processes over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SHORT_RUN = [
+    "wandb.mode=disabled",
+    "run.target_success=null",
+    "rollout.workers=2",
+    "rollout.group_size=4",
+    "env.num_tasks=4",
+    "env.step_latency_s=0.01",
+    "env.outcome_delay_s=0.3",
+    "learner.min_batch_items=4",
+    "learner.batch_wait_s=0.2",
+    "algo.max_staleness=2",
+]
+
+
+def train(tmp_path: Path, *overrides: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path]:
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN, *overrides]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return done, tmp_path / "t"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_children_gone(run_dir: Path) -> None:
+    for name, pid in json.loads((run_dir / "processes.json").read_text()).items():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+            pytest.fail(f"{name} (pid {pid}) is still running")
+
+
+def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
+    done, run_dir = train(tmp_path, "run.max_versions=25")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["versions"] == 25 and result["run_dir"] == str(run_dir)
+    lines = metrics(run_dir)
+    assert [m["version"] for m in lines] == list(range(1, 26))
+    for m in lines:
+        assert m["staleness_max_immediate"] <= 2
+        assert m["ledger_residual_max"] < 1e-6
+    # Immediate items were trained while their trajectories were still running (outcomes take 0.3 s).
+    assert sum(m["immediate_before_outcome"] for m in lines) > 0
+    assert sum(m["items_immediate"] for m in lines) > 0 and sum(m["items_correction"] for m in lines) > 0
+    assert lines[-1]["groups_closed"] > 0
+    assert_children_gone(run_dir)
+
+
+def test_outcome_only_trains_no_immediate_items(tmp_path):
+    done, run_dir = train(tmp_path, "run.max_versions=6", "algo.updates=outcome-only")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = metrics(run_dir)
+    assert all(m["items_immediate"] == 0 for m in lines)
+    assert sum(m["items_correction"] for m in lines) > 0
+
+
+def test_immediate_only_trains_no_corrections(tmp_path):
+    done, run_dir = train(tmp_path, "run.max_versions=6", "algo.updates=immediate-only")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = metrics(run_dir)
+    assert all(m["items_correction"] == 0 for m in lines)
+    assert sum(m["items_immediate"] for m in lines) > 0
+
+
+def _wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def test_ctrl_c_stops_every_child_cleanly(tmp_path):
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "t" / "metrics.jsonl")
+    launcher.send_signal(signal.SIGINT)
+    out, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 130, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["versions"] >= 1
+    assert_children_gone(tmp_path / "t")
+
+
+def test_a_dead_child_is_named_and_stops_the_run(tmp_path):
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "t" / "metrics.jsonl")
+    pids = json.loads((tmp_path / "t" / "processes.json").read_text())
+    os.kill(pids["rollout-1"], signal.SIGKILL)
+    out, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 1
+    assert "rollout-1 died" in err
+    assert_children_gone(tmp_path / "t")
+
+
+def test_a_bad_config_fails_before_anything_starts(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "algo.max_staleness=-1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "algo.max_staleness: expected int >= 0, got -1" in done.stderr
+    assert not any(tmp_path.iterdir())
