@@ -215,6 +215,7 @@ class ReplayStats(Message, tag="replay_stats"):
     bad_messages: int = 0
     trajectories_abandoned: int = 0
     immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
+    immediate_before_outcome: int = 0  # in this batch: immediate items served before their trajectory's outcome
 
 
 class Batch(Message, tag="batch"):

@@ -72,7 +72,7 @@ def send(socket: zmq.Socket, message: Message, identity: bytes | None = None) ->
 def receive(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage]:
     """Receive one message: (sender identity on a ROUTER else None, message). Raises BadFrame."""
     frames = socket.recv_multipart()
-    identity = frames[0] if socket.socket_type == zmq.ROUTER else None
+    identity = frames[0] if socket.type == zmq.ROUTER else None
     body = frames[1:] if identity is not None else frames
     if len(body) != 1:
         raise BadFrame(f"expected one message frame, got {len(body)}", identity)

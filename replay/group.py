@@ -1,0 +1,174 @@
+"""One open group: its credit ledger, its tokens, and where its training items are (ALGORITHM.md §2).
+
+A group lives from its lease until it closes:
+  open       stage records and outcomes arrive; complete (or timed-out) stage groups yield immediate items
+  finalized  every outcome is in (or abandoned) and no immediate item is with a learner: A_final is fixed and
+             one correction item per member carries C = A_final − issued
+  closed     every correction was trained or dropped: the service reports the residual and forgets the group
+The service owns the queue and the clock; a group only says which items it yields and what they did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from async_rl.config import AlgoConfig, ReplayConfig
+from async_rl.ledger import GroupLedger, Stage
+from async_rl.protocol import Outcome, StageRecord
+from replay.store import QueuedItem, StageTokens, Trajectory, assemble_item
+
+
+@dataclass(slots=True)
+class Group:
+    group_id: str
+    task_id: int
+    worker_id: str  # the lease holder: its silence abandons the group's unfinished members
+    ledger: GroupLedger
+    trajectories: dict[int, Trajectory] = field(default_factory=dict)  # member -> tokens
+    stage_group_started: dict[int, float] = field(default_factory=dict)  # unhandled stage group k -> first arrival
+    deferred: dict[Stage, float] = field(default_factory=dict)  # (member, k) -> A_imm waiting for a prefix stage
+    queued_immediates: set[int] = field(default_factory=set)  # item ids waiting in the queue
+    in_flight_immediates: set[int] = field(default_factory=set)  # item ids served, not yet acked
+    open_corrections: set[int] = field(default_factory=set)  # correction item ids neither acked nor dropped
+    dropped_stages: set[Stage] = field(default_factory=set)  # credit lost to max_correction_staleness
+    finalized: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return self.ledger.group_size
+
+    # --- arrivals -----------------------------------------------------------------------------------
+
+    def is_duplicate(self, member: int, k: int) -> bool:
+        return k in self.ledger.rewards[member]
+
+    def member_problem(self, member: int, trajectory_id: str) -> str | None:
+        """Why a message about `member` cannot belong to this group, or None."""
+        if member >= self.group_size:
+            return f"member {member} >= group_size {self.group_size}"
+        trajectory = self.trajectories.get(member)
+        if trajectory is not None and trajectory.trajectory_id != trajectory_id:
+            return (
+                f"member {member} of {self.group_id} is trajectory {trajectory.trajectory_id!r}, not {trajectory_id!r}"
+            )
+        return None
+
+    def stage_problem(self, record: StageRecord) -> str | None:
+        """Why a new (not duplicate) stage record cannot be stored, or None."""
+        i, k, ledger = record.member, record.stage_index, self.ledger
+        if record.task_id != self.task_id:
+            return f"task {record.task_id}, but group {self.group_id} runs task {self.task_id}"
+        if i in ledger.num_stages and k >= ledger.num_stages[i]:
+            return f"stage {k} of member {i}, which has {ledger.num_stages[i]} stages"
+        if record.terminal and max(ledger.rewards[i], default=-1) > k:
+            return f"terminal stage {k} of member {i} after a later stage"
+        return None
+
+    def add_stage(self, record: StageRecord, now: float, track_stage_group: bool) -> bool:
+        """Store the record; True if it is the first of a stage group to hand out later."""
+        i, k = record.member, record.stage_index
+        trajectory = self.trajectories.get(i)
+        if trajectory is None:
+            trajectory = self.trajectories[i] = Trajectory(record.trajectory_id, i)
+        trajectory.add(k, StageTokens.from_record(record))
+        self.ledger.add_stage(i, k, record.stage_reward, record.terminal)
+        if not track_stage_group or k in self.ledger.immediate_done or k in self.stage_group_started:
+            return False
+        self.stage_group_started[k] = now
+        return True
+
+    def outcome_problem(self, message: Outcome) -> str | None:
+        """Why a (not abandoned) outcome cannot be accepted, or None."""
+        if message.outcome is None:
+            return "outcome is None but abandoned is False"
+        i = message.member
+        stored = max(self.ledger.rewards[i], default=-1) + 1
+        known = self.ledger.num_stages.get(i, message.num_stages)
+        if message.num_stages < stored or message.num_stages != known:
+            return f"num_stages {message.num_stages}, but member {i} sent {max(stored, known)} stages"
+        return None
+
+    def unfinished_members(self) -> list[int]:
+        """Members with neither an outcome nor an abandonment."""
+        ledger = self.ledger
+        return [i for i in range(self.group_size) if i not in ledger.outcomes and i not in ledger.abandoned]
+
+    # --- immediate update ---------------------------------------------------------------------------
+
+    def immediate_items(
+        self, now: float, algo: AlgoConfig, replay: ReplayConfig, item_ids: Iterator[int]
+    ) -> list[QueuedItem]:
+        """Items of the stage groups complete now, or timed out with at least min_stage_peers members (§2)."""
+        for k, started in list(self.stage_group_started.items()):
+            timed_out = now >= started + replay.stage_group_timeout_s
+            if self.ledger.stage_group_complete(k) or (
+                timed_out and len(self.ledger.stage_group(k)) >= replay.min_stage_peers
+            ):
+                del self.stage_group_started[k]
+                for i, advantage in self.ledger.immediate(k, algo).items():
+                    self.deferred[(i, k)] = advantage
+        items = []
+        # An item needs its whole prefix; a stage still missing (a resend is on its way) defers it.
+        for (i, k), advantage in list(self.deferred.items()):
+            if self.trajectories[i].has_prefix_through(k):
+                del self.deferred[(i, k)]
+                item = assemble_item(
+                    next(item_ids), "immediate", self.group_id, self.trajectories[i], k, {k: advantage}
+                )
+                self.queued_immediates.add(item.item_id)
+                items.append(item)
+        return items
+
+    # --- final credit and correction ----------------------------------------------------------------
+
+    def ready_to_finalize(self) -> bool:
+        """Outcomes complete, and no immediate item is with a learner (its ack would change `issued`)."""
+        return not self.finalized and not self.in_flight_immediates and self.ledger.outcomes_complete()
+
+    def finalize(self, algo: AlgoConfig, item_ids: Iterator[int], with_corrections: bool) -> list[QueuedItem]:
+        """Fix A_final and return one correction item per member with a nonzero C (none in immediate-only)."""
+        self.finalized = True
+        self.stage_group_started.clear()
+        self.deferred.clear()
+        if not with_corrections:
+            return []
+        self.queued_immediates.clear()  # the caller removed them from the queue: C carries their credit
+        ledger = self.ledger
+        ledger.finalize(algo)
+        per_member: dict[int, dict[int, float]] = {}
+        for (i, k), c in ledger.corrections().items():
+            per_member.setdefault(i, {})[k] = c
+        items = []
+        for i, credit in sorted(per_member.items()):
+            last_stage = ledger.num_stages[i] - 1
+            items.append(
+                assemble_item(next(item_ids), "correction", self.group_id, self.trajectories[i], last_stage, credit)
+            )
+        self.open_corrections.update(item.item_id for item in items)
+        return items
+
+    def record_trained(self, queued: QueuedItem) -> None:
+        """The learner acked the item: its credit now counts in the ledger."""
+        immediate = queued.kind == "immediate"
+        for k, advantage in queued.credit.items():
+            self.ledger.record_trained(queued.member, k, advantage, immediate=immediate)
+        if immediate:
+            self.in_flight_immediates.discard(queued.item_id)
+        else:
+            self.open_corrections.discard(queued.item_id)
+
+    def drop_correction(self, queued: QueuedItem) -> None:
+        self.dropped_stages.update((queued.member, k) for k in queued.credit)
+        self.open_corrections.discard(queued.item_id)
+
+    def closable(self) -> bool:
+        return self.finalized and not self.open_corrections
+
+    def residual(self) -> float:
+        """max |Σ trained − A_final| over the stages whose credit was not dropped (the ledger invariant: ≈ 0)."""
+        ledger = self.ledger
+        if ledger.a_final is None:
+            return 0.0
+        residuals = zip(ledger.a_final, ledger.residuals(), strict=True)
+        return max((r for stage, r in residuals if stage not in self.dropped_stages), default=0.0)

@@ -1,0 +1,45 @@
+"""The FIFO of training items waiting for a learner, and the batches a learner holds.
+
+Immediate items and corrections share one queue in arrival order. Items leave it from the front (served) or
+from anywhere (an immediate superseded by its group's correction), and a batch whose learner vanished goes
+back to the front; an ordered dict gives all three in O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from replay.store import QueuedItem
+
+
+class ItemQueue:
+    def __init__(self) -> None:
+        self._items: OrderedDict[int, QueuedItem] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def append(self, queued: QueuedItem) -> None:
+        self._items[queued.item_id] = queued
+
+    def pop_front(self) -> QueuedItem:
+        return self._items.popitem(last=False)[1]
+
+    def push_front(self, items: Iterable[QueuedItem]) -> None:
+        """Put items back at the front, keeping their order."""
+        for queued in reversed(list(items)):
+            self._items[queued.item_id] = queued
+            self._items.move_to_end(queued.item_id, last=False)
+
+    def remove(self, item_id: int) -> None:
+        self._items.pop(item_id, None)
+
+
+@dataclass(slots=True)
+class InFlightBatch:
+    """A batch served to a learner and not yet acknowledged."""
+
+    items: list[QueuedItem]
+    sent_at: float

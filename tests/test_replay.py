@@ -1,0 +1,610 @@
+"""The replay service (ALGORITHM.md §2 and §4): the core through `handle`/`tick` with an explicit clock, and the
+ROUTER loop over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from async_rl.advantages import final_credit, immediate_advantages
+from async_rl.config import Config, config_from_dict
+from async_rl.protocol import (
+    LOGPROB,
+    TOKEN,
+    Ack,
+    Batch,
+    BatchAck,
+    BatchRequest,
+    Error,
+    Heartbeat,
+    LeaseDenied,
+    LeaseGrant,
+    LeaseRequest,
+    Outcome,
+    ReplayStats,
+    StageRecord,
+    TrainItem,
+    encode,
+    pack,
+)
+from async_rl.transport import connect_dealer, receive, send
+from replay.service import ReplayService, run
+
+LEARNER = b"learner-0"
+WORKER = b"worker-0"
+
+
+def make_config(**sections: dict) -> Config:
+    raw: dict = {"rollout": {"group_size": 4}, "run": {"seed": 0}}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw)
+
+
+class Worker:
+    """Builds the messages a rollout worker sends; stage k of member i has a fixed, known token layout."""
+
+    def __init__(self, worker_id: str = "worker-0") -> None:
+        self.worker_id = worker_id
+        self.msg_ids = itertools.count(1)
+
+    @staticmethod
+    def lengths(i: int, k: int) -> tuple[int, int]:
+        """(observation tokens, action tokens) of stage k of member i: varied on purpose."""
+        return 2 + (i + k) % 3, 1 + (2 * i + k) % 4
+
+    def lease(self) -> LeaseRequest:
+        return LeaseRequest(worker_id=self.worker_id, msg_id=next(self.msg_ids))
+
+    def stage(
+        self, grant: LeaseGrant, i: int, k: int, reward: float | None, terminal: bool = False, version: int = 0
+    ) -> StageRecord:
+        n_obs, n_act = self.lengths(i, k)
+        return StageRecord(
+            msg_id=next(self.msg_ids),
+            worker_id=self.worker_id,
+            group_id=grant.group_id,
+            trajectory_id=f"{grant.group_id}/{i}",
+            member=i,
+            task_id=grant.task_id,
+            stage_index=k,
+            observation_tokens=pack([1000 + 10 * k + j for j in range(n_obs)], TOKEN),
+            action_tokens=pack([2000 + 100 * i + 10 * k + j for j in range(n_act)], TOKEN),
+            behaviour_logprobs=pack([-0.5 - 0.1 * j for j in range(n_act)], LOGPROB),
+            policy_versions=pack([version] * n_act, TOKEN),
+            stage_reward=reward,
+            terminal=terminal,
+        )
+
+    def outcome(self, grant: LeaseGrant, i: int, num_stages: int, outcome: float | None, **kw) -> Outcome:
+        return Outcome(
+            msg_id=next(self.msg_ids),
+            worker_id=self.worker_id,
+            group_id=grant.group_id,
+            trajectory_id=f"{grant.group_id}/{i}",
+            member=i,
+            num_stages=num_stages,
+            outcome=outcome,
+            **kw,
+        )
+
+
+def only_reply(replies: list, identity: bytes = WORKER):
+    mine = [message for peer, message in replies if peer == identity]
+    assert len(mine) == 1, replies
+    return mine[0]
+
+
+def lease(service: ReplayService, worker: Worker, now: float = 0.0) -> LeaseGrant:
+    grant = only_reply(service.handle(WORKER, worker.lease(), now))
+    assert isinstance(grant, LeaseGrant), grant
+    return grant
+
+
+def send_all(service: ReplayService, messages: list, now: float = 0.0) -> list:
+    """Send worker messages; every one must be acknowledged. Returns any batches they unblocked."""
+    batches = []
+    for message in messages:
+        replies = service.handle(WORKER, message, now)
+        assert isinstance(only_reply(replies), Ack), replies
+        batches += [m for peer, m in replies if peer == LEARNER]
+    return batches
+
+
+def request_batch(
+    service: ReplayService,
+    version: int,
+    now: float = 0.0,
+    max_tokens: int = 10**6,
+    min_items: int = 1,
+    max_wait_s: float = 0.0,
+) -> Batch | None:
+    request = BatchRequest(
+        learner_id="learner",
+        msg_id=7,
+        policy_version=version,
+        max_tokens=max_tokens,
+        min_items=min_items,
+        max_wait_s=max_wait_s,
+    )
+    replies = service.handle(LEARNER, request, now)
+    assert len(replies) <= 1
+    return replies[0][1] if replies else None
+
+
+def ack_batch(service: ReplayService, batch: Batch, version: int, now: float = 0.0):
+    ack = BatchAck(learner_id="learner", msg_id=9, batch_id=batch.batch_id, policy_version=version)
+    return only_reply(service.handle(LEARNER, ack, now), LEARNER)
+
+
+def stage_credit(item: TrainItem) -> dict[int, float]:
+    """The advantage each stage's action tokens carry in `item` (checking the layout of Worker.lengths)."""
+    member = int(item.trajectory_id.split("/")[1])
+    mask, advantages = item.mask(), item.advantage_values()
+    credit, offset = {}, 0
+    k = 0
+    while offset < len(mask):
+        n_obs, n_act = Worker.lengths(member, k)
+        assert not mask[offset : offset + n_obs].any(), "observation tokens are never trained"
+        assert not advantages[offset : offset + n_obs].any()
+        action = slice(offset + n_obs, offset + n_obs + n_act)
+        if mask[action].any():
+            assert mask[action].all() and np.all(advantages[action] == advantages[action][0])
+            credit[k] = float(advantages[action][0])
+        else:
+            assert not advantages[action].any()
+        offset, k = action.stop, k + 1
+    assert offset == len(mask)
+    return credit
+
+
+# A group of G = 4 with 3, 2, 3 and 1 stages; one absent stage reward.
+REWARDS = {0: [1.0, 0.0, 1.0], 1: [0.0, 1.0], 2: [1.0, None, 0.5], 3: [0.5]}
+OUTCOMES = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0}
+
+
+def stage_records(worker: Worker, grant: LeaseGrant, version: int = 0) -> list[StageRecord]:
+    """Every stage of every member, interleaved stage by stage as workers would send them."""
+    return [
+        worker.stage(grant, i, k, rewards[k], terminal=k == len(rewards) - 1, version=version)
+        for k in range(3)
+        for i, rewards in REWARDS.items()
+        if k < len(rewards)
+    ]
+
+
+def outcome_messages(worker: Worker, grant: LeaseGrant) -> list[Outcome]:
+    return [worker.outcome(grant, i, len(REWARDS[i]), OUTCOMES[i]) for i in REWARDS]
+
+
+def expected_final_credit(config: Config) -> dict[tuple[int, int], float]:
+    algo = config.algo
+    per_member = final_credit(REWARDS, OUTCOMES, algo.credit, algo.omega, algo.gamma, algo.eps)
+    return {(i, k): a for i, stages in per_member.items() for k, a in enumerate(stages)}
+
+
+# --- the ledger invariant, end to end -----------------------------------------------------------------------
+
+
+def test_trained_credit_of_every_stage_sums_to_a_final():
+    config = make_config()
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    trained: dict[tuple[int, int], float] = {}
+
+    immediates = request_batch(service, version=0)
+    assert immediates is not None and {item.kind for item in immediates.items} == {"immediate"}
+    for item in immediates.items:
+        for k, a in stage_credit(item).items():
+            member = int(item.trajectory_id.split("/")[1])
+            trained[(member, k)] = trained.get((member, k), 0.0) + a
+    assert isinstance(ack_batch(service, immediates, version=1), Ack)
+
+    send_all(service, outcome_messages(worker, grant))
+    corrections = request_batch(service, version=1)
+    assert corrections is not None and {item.kind for item in corrections.items} == {"correction"}
+    assert {item.trajectory_id for item in corrections.items} <= {f"{grant.group_id}/{i}" for i in REWARDS}
+    for item in corrections.items:
+        member = int(item.trajectory_id.split("/")[1])
+        assert len(item.token_ids()) == sum(sum(Worker.lengths(member, k)) for k in range(len(REWARDS[member])))
+        for k, c in stage_credit(item).items():
+            trained[(member, k)] = trained.get((member, k), 0.0) + c
+    assert isinstance(ack_batch(service, corrections, version=2), Ack)
+
+    for stage, a_final in expected_final_credit(config).items():
+        assert math.isclose(trained.get(stage, 0.0), a_final, rel_tol=0, abs_tol=1e-9), stage
+    stats = service.stats_snapshot()
+    assert stats.groups_closed == 1 and stats.ledger_residual_max < 1e-9
+    assert stats.env_steps == 9 and stats.trajectories_finished == 4 and stats.success_rate == 0.5
+    assert service.groups == {} and len(service.queue) == 0, "a closed group's tokens and ledger are freed"
+
+
+def test_immediate_items_carry_a_imm_on_the_last_stage_of_their_prefix():
+    config = make_config()
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    batch = request_batch(service, version=0)
+    expected = {}
+    for k in range(3):
+        peers = {i: r[k] for i, r in REWARDS.items() if k < len(r)}
+        for i, a in immediate_advantages(peers, config.algo.omega, config.algo.eps).items():
+            expected[(i, k)] = a
+    got = {}
+    for item in batch.items:
+        member = int(item.trajectory_id.split("/")[1])
+        ((k, a),) = stage_credit(item).items()
+        assert len(item.token_ids()) == sum(sum(Worker.lengths(member, j)) for j in range(k + 1)), "prefix through k"
+        assert np.all(item.versions()[item.mask() == 0] == 0) and np.all(item.logprobs()[item.mask() == 0] == 0)
+        assert np.allclose(
+            item.logprobs()[item.mask() == 1], [-0.5 - 0.1 * j for j in range(Worker.lengths(member, k)[1])]
+        )
+        got[(member, k)] = a
+    assert got == pytest.approx(expected)
+
+
+# --- update modes -----------------------------------------------------------------------------------------
+
+
+def test_immediate_items_are_served_before_any_outcome_arrives():
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
+    batch = request_batch(service, version=0)
+    assert batch is not None and len(batch.items) == 4 and all(item.kind == "immediate" for item in batch.items)
+    assert batch.stats.immediate_before_outcome == 4
+
+
+def test_outcome_only_mode_serves_no_immediate_items():
+    service, worker = ReplayService(make_config(algo={"updates": "outcome-only"})), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    assert request_batch(service, version=0) is None and len(service.queue) == 0
+    batches = send_all(service, outcome_messages(worker, grant))  # the parked request is answered
+    assert len(batches) == 1 and {item.kind for item in batches[0].items} == {"correction"}
+
+
+def test_immediate_only_mode_closes_groups_without_corrections():
+    service, worker = ReplayService(make_config(algo={"updates": "immediate-only"})), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    send_all(service, outcome_messages(worker, grant))
+    assert service.stats_snapshot().groups_closed == 1 and service.groups == {}
+    batch = request_batch(service, version=0)
+    assert batch is not None and {item.kind for item in batch.items} == {"immediate"}, "queued immediates still train"
+    assert isinstance(ack_batch(service, batch, version=1), Ack)
+    assert len(service.queue) == 0
+
+
+def test_queued_immediates_are_superseded_by_the_correction():
+    config = make_config()
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    queued = len(service.queue)
+    send_all(service, outcome_messages(worker, grant))
+    assert service.stats_snapshot().immediate_superseded == queued
+    batch = request_batch(service, version=0)
+    credit = {}
+    for item in batch.items:
+        assert item.kind == "correction"
+        member = int(item.trajectory_id.split("/")[1])
+        credit.update({(member, k): c for k, c in stage_credit(item).items()})
+    expected = {stage: a for stage, a in expected_final_credit(config).items() if abs(a) > 1e-8}
+    assert credit == pytest.approx(expected, abs=1e-12), "nothing was issued: C = A_final"
+
+
+def test_finalization_waits_for_immediates_in_flight():
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    immediates = request_batch(service, version=0)
+    send_all(service, outcome_messages(worker, grant))
+    assert len(service.queue) == 0, "no correction while an immediate item's ack could still change issued"
+    ack_batch(service, immediates, version=1)
+    assert len(service.queue) > 0 and service.stats_snapshot().immediate_superseded == 0
+
+
+# --- admission and staleness --------------------------------------------------------------------------------
+
+
+def test_admission_denies_past_the_staleness_bound_and_reopens_when_the_learner_steps():
+    config = make_config(algo={"max_staleness": 1, "groups_per_step": 2})
+    service, worker = ReplayService(config), Worker()
+    for _ in range((0 + 1 + 1) * 2):
+        lease(service, worker)
+    denied = only_reply(service.handle(WORKER, worker.lease(), 0.0))
+    assert isinstance(denied, LeaseDenied) and denied.reason == "staleness" and denied.retry_after_s > 0
+    assert request_batch(service, version=1) is None  # parked: the learner is at version 1 now
+    for _ in range(2):
+        lease(service, worker)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+    stats = service.stats_snapshot()
+    assert stats.groups_started == 6 and stats.leases_denied == 2
+
+
+def test_admission_denies_once_the_env_step_budget_is_spent():
+    service, worker = ReplayService(make_config(run={"max_env_steps": 2})), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, 0, 0, 1.0), worker.stage(grant, 1, 0, 0.0)])
+    denied = only_reply(service.handle(WORKER, worker.lease(), 0.0))
+    assert isinstance(denied, LeaseDenied) and denied.reason == "budget"
+
+
+def test_a_resent_lease_request_gets_the_same_group():
+    service, worker = ReplayService(make_config()), Worker()
+    request = worker.lease()
+    first = only_reply(service.handle(WORKER, request, 0.0))
+    again = only_reply(service.handle(WORKER, request, 0.1))
+    assert again == first and service.stats_snapshot().groups_started == 1
+
+
+def test_a_stale_immediate_is_skipped_and_its_credit_arrives_in_the_correction():
+    config = make_config(algo={"max_staleness": 2})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant, version=0))
+    assert request_batch(service, version=3) is None, "every immediate is 3 versions stale: none is served"
+    stats = service.stats_snapshot()
+    assert stats.immediate_skipped_stale > 0 and stats.items_queued == 0
+    batches = send_all(service, outcome_messages(worker, grant))
+    credit = {}
+    for item in batches[0].items:
+        member = int(item.trajectory_id.split("/")[1])
+        credit.update({(member, k): c for k, c in stage_credit(item).items()})
+    expected = {stage: a for stage, a in expected_final_credit(config).items() if abs(a) > 1e-8}
+    assert credit == pytest.approx(expected, abs=1e-12)
+    ack_batch(service, batches[0], version=4)
+    assert service.stats_snapshot().ledger_residual_max < 1e-9
+
+
+def test_a_stale_correction_is_dropped_and_counted():
+    config = make_config(algo={"updates": "outcome-only", "max_correction_staleness": 2})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant, version=0))
+    send_all(service, outcome_messages(worker, grant))
+    corrected = sum(abs(a) > 1e-8 for a in expected_final_credit(config).values())
+    assert request_batch(service, version=3) is None
+    stats = service.stats_snapshot()
+    assert stats.credit_dropped == corrected > 0
+    assert stats.groups_closed == 1 and stats.ledger_residual_max == 0.0, "dropped stages are not residuals"
+
+
+# --- arrivals: duplicates, bad records, leases, out-of-order stages -----------------------------------------
+
+
+def test_a_duplicate_stage_record_is_acked_as_duplicate_and_counted_once():
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    record = worker.stage(grant, 0, 0, 1.0)
+    first = only_reply(service.handle(WORKER, record, 0.0))
+    again = only_reply(service.handle(WORKER, record, 0.1))
+    assert first == Ack(msg_id=record.msg_id) and again == Ack(msg_id=record.msg_id, duplicate=True)
+    assert service.stats_snapshot().env_steps == 1
+
+
+def test_records_for_unknown_groups_or_members_are_rejected_without_storing():
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    ghost = LeaseGrant(msg_id=0, group_id="g99", task_id=grant.task_id, group_size=4, policy_version=0)
+    error = only_reply(service.handle(WORKER, worker.stage(ghost, 0, 0, 1.0), 0.0))
+    assert isinstance(error, Error) and error.code == "unknown_group"
+    error = only_reply(service.handle(WORKER, worker.stage(grant, 4, 0, 1.0), 0.0))
+    assert isinstance(error, Error) and error.code == "bad_state"
+    error = only_reply(service.handle(WORKER, worker.outcome(grant, 0, 1, None), 0.0))
+    assert isinstance(error, Error) and error.code == "bad_state"
+    assert service.stats_snapshot().env_steps == 0
+
+
+def test_lease_expiry_abandons_unfinished_members_and_the_group_still_finalizes():
+    config = make_config(replay={"lease_timeout_s": 10.0})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker, now=0.0)
+    send_all(service, [worker.stage(grant, i, 0, 0.5, terminal=True) for i in range(3)], now=1.0)
+    send_all(service, [worker.outcome(grant, 0, 1, 1.0), worker.outcome(grant, 1, 1, 0.0)], now=2.0)
+    service.handle(WORKER, Heartbeat(worker_id=worker.worker_id), 9.0)
+    service.tick(15.0)
+    assert service.stats_snapshot().trajectories_abandoned == 0, "the heartbeat renewed the lease"
+    service.tick(19.5)
+    stats = service.stats_snapshot()
+    assert stats.trajectories_abandoned == 2
+    batch = request_batch(service, version=1, now=20.0)
+    assert batch is not None and {item.trajectory_id for item in batch.items if item.kind == "correction"} == {
+        f"{grant.group_id}/0",
+        f"{grant.group_id}/1",
+    }
+    ack_batch(service, batch, version=2, now=21.0)
+    assert service.stats_snapshot().groups_closed == 1 and service.groups == {}
+
+
+def test_an_abandoned_outcome_abandons_the_member():
+    service, worker = ReplayService(make_config(rollout={"group_size": 2})), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, 0, 0, 1.0, terminal=True), worker.outcome(grant, 0, 1, 1.0)])
+    send_all(service, [worker.outcome(grant, 1, 0, None, abandoned=True, reason="engine died")])
+    stats = service.stats_snapshot()
+    assert stats.trajectories_abandoned == 1 and stats.groups_closed == 1, "one finished member: no final credit"
+
+
+def test_an_immediate_waits_for_a_missing_prefix_stage():
+    service, worker = ReplayService(make_config(rollout={"group_size": 2})), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, 0, 0, 1.0), worker.stage(grant, 0, 1, 1.0, terminal=True)])
+    send_all(service, [worker.stage(grant, 1, 1, 0.0, terminal=True)])  # stage 0 of member 1 lost, resent later
+    assert len(service.queue) == 1, "stage group 1 is complete, but member 1's prefix is not"
+    send_all(service, [worker.stage(grant, 1, 0, 0.0)])
+    batch = request_batch(service, version=0)
+    by_stage = {(item.trajectory_id, k) for item in batch.items for k in stage_credit(item)}
+    assert by_stage == {(f"{grant.group_id}/{i}", k) for i in range(2) for k in range(2)}
+
+
+def test_a_stage_group_times_out_with_min_stage_peers():
+    config = make_config(replay={"stage_group_timeout_s": 5.0, "min_stage_peers": 2})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, 0, 0, 1.0)], now=0.0)
+    service.tick(6.0)
+    assert len(service.queue) == 0, "one peer is below min_stage_peers"
+    send_all(service, [worker.stage(grant, 1, 0, 0.0)], now=7.0)
+    assert len(service.queue) == 2, "past the timeout with two peers: handed out at once"
+    send_all(service, [worker.stage(grant, 2, 0, 0.5)], now=8.0)
+    assert len(service.queue) == 2, "a stage group is handed out once"
+
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, 0, 0, 1.0), worker.stage(grant, 1, 0, 0.0)], now=10.0)
+    service.tick(14.9)
+    assert len(service.queue) == 2
+    service.tick(15.0)
+    assert len(service.queue) == 4
+
+
+# --- batches -------------------------------------------------------------------------------------------------
+
+
+def test_an_unacked_batch_is_requeued_and_its_late_ack_refused():
+    service, worker = ReplayService(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
+    first = request_batch(service, version=0, now=0.0)
+    service.tick(4.0)
+    assert len(service.queue) == 0
+    service.tick(5.0)
+    assert len(service.queue) == 4
+    second = request_batch(service, version=0, now=6.0)
+    assert [item.item_id for item in second.items] == [item.item_id for item in first.items], "back at the front"
+    late = ack_batch(service, first, version=1, now=7.0)
+    assert isinstance(late, Error) and late.code == "bad_state"
+    assert isinstance(ack_batch(service, second, version=1, now=7.0), Ack)
+
+
+def test_a_batch_respects_the_token_budget_and_min_items():
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
+    longest = max(sum(Worker.lengths(i, 0)) for i in range(4))
+    batch = request_batch(service, version=0, max_tokens=2 * longest)
+    assert 1 <= len(batch.items) <= 2
+    assert max(len(item.token_ids()) for item in batch.items) * len(batch.items) <= 2 * longest
+    assert request_batch(service, version=0, max_tokens=1) is not None, "always at least one item"
+    assert request_batch(service, version=0, min_items=10, max_wait_s=2.0, now=1.0) is None, "not enough items yet"
+    assert service.tick(2.9) == []
+    ((learner, batch),) = service.tick(3.0)
+    assert learner == LEARNER and len(batch.items) >= 1, "max_wait_s passed with items queued"
+
+
+def test_an_empty_queue_parks_the_request_until_items_arrive():
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    assert request_batch(service, version=0) is None
+    batches = send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
+    assert len(batches) == 1 and batches[0].msg_id == 7 and len(batches[0].items) == 4
+
+
+# --- the socket loop -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """`run` in a background thread on an ipc:// endpoint; yields (config, context)."""
+    config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2})
+    stop = threading.Event()
+    thread = threading.Thread(target=run, args=(config, stop), daemon=True)
+    thread.start()
+    context = zmq.Context()
+    yield config, context
+    context.destroy(linger=0)
+    stop.set()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def exchange(socket: zmq.Socket, message) -> object:
+    send(socket, message)
+    assert socket.poll(5000), f"no reply to {type(message).__name__}"
+    return receive(socket)[1]
+
+
+def test_a_group_round_trips_over_real_sockets(served):
+    config, context = served
+    worker_socket = connect_dealer(context, config.replay.endpoint, "worker-0")
+    learner_socket = connect_dealer(context, config.replay.endpoint, "learner-0")
+    worker = Worker()
+    grant = exchange(worker_socket, worker.lease())
+    assert isinstance(grant, LeaseGrant) and grant.group_size == 2
+    for i, reward in enumerate([1.0, 0.0]):
+        assert isinstance(exchange(worker_socket, worker.stage(grant, i, 0, reward, terminal=True)), Ack)
+    request = BatchRequest(learner_id="l", msg_id=1, policy_version=0, max_tokens=4096, min_items=2, max_wait_s=1.0)
+    immediates = exchange(learner_socket, request)
+    assert isinstance(immediates, Batch) and len(immediates.items) == 2
+    ack = BatchAck(learner_id="l", msg_id=2, batch_id=immediates.batch_id, policy_version=1)
+    assert exchange(learner_socket, ack) == Ack(msg_id=2)
+    for i, outcome in enumerate([1.0, 0.0]):
+        assert isinstance(exchange(worker_socket, worker.outcome(grant, i, 1, outcome)), Ack)
+    request = BatchRequest(learner_id="l", msg_id=3, policy_version=1, max_tokens=4096, min_items=1, max_wait_s=1.0)
+    corrections = exchange(learner_socket, request)
+    assert isinstance(corrections, Batch) and {item.kind for item in corrections.items} == {"correction"}
+    ack = BatchAck(learner_id="l", msg_id=4, batch_id=corrections.batch_id, policy_version=2)
+    assert exchange(learner_socket, ack) == Ack(msg_id=4)
+    request = BatchRequest(learner_id="l", msg_id=5, policy_version=2, max_tokens=4096, min_items=1, max_wait_s=0.0)
+    send(learner_socket, request)
+    assert not learner_socket.poll(200), "an empty queue is never answered with an empty batch"
+    send(worker_socket, worker.lease())
+    assert worker_socket.poll(5000) and isinstance(receive(worker_socket)[1], LeaseGrant), "still serving workers"
+
+
+def test_bad_frames_get_errors_and_the_service_keeps_serving(served):
+    config, context = served
+    socket = connect_dealer(context, config.replay.endpoint, "fuzzer")
+    rng = random.Random(0)
+    for _ in range(20):
+        socket.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
+        assert socket.poll(5000)
+        error = receive(socket)[1]
+        assert isinstance(error, Error) and error.code == "malformed" and error.msg_id == -1
+    socket.send(encode(LeaseRequest(worker_id="w", msg_id=1, protocol=2)))
+    assert socket.poll(5000)
+    error = receive(socket)[1]
+    assert isinstance(error, Error) and error.code == "malformed" and "protocol version" in error.detail
+    socket.send_multipart([b"two", b"frames"])
+    assert socket.poll(5000) and receive(socket)[1].code == "malformed"
+    stray = Batch(msg_id=5, batch_id=0, items=[], stats=ReplayStats())
+    error = exchange(socket, stray)
+    assert isinstance(error, Error) and error.code == "bad_state" and error.msg_id == 5
+    assert isinstance(exchange(socket, Worker("w").lease()), LeaseGrant), "still serving after the abuse"
+
+
+def test_sigterm_stops_a_replay_process(tmp_path: Path):
+    endpoint = f"ipc://{tmp_path}/replay.ipc"
+    code = (
+        "import logging; logging.basicConfig(level='INFO');"
+        "from async_rl.config import config_from_dict; from replay.service import run;"
+        f"run(config_from_dict({{'replay': {{'endpoint': '{endpoint}'}}}}))"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        context = zmq.Context()
+        socket = connect_dealer(context, endpoint, "probe")
+        assert isinstance(exchange(socket, Worker().lease()), LeaseGrant)
+        context.destroy(linger=0)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert "replay service stopped" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
