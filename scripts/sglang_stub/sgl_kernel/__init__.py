@@ -62,8 +62,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+# Appended (not prepended) so that real files in this package directory, such
+# as scalar_type.py, are found first by the normal path finder.
 if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _StubFinder())
+    sys.meta_path.append(_StubFinder())
 
 # Make this module itself resolve unknown attributes to placeholders.
 sys.modules[__name__].__class__ = _StubModule

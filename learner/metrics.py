@@ -1,0 +1,100 @@
+"""One metrics line per learner step: `<run_dir>/metrics.jsonl` (read by other tools) and Weights & Biases.
+
+Key names are stable; the replay-side ones are echoed from the batch's `ReplayStats`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from async_rl.config import Config, config_to_dict
+from async_rl.loss import LossStats
+from async_rl.protocol import ReplayStats
+from learner.batch import TrainBatch
+
+log = logging.getLogger("async_rl.learner")
+
+
+def batch_metrics(batch: TrainBatch, version: int) -> dict[str, Any]:
+    """Staleness (at the version the batch is trained at), |Â| by kind, sizes: over the masked action tokens."""
+    on = batch.loss_mask.bool()
+    correction = batch.is_correction.unsqueeze(1).expand_as(on)
+    staleness = batch.staleness(version)
+    line: dict[str, Any] = {}
+    for kind, of_kind in (("immediate", on & ~correction), ("correction", on & correction)):
+        line[f"staleness_max_{kind}"] = int(staleness[of_kind].max()) if of_kind.any() else 0
+        line[f"adv_abs_{kind}"] = float(batch.advantages[of_kind].abs().mean()) if of_kind.any() else 0.0
+    trained = staleness[on].clamp(min=0)
+    line["staleness_mean"] = float(trained.float().mean()) if on.any() else 0.0
+    line["staleness_hist"] = torch.bincount(trained).tolist() if on.any() else []
+    line["items_immediate"] = int((~batch.is_correction).sum())
+    line["items_correction"] = int(batch.is_correction.sum())
+    real_tokens = int(batch.attention_mask.sum())
+    line["tokens"] = real_tokens
+    line["padding_frac"] = 1.0 - real_tokens / batch.attention_mask.numel()
+    return line
+
+
+def step_metrics(
+    version: int, stats: ReplayStats, batch_line: dict[str, Any], losses: list[tuple[float, LossStats]],
+    step_s: float, wall_s: float, learner_bad_messages: int,
+) -> dict[str, Any]:
+    """The full line. With ppo_epochs > 1 one line covers the batch's epochs: loss is their mean, ρ the first's."""
+    first = losses[0][1]
+    replay_side = {name: getattr(stats, name) for name in stats.__struct_fields__ if name != "protocol"}
+    return {
+        "version": version,
+        **replay_side,
+        **batch_line,
+        "learner_bad_messages": learner_bad_messages,
+        "loss": sum(loss for loss, _ in losses) / len(losses),
+        "is_ratio_mean": first.is_ratio_mean,
+        "is_ratio_max": first.is_ratio_max,
+        "is_capped_frac": first.is_capped_frac,
+        "kl": losses[-1][1].kl,
+        "step_s": step_s,
+        "wall_s": wall_s,
+    }
+
+
+class MetricsLog:
+    """Appends lines to metrics.jsonl (flushed per line) and mirrors them to W&B unless it is disabled."""
+
+    def __init__(self, config: Config, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (run_dir / "metrics.jsonl").open("a")
+        self._wandb = None
+        if config.wandb.mode != "disabled":
+            import wandb  # slow to import; only when used
+
+            wandb.init(
+                mode=config.wandb.mode,
+                project=config.wandb.project,
+                entity=config.wandb.entity,
+                name=config.run.name,
+                dir=str(run_dir),
+                config=config_to_dict(config),
+                tags=config.wandb.tags,
+            )
+            self._wandb = wandb
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            scalars = {k: v for k, v in line.items() if isinstance(v, int | float)}
+            if line.get("staleness_hist"):
+                counts = line["staleness_hist"]
+                edges = [s - 0.5 for s in range(len(counts) + 1)]
+                scalars["staleness_hist"] = self._wandb.Histogram(np_histogram=(counts, edges))
+            self._wandb.log(scalars, step=line["version"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()

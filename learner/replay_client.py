@@ -1,0 +1,90 @@
+"""The learner's side of the replay conversation: ask for a batch, wait for it, ack it after the optimizer step.
+
+The replay service may hold a request until it has items, so a request is sent once and waited for in short
+slices (stop signals stay responsive); it is re-sent only after the service rejected it with `Error`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from async_rl.config import LearnerConfig
+from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
+from async_rl.transport import BadFrame, connect_dealer, poll, receive, send
+
+log = logging.getLogger("async_rl.learner")
+
+POLL_SLICE_S = 0.1
+RETRY_AFTER_ERROR_S = 0.5
+ACK_TIMEOUT_S = 5.0
+
+
+class ReplayClient:
+    def __init__(self, context: zmq.Context, endpoint: str, learner_id: str) -> None:
+        self.learner_id = learner_id
+        self.bad_messages = 0
+        self._socket = connect_dealer(context, endpoint, learner_id)
+        self._msg_ids = itertools.count(1)
+
+    def next_batch(
+        self, version: int, learner: LearnerConfig, should_stop: Callable[[], bool], while_idle: Callable[[], None],
+    ) -> Batch | None:
+        """The next batch to train at `version`, or None once `should_stop()` says so."""
+        msg_id = self._request(version, learner)
+        while not should_stop():
+            while_idle()
+            reply = self._receive(POLL_SLICE_S)
+            if isinstance(reply, Batch) and reply.msg_id == msg_id:
+                return reply
+            if isinstance(reply, Error) and reply.msg_id == msg_id:
+                log.warning("replay rejected batch request %d (%s): %s", msg_id, reply.code, reply.detail)
+                time.sleep(RETRY_AFTER_ERROR_S)
+                msg_id = self._request(version, learner)
+            elif reply is not None:
+                log.warning("ignoring unexpected %s while waiting for batch request %d", type(reply).__name__, msg_id)
+        return None
+
+    def ack(self, batch: Batch, version: int) -> bool:
+        """Tell the replay the batch is trained (its credit is now `issued`); wait briefly for the Ack."""
+        msg_id = next(self._msg_ids)
+        send(self._socket, BatchAck(learner_id=self.learner_id, msg_id=msg_id, batch_id=batch.batch_id,
+                                    policy_version=version))
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while time.monotonic() < deadline:
+            reply = self._receive(POLL_SLICE_S)
+            if isinstance(reply, Ack) and reply.msg_id == msg_id:
+                return True
+            if isinstance(reply, Error) and reply.msg_id == msg_id:
+                log.warning("replay rejected ack of batch %d (%s): %s", batch.batch_id, reply.code, reply.detail)
+                return False
+            if reply is not None:
+                log.warning("ignoring unexpected %s while waiting for the ack of batch %d",
+                            type(reply).__name__, batch.batch_id)
+        log.warning("no Ack for batch %d within %.0f s; the replay will requeue it", batch.batch_id, ACK_TIMEOUT_S)
+        return False
+
+    def _request(self, version: int, learner: LearnerConfig) -> int:
+        msg_id = next(self._msg_ids)
+        send(self._socket, BatchRequest(
+            learner_id=self.learner_id, msg_id=msg_id, policy_version=version, max_tokens=learner.batch_tokens,
+            min_items=learner.min_batch_items, max_wait_s=learner.batch_wait_s,
+        ))
+        return msg_id
+
+    def _receive(self, timeout_s: float) -> object | None:
+        if not poll(self._socket, timeout_s):
+            return None
+        try:
+            return receive(self._socket)[1]
+        except BadFrame as exc:
+            self.bad_messages += 1
+            log.warning("bad message from replay (%d so far): %s", self.bad_messages, exc)
+            return None
+
+    def close(self) -> None:
+        self._socket.close(linger=0)

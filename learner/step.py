@@ -1,0 +1,77 @@
+"""The optimizer step(s) on one batch: ALGORITHM.md §3 through `async_rl.loss`, on this rank's share of items."""
+
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from async_rl.config import Config
+from async_rl.loss import LossStats, policy_loss, token_logprobs
+from async_rl.protocol import TrainItem
+from learner.batch import TrainBatch, collate
+
+
+def rank_share(items: list[TrainItem], rank: int, world_size: int, aggregation: str) -> tuple[TrainBatch, float]:
+    """This rank's items, and the factor that makes the rank-averaged gradient equal the whole batch's.
+
+    DeepSpeed averages gradients over ranks; each rank normalises by its own share, so the local loss is
+    rescaled by world_size · local_normaliser / global_normaliser. A rank without items trains a masked-out copy
+    of the first item: every rank must run forward and backward (collectives at ZeRO-3).
+    """
+    share = items[rank::world_size]
+    batch = collate(share or items[:1])
+    if not share:
+        batch.loss_mask.zero_()
+    if world_size == 1:
+        return batch, 1.0
+    if aggregation == "token-mean":  # normalised by action tokens
+        local, total = float(batch.loss_mask.sum()), float(collate(items).loss_mask.sum())
+    else:  # seq-mean-token-sum: normalised by items
+        local, total = float(len(batch)), float(len(items))
+    if total == 0:
+        return batch, 1.0
+    return batch, world_size * max(local, 1.0) / total
+
+
+def _whole_batch_loss(scaled_share_loss: torch.Tensor) -> float:
+    """The rank average of the rescaled share losses is the whole batch's loss (see `rank_share`)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(scaled_share_loss)
+        scaled_share_loss /= dist.get_world_size()
+    return float(scaled_share_loss)
+
+
+def _logp(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+    return token_logprobs(logits, batch.tokens, temperature=temperature)
+
+
+def train_on_batch(
+    engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, batch: TrainBatch, version: int,
+    config: Config, loss_scale: float = 1.0,
+) -> tuple[int, list[tuple[float, LossStats]]]:
+    """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
+
+    One epoch uses the TIS form; more use decoupled PPO with π_prox = the policy when the batch arrived.
+    The loss is the whole batch's; the ratio statistics are this rank's share.
+    """
+    algo, temperature = config.algo, config.rollout.temperature
+    ref_logp = prox_logp = None
+    with torch.no_grad():
+        if reference is not None:
+            ref_logp = _logp(reference, batch, temperature)
+        if algo.ppo_epochs > 1:
+            prox_logp = _logp(engine, batch, temperature)
+    results = []
+    for _ in range(algo.ppo_epochs):
+        logp = _logp(engine, batch, temperature)
+        loss, stats = policy_loss(
+            logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
+            prox_logp=prox_logp, ref_logp=ref_logp,
+        )
+        engine.backward(loss * loss_scale)
+        engine.step()
+        version += 1
+        results.append((_whole_batch_loss(loss.detach() * loss_scale), stats))
+    return version, results

@@ -1,0 +1,36 @@
+"""The one small interface every inference engine offers the agent loop (DESIGN.md, "Inference engines").
+
+An engine turns token-id prompts into sampled continuations with the behaviour log-probability and the policy
+version of every generated token, and swaps in new weights when the learner publishes a version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1
+    stop_token_ids: list[int] = field(default_factory=list)  # a stop token is kept in the output, then the row ends
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]  # log mu(a): behaviour log-probability of each generated token
+    versions: list[int]  # v_b: the policy version that produced each token
+    finish_reason: Literal["stop", "length"]
+
+
+class InferenceEngine(Protocol):
+    version: int  # policy version of the weights currently loaded
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+    def update_weights(self, version: int, path: str) -> None: ...
+
+    def close(self) -> None: ...

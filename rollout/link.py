@@ -1,0 +1,121 @@
+"""The worker's side of the DEALER -> ROUTER conversation with the replay service.
+
+At-least-once delivery: every StageRecord and Outcome is kept until its `Ack` arrives and resent, with the same
+msg_id, after `ack_timeout_s`; the replay service dedupes by msg_id. Heartbeats keep the worker's leases alive.
+Replies echo the msg_id of the message they answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from async_rl.protocol import (
+    Ack,
+    Error,
+    Heartbeat,
+    LeaseDenied,
+    LeaseGrant,
+    LeaseRequest,
+    Message,
+    Outcome,
+    StageRecord,
+)
+from async_rl.transport import BadFrame, poll, receive, send
+
+log = logging.getLogger("async_rl.rollout")
+
+LeaseReply = LeaseGrant | LeaseDenied
+
+
+@dataclass
+class _Unacked:
+    message: StageRecord | Outcome
+    sent_at: float
+
+
+class ReplayLink:
+    def __init__(self, socket: zmq.Socket, worker_id: str, ack_timeout_s: float, heartbeat_s: float) -> None:
+        self.socket = socket
+        self.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a full queue: an unsent record is resent later
+        self.worker_id = worker_id
+        self.ack_timeout_s = ack_timeout_s
+        self.heartbeat_s = heartbeat_s
+        # msg_ids start at the wall clock in microseconds so a restarted worker never reuses an id replay has seen.
+        self._next_msg_id = time.time_ns() // 1000
+        self.unacked: dict[int, _Unacked] = {}
+        self.lease_request: LeaseRequest | None = None  # awaiting its LeaseGrant / LeaseDenied
+        self._lease_sent_at = 0.0
+        self._heartbeat_at = 0.0
+        self.resends = 0
+        self.bad_replies = 0
+
+    def next_msg_id(self) -> int:
+        self._next_msg_id += 1
+        return self._next_msg_id
+
+    def send_reliably(self, message: StageRecord | Outcome) -> None:
+        self.unacked[message.msg_id] = _Unacked(message, time.monotonic())
+        self._send(message)
+
+    def request_lease(self) -> None:
+        self.lease_request = LeaseRequest(worker_id=self.worker_id, msg_id=self.next_msg_id())
+        self._lease_sent_at = time.monotonic()
+        self._send(self.lease_request)
+
+    def handle_replies(self, timeout_s: float) -> list[LeaseReply]:
+        """Handle every reply waiting (up to `timeout_s` for the first); return the answers to our lease request."""
+        replies: list[LeaseReply] = []
+        while poll(self.socket, timeout_s):
+            timeout_s = 0.0
+            try:
+                _, reply = receive(self.socket)
+            except BadFrame as exc:
+                self.bad_replies += 1
+                log.warning("ignoring a malformed reply from replay: %s", exc)
+                continue
+            if isinstance(reply, Ack):
+                self.unacked.pop(reply.msg_id, None)
+            elif isinstance(reply, LeaseGrant | LeaseDenied):
+                if self.lease_request is not None and reply.msg_id == self.lease_request.msg_id:
+                    self.lease_request = None
+                    replies.append(reply)
+                else:
+                    log.warning("ignoring a lease reply to no open request (msg_id %d): %s", reply.msg_id, reply)
+            elif isinstance(reply, Error):
+                self._rejected(reply)
+            else:
+                self.bad_replies += 1
+                log.warning("ignoring an unexpected %s from replay", type(reply).__name__)
+        return replies
+
+    def tick(self, group_ids: list[str]) -> None:
+        """Resend what is overdue for an ack (or a lease reply); send a heartbeat when one is due."""
+        now = time.monotonic()
+        for entry in self.unacked.values():
+            if now - entry.sent_at >= self.ack_timeout_s:
+                entry.sent_at = now
+                self.resends += 1
+                self._send(entry.message)
+        if self.lease_request is not None and now - self._lease_sent_at >= self.ack_timeout_s:
+            self._lease_sent_at = now
+            self._send(self.lease_request)
+        if now >= self._heartbeat_at:
+            self._heartbeat_at = now + self.heartbeat_s
+            self._send(Heartbeat(worker_id=self.worker_id, group_ids=group_ids))
+
+    def _rejected(self, error: Error) -> None:
+        """Replay refused a message: resending the same bytes cannot help, so stop resending it."""
+        log.error("replay rejected msg_id %d (%s): %s", error.msg_id, error.code, error.detail)
+        self.unacked.pop(error.msg_id, None)
+        if self.lease_request is not None and error.msg_id == self.lease_request.msg_id:
+            self.lease_request = None  # the worker asks again with a fresh request
+
+    def _send(self, message: Message) -> None:
+        try:
+            send(self.socket, message)
+        except zmq.Again:
+            log.warning("replay is not taking messages; %s will be resent", type(message).__name__)

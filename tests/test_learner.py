@@ -1,0 +1,516 @@
+"""The learner against a real ROUTER socket playing the replay service, with hand-built TrainItems.
+
+The fake replay answers every BatchRequest with the same two groups of items (known advantages: action `A` is
+good, `B` bad) and acks every BatchAck; the tests then read what the learner left on disk and on the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from async_rl.config import Config, config_from_dict
+from async_rl.loss import aggregate, token_logprobs
+from async_rl.model import ensure_model_dir, load_model, load_tokenizer, load_weights
+from async_rl.protocol import (
+    ADVANTAGE,
+    LOGPROB,
+    MASK,
+    TOKEN,
+    Ack,
+    Batch,
+    BatchAck,
+    BatchRequest,
+    Error,
+    ReplayStats,
+    TrainItem,
+    WeightsPublished,
+    pack,
+)
+from async_rl.transport import bind_router, connect_subscriber, poll, receive, send
+from learner.batch import collate
+from learner.step import rank_share
+from learner.trainer import StopRequest, run, stop_reason
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}  # in-process runs set them
+
+REQUIRED_KEYS = {
+    "version", "env_steps", "success_rate", "stage_reward_mean", "staleness_mean", "staleness_max_immediate",
+    "staleness_max_correction", "immediate_skipped_stale", "is_ratio_mean", "is_capped_frac", "items_immediate",
+    "items_correction", "credit_dropped", "ledger_residual_max", "wall_s", "loss", "is_ratio_max", "kl",
+    "adv_abs_immediate", "adv_abs_correction", "staleness_hist", "tokens", "padding_frac", "step_s",
+    "trajectories_finished", "groups_closed", "bad_messages",
+}
+
+
+def free_endpoint() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def make_config(tmp_path: Path, **sections: dict) -> Config:
+    raw = {
+        "run": {"dir": str(tmp_path), "name": "learner", "seed": 0, "max_versions": 4, "target_success": None},
+        "replay": {"endpoint": free_endpoint()},
+        "learner": {"publish_endpoint": free_endpoint(), "lr": 3e-3, "keep_weights": 2, "checkpoint_every": 2,
+                    "min_batch_items": 2, "batch_wait_s": 0.1},
+        "wandb": {"mode": "disabled"},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw)
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def stats_for(batch_id: int) -> ReplayStats:
+    """Distinctive replay-side numbers per batch, so the metrics line can be checked to echo them."""
+    return ReplayStats(
+        env_steps=100 * batch_id, trajectories_finished=7 + batch_id, success_rate=0.25, stage_reward_mean=0.5,
+        groups_closed=2 * batch_id, immediate_skipped_stale=3, credit_dropped=1, ledger_residual_max=1e-9,
+        bad_messages=5,
+    )
+
+
+class Sequences:
+    """Token ids of the tiny model's vocabulary, and the two groups of items every batch carries."""
+
+    def __init__(self, config: Config) -> None:
+        vocab = load_tokenizer(ensure_model_dir(config)).get_vocab()
+        self.ids = vocab
+        self.prompt = [vocab["task0"], vocab["stage1"]]
+        self.good, self.bad = vocab["A"], vocab["B"]
+
+    def items(self, config: Config) -> list[TrainItem]:
+        # group g0, immediate: one-stage prefixes; A earned +1, B −1
+        rows = [(self.prompt + [a], [0, 0, 1], [0, 0, adv], "immediate") for a, adv in
+                ((self.good, 1.0), (self.good, 1.0), (self.bad, -1.0), (self.bad, -1.0))]
+        # group g1, correction: two stages, longer (so the immediates are padded)
+        second = [self.ids["ok"], self.ids["stage2"]]
+        rows += [(self.prompt + [a] + second + [a], [0, 0, 1, 0, 0, 1], [0, 0, adv, 0, 0, adv], "correction")
+                 for a, adv in ((self.good, 0.5), (self.bad, -0.5))]
+        model = load_model(ensure_model_dir(config))
+        items = []
+        for item_id, (tokens, mask, advantages, kind) in enumerate(rows):
+            with torch.no_grad():
+                ids = torch.tensor([tokens])
+                behaviour = [0.0] + token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
+            behaviour = [lp if m else 0.0 for lp, m in zip(behaviour, mask, strict=True)]
+            items.append(TrainItem(
+                item_id=item_id, kind=kind, group_id=f"g{item_id // 4}", trajectory_id=f"t{item_id}",
+                tokens=pack(tokens, TOKEN), loss_mask=pack(mask, MASK), advantages=pack(advantages, ADVANTAGE),
+                behaviour_logprobs=pack(behaviour, LOGPROB), policy_versions=pack([0] * len(tokens), TOKEN),
+            ))
+        return items
+
+
+class FakeReplay(threading.Thread):
+    """A real ROUTER socket that plays the replay service's part of the learner conversation."""
+
+    def __init__(self, endpoint: str, items: list[TrainItem], reject_first: bool = False, serve: bool = True,
+                 delay_s: float = 0.0, garbage_first: bool = False):
+        super().__init__(daemon=True)
+        self.endpoint, self.items, self.reject_first, self.serve = endpoint, items, reject_first, serve
+        self.delay_s = delay_s  # like a replay waiting for items; gives a subscriber time to connect
+        self.garbage_first = garbage_first  # one undecodable frame before the first batch
+        self.requests: list[BatchRequest] = []
+        self.acks: list[BatchAck] = []
+        self.done = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        context = zmq.Context()
+        router = bind_router(context, self.endpoint)
+        self.ready.set()
+        batch_id = 0
+        while not self.done.is_set():
+            if not poll(router, 0.05):
+                continue
+            identity, message = receive(router)
+            if isinstance(message, BatchRequest):
+                self.requests.append(message)
+                if self.reject_first and len(self.requests) == 1:
+                    send(router, Error(msg_id=message.msg_id, code="bad_state", detail="not yet"), identity)
+                elif self.serve:
+                    if self.garbage_first and batch_id == 0:
+                        router.send_multipart([identity, b"\xc1 not msgpack"])
+                    time.sleep(self.delay_s)
+                    batch_id += 1
+                    send(router, Batch(msg_id=message.msg_id, batch_id=batch_id, items=self.items,
+                                       stats=stats_for(batch_id)), identity)
+            elif isinstance(message, BatchAck):
+                self.acks.append(message)
+                send(router, Ack(msg_id=message.msg_id), identity)
+        router.close(linger=0)
+        context.term()
+
+
+class Subscriber(threading.Thread):
+    def __init__(self, endpoint: str):
+        super().__init__(daemon=True)
+        self.endpoint = endpoint
+        self.notices: list[WeightsPublished] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        context = zmq.Context()
+        sub = connect_subscriber(context, self.endpoint)
+        while not self.done.is_set():
+            if poll(sub, 0.05):
+                self.notices.append(receive(sub)[1])
+        sub.close(linger=0)
+        context.term()
+
+
+class LearnerRun:
+    """One learner run (in a thread) against the fake replay; everything it left behind, for the tests."""
+
+    def __init__(self, config: Config, **replay_options) -> None:
+        self.config = config
+        self.sequences = Sequences(config)
+        self.items = self.sequences.items(config)
+        self.replay = FakeReplay(config.replay.endpoint, self.items, **replay_options)
+        self.subscriber = Subscriber(config.learner.publish_endpoint)
+        self.stop = threading.Event()
+        self.summary: dict | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> LearnerRun:
+        self.replay.start()
+        self.replay.ready.wait(5)
+        self.subscriber.start()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.summary = run(self.config, self.stop)
+        except BaseException as exc:  # surfaced by finish()
+            self.error = exc
+
+    def finish(self, timeout_s: float = 120.0) -> LearnerRun:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "learner did not stop"
+        time.sleep(0.2)  # let the last notice reach the subscriber
+        self.replay.done.set()
+        self.subscriber.done.set()
+        self.replay.join(5)
+        self.subscriber.join(5)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    def metrics(self) -> list[dict]:
+        return json_lines(self.run_dir / "metrics.jsonl")
+
+
+LEARNER_SCRIPT = "import sys; from async_rl.config import load_config; from learner.trainer import run; " \
+                 "run(load_config(None, sys.argv[1:]))"
+
+
+def learner_process_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+def command_line(config: Config) -> list[str]:
+    """The config as `section.key=value` overrides for a learner in another process."""
+    run_cfg, learner = config.run, config.learner
+    return [
+        f"run.dir={run_cfg.dir}", f"run.name={run_cfg.name}", f"run.max_versions={run_cfg.max_versions}",
+        "run.target_success=null", f"replay.endpoint={config.replay.endpoint}",
+        f"learner.publish_endpoint={learner.publish_endpoint}", f"learner.keep_weights={learner.keep_weights}",
+        f"learner.checkpoint_every={learner.checkpoint_every}", f"learner.min_batch_items={learner.min_batch_items}",
+        f"learner.zero_stage={learner.zero_stage}", f"learner.lr={learner.lr}", "wandb.mode=disabled",
+    ]
+
+
+def good_and_bad_logprob(model: torch.nn.Module, sequences: Sequences) -> tuple[float, float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([sequences.prompt])).logits[0, -1]
+    logp = torch.log_softmax(logits, dim=-1)
+    return float(logp[sequences.good]), float(logp[sequences.bad])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> LearnerRun:
+    return LearnerRun(make_config(tmp_path_factory.mktemp("run")), delay_s=0.3).start().finish()
+
+
+def test_versions_advance_one_per_step_and_batch_ack_carries_new_version(trained):
+    assert [line["version"] for line in trained.metrics()] == [1, 2, 3, 4]
+    assert [ack.policy_version for ack in trained.replay.acks] == [1, 2, 3, 4]
+    assert [ack.batch_id for ack in trained.replay.acks] == [1, 2, 3, 4]
+    assert all(ack.learner_id == "learner-0" for ack in trained.replay.acks)
+
+
+def test_batch_requests_carry_the_version_trained_at_and_the_budget(trained):
+    learner = trained.config.learner
+    assert [r.policy_version for r in trained.replay.requests] == [0, 1, 2, 3]
+    assert len({r.msg_id for r in trained.replay.requests}) == 4
+    assert all(
+        (r.max_tokens, r.min_items, r.max_wait_s) == (learner.batch_tokens, learner.min_batch_items,
+                                                      learner.batch_wait_s)
+        for r in trained.replay.requests
+    )
+
+
+def test_metrics_lines_have_required_keys_and_echo_replay_stats(trained):
+    for batch_id, line in enumerate(trained.metrics(), start=1):
+        assert line.keys() >= REQUIRED_KEYS
+        sent = stats_for(batch_id)
+        for key in ("env_steps", "success_rate", "stage_reward_mean", "immediate_skipped_stale", "credit_dropped",
+                    "ledger_residual_max", "trajectories_finished", "groups_closed", "bad_messages"):
+            assert line[key] == getattr(sent, key), key
+
+
+def test_metrics_describe_the_batch(trained):
+    for trained_at, line in enumerate(trained.metrics()):
+        # every token was generated at version 0, so staleness is the version the batch was trained at
+        assert line["staleness_max_immediate"] == line["staleness_max_correction"] == trained_at
+        assert line["staleness_mean"] == trained_at
+        assert line["staleness_hist"] == [0] * trained_at + [8]
+        assert (line["items_immediate"], line["items_correction"]) == (4, 2)
+        assert line["adv_abs_immediate"] == pytest.approx(1.0)
+        assert line["adv_abs_correction"] == pytest.approx(0.5)
+        assert line["tokens"] == 4 * 3 + 2 * 6
+        assert line["padding_frac"] == pytest.approx(1 - 24 / 36)
+        assert line["wall_s"] > 0 and line["step_s"] > 0
+    first = trained.metrics()[0]
+    assert first["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # behaviour log-probs came from the v0 model
+    assert first["is_capped_frac"] == 0.0
+
+
+def test_weights_are_written_announced_and_pruned(trained):
+    weights = trained.run_dir / "weights"
+    latest = json.loads((weights / "latest.json").read_text())
+    assert latest == {"version": 4, "path": str((weights / "v4.safetensors").resolve())}
+    assert sorted(p.name for p in weights.glob("*.safetensors")) == ["v3.safetensors", "v4.safetensors"]
+    notices = trained.subscriber.notices
+    assert notices, "the SUB socket received no WeightsPublished"
+    assert notices[-1].version == 4 and notices[-1].path == latest["path"]
+    assert [n.version for n in notices] == sorted(n.version for n in notices)
+
+
+def test_published_weights_differ_from_v0_and_load_into_a_fresh_model(trained):
+    v0 = load_model(ensure_model_dir(trained.config))
+    fresh = load_model(ensure_model_dir(trained.config))
+    load_weights(fresh, trained.run_dir / "weights" / "v4.safetensors")
+    changed = [name for name, p in fresh.state_dict().items() if not torch.equal(p, v0.state_dict()[name])]
+    assert changed
+
+
+def test_positively_advantaged_tokens_gain_logprob(trained):
+    before = good_and_bad_logprob(load_model(ensure_model_dir(trained.config)), trained.sequences)
+    after_model = load_model(ensure_model_dir(trained.config))
+    load_weights(after_model, trained.run_dir / "weights" / "v4.safetensors")
+    after = good_and_bad_logprob(after_model, trained.sequences)
+    assert after[0] > before[0] + 0.05  # A had positive advantage
+    assert after[1] < before[1]  # B negative
+
+
+def test_max_versions_stops_the_run_and_writes_the_summary(trained):
+    summary = json.loads((trained.run_dir / "summary.json").read_text())
+    assert summary == trained.summary
+    assert summary["stop_reason"] == "max_versions"
+    assert summary["versions"] == 4
+    assert summary["env_steps"] == stats_for(4).env_steps
+    assert summary["final_success_rate"] == 0.25
+    assert summary["run_dir"] == str(trained.run_dir.resolve())
+    assert summary["wall_s"] > 0
+
+
+def test_checkpoints_every_n_steps(trained):
+    assert sorted(p.name for p in (trained.run_dir / "checkpoints").iterdir() if p.is_dir()) == ["v2", "v4"]
+
+
+def test_ppo_epochs_take_several_steps_per_batch_after_a_rejected_request(tmp_path):
+    config = make_config(tmp_path, algo={"ppo_epochs": 2}, learner={"checkpoint_every": 0})
+    done = LearnerRun(config, reject_first=True).start().finish()
+    requests = done.replay.requests
+    assert requests[0].msg_id != requests[1].msg_id  # re-sent after the Error, not a duplicate
+    assert [r.policy_version for r in requests] == [0, 0, 2]
+    assert [ack.policy_version for ack in done.replay.acks] == [2, 4]
+    assert [line["version"] for line in done.metrics()] == [2, 4]
+    assert sorted(p.name for p in (done.run_dir / "checkpoints").iterdir() if p.is_dir()) == ["v4"]
+
+
+def test_kl_to_the_initial_policy_is_zero_at_first_then_grows(tmp_path):
+    config = make_config(tmp_path, algo={"kl_beta": 0.1}, run={"max_versions": 3})
+    kls = [line["kl"] for line in LearnerRun(config).start().finish().metrics()]
+    assert kls[0] == pytest.approx(0.0, abs=1e-7)
+    assert kls[2] > kls[1] > 0
+
+
+def test_stop_event_ends_a_run_waiting_for_a_batch(tmp_path):
+    config = make_config(tmp_path)
+    waiting = LearnerRun(config, serve=False).start()
+    deadline = time.monotonic() + 60
+    while not waiting.replay.requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert len(waiting.replay.requests) == 1  # held, not re-sent
+    waiting.stop.set()
+    waiting.finish(timeout_s=30)
+    assert waiting.summary["stop_reason"] == "stop_requested"
+    assert waiting.summary["versions"] == 0
+    assert json.loads((config.run_dir / "weights" / "latest.json").read_text())["version"] == 0
+
+
+def test_bad_frames_and_out_of_vocabulary_items_are_counted_not_fatal(tmp_path):
+    config = make_config(tmp_path, run={"max_versions": 2})
+    learner_run = LearnerRun(config, garbage_first=True)
+    good = learner_run.items[0]
+    learner_run.items.append(TrainItem(
+        item_id=99, kind="immediate", group_id="g9", trajectory_id="t99", tokens=pack([1, 10_000], TOKEN),
+        loss_mask=pack([0, 1], MASK), advantages=pack([0, 1], ADVANTAGE),
+        behaviour_logprobs=pack(good.logprobs()[:2], LOGPROB), policy_versions=pack([0, 0], TOKEN),
+    ))
+    done = learner_run.start().finish()
+    assert [ack.policy_version for ack in done.replay.acks] == [1, 2]
+    assert [line["learner_bad_messages"] for line in done.metrics()] == [2, 3]  # the frame, then one item a batch
+    assert all(line["items_immediate"] == 4 for line in done.metrics())
+
+
+def test_stop_reasons():
+    config = make_config(Path("/unused"), run={"max_versions": 10, "max_env_steps": 500, "target_success": 0.8,
+                                             "max_wall_s": 60.0}, replay={"success_window": 8})
+    idle = StopRequest(threading.Event())
+    assert stop_reason(config, 9, ReplayStats(env_steps=499), 1.0, idle) is None
+    assert stop_reason(config, 10, ReplayStats(), 1.0, idle) == "max_versions"
+    assert stop_reason(config, 0, ReplayStats(env_steps=500), 1.0, idle) == "max_env_steps"
+    assert stop_reason(config, 0, ReplayStats(trajectories_finished=8, success_rate=0.8), 1.0, idle) == "target_success"
+    # a high success rate over too few finished trajectories is not yet evidence
+    assert stop_reason(config, 0, ReplayStats(trajectories_finished=7, success_rate=1.0), 1.0, idle) is None
+    assert stop_reason(config, 0, ReplayStats(), 60.0, idle) == "max_wall_s"
+    idle.event.set()
+    assert stop_reason(config, 0, ReplayStats(), 1.0, idle) == "stop_requested"
+
+
+def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path):
+    """Two ranks' rescaled share losses average to the whole-batch loss (DeepSpeed averages gradients)."""
+    config = make_config(tmp_path)
+    items = Sequences(config).items(config)
+    model = load_model(ensure_model_dir(config))
+
+    def loss_of(batch):
+        logp = token_logprobs(model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits, batch.tokens)
+        return aggregate(-batch.advantages * logp, batch.loss_mask, config.algo)
+
+    whole = loss_of(collate(items))
+    shares = [rank_share(items, r, 2, config.algo.aggregation) for r in range(2)]
+    averaged = sum(scale * loss_of(batch) for batch, scale in shares) / 2
+    assert float(averaged) == pytest.approx(float(whole), rel=1e-5)
+
+
+def test_collate_right_pads_and_aligns_per_token_arrays_with_next_token_logprobs(tmp_path):
+    config = make_config(tmp_path)
+    items = Sequences(config).items(config)
+    batch = collate(items)
+    assert batch.tokens.shape == (6, 6)
+    assert batch.tokens[0, 3:].tolist() == [0, 0, 0] and batch.attention_mask[0].tolist() == [1, 1, 1, 0, 0, 0]
+    # the action token at position 2 is predicted by logits at position 1: column 1 after the [:, 1:] shift
+    assert batch.loss_mask[0].tolist() == [0, 1, 0, 0, 0]
+    assert batch.advantages[2, 1] == -1.0
+    assert batch.staleness(3)[0, 1] == 3
+
+
+@pytest.mark.slow
+def test_zero3_single_process_trains_and_publishes_full_weights(tmp_path):
+    config = make_config(tmp_path, learner={"zero_stage": 3}, run={"max_versions": 2})
+    done = LearnerRun(config).start().finish()
+    assert [ack.policy_version for ack in done.replay.acks] == [1, 2]
+    fresh = load_model(ensure_model_dir(config))
+    load_weights(fresh, config.run_dir / "weights" / "v2.safetensors")
+    good_before, _ = good_and_bad_logprob(load_model(ensure_model_dir(config)), done.sequences)
+    good_after, _ = good_and_bad_logprob(fresh, done.sequences)
+    assert good_after > good_before
+    assert (config.run_dir / "checkpoints" / "v2").is_dir()
+
+
+@pytest.mark.slow
+def test_wandb_offline_writes_run_files(tmp_path):
+    config = make_config(tmp_path, wandb={"mode": "offline"}, run={"max_versions": 1})
+    LearnerRun(config).start().finish()
+    runs = list((config.run_dir / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_writes_the_summary_and_exits_zero(tmp_path):
+    config = make_config(tmp_path, run={"max_versions": 1000})
+    sequences = Sequences(config)
+    replay = FakeReplay(config.replay.endpoint, sequences.items(config))
+    replay.start()
+    replay.ready.wait(5)
+    overrides = command_line(config)
+    env = {**learner_process_env(), "ASYNC_RL_RUN_START": str(time.time() - 1000)}
+    process = subprocess.Popen([sys.executable, "-c", LEARNER_SCRIPT, *overrides], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while len(replay.acks) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert len(replay.acks) >= 2, "learner did not start training"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        replay.done.set()
+        replay.join(5)
+    summary = json.loads((config.run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "signal:SIGTERM"
+    assert summary["wall_s"] >= 1000  # measured from the launcher's start time
+    assert summary["versions"] == replay.acks[-1].policy_version
+
+
+@pytest.mark.slow
+def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_path):
+    """Rank 0 talks to the replay and publishes; both ranks train their share; the result is the one-rank result."""
+    config = make_config(tmp_path, learner={"zero_stage": 3})
+    replay = FakeReplay(config.replay.endpoint, Sequences(config).items(config))
+    replay.start()
+    replay.ready.wait(5)
+    script = tmp_path / "learner_entry.py"
+    script.write_text(LEARNER_SCRIPT.replace("; ", "\n"))
+    try:
+        completed = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+             *command_line(config)],
+            env=learner_process_env(), cwd=tmp_path, timeout=240, capture_output=True, text=True,
+        )
+    finally:
+        replay.done.set()
+        replay.join(5)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert [ack.policy_version for ack in replay.acks] == [1, 2, 3, 4]  # one learner on the wire, not two
+    two_ranks = load_model(ensure_model_dir(config))
+    load_weights(two_ranks, config.run_dir / "weights" / "v4.safetensors")
+    one_rank = load_model(ensure_model_dir(trained.config))
+    load_weights(one_rank, trained.run_dir / "weights" / "v4.safetensors")
+    for name, weight in one_rank.state_dict().items():
+        torch.testing.assert_close(two_ranks.state_dict()[name], weight, rtol=1e-4, atol=1e-5)
+    one_rank_losses = [line["loss"] for line in trained.metrics()]
+    assert [line["loss"] for line in json_lines(config.run_dir / "metrics.jsonl")] == pytest.approx(one_rank_losses,
+                                                                                                     rel=1e-4)

@@ -1,0 +1,360 @@
+"""The rollout worker against a real ROUTER socket playing the replay service and a real PUB socket of weights.
+
+The worker runs in a thread (and, for signals, in a subprocess) exactly as in production: real ZeroMQ sockets,
+the built-in torch engine on the tiny model, the trap environment with simulated latency.
+"""
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from async_rl.config import Config, load_config
+from async_rl.loss import token_logprobs
+from async_rl.model import ensure_model_dir, load_model, load_tokenizer, save_weights
+from async_rl.protocol import (
+    Ack,
+    Error,
+    Heartbeat,
+    LeaseDenied,
+    LeaseGrant,
+    LeaseRequest,
+    Outcome,
+    StageRecord,
+    WeightsPublished,
+)
+from async_rl.transport import bind_publisher, bind_router, poll, receive, send
+from rollout.worker import run
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ReplayDouble:
+    """The replay service's part on a real ROUTER: grants `leases` (group_id, task_id), then denies ("budget").
+
+    Every StageRecord and Outcome is acked, except the first StageRecord after `drop_an_ack` is set (as if its
+    ack were lost on the way). Everything received is kept with its arrival time.
+    """
+
+    def __init__(
+        self, context: zmq.Context, leases: list[tuple[str, int]], group_size: int, retry_after_s: float = 0.1
+    ) -> None:
+        self.socket = bind_router(context, "tcp://127.0.0.1:*")
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.leases = list(leases)
+        self.group_size = group_size
+        self.retry_after_s = retry_after_s
+        self.arrivals: list[tuple[float, object]] = []
+        self.drop_an_ack = False
+        self.ack_dropped_for: int | None = None  # msg_id of the record whose ack was dropped
+
+    def serve_until(self, condition, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out waiting for the worker"
+            if poll(self.socket, 0.02):
+                identity, message = receive(self.socket)
+                self.arrivals.append((time.monotonic(), message))
+                self._reply(identity, message)
+
+    def serve_for(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        self.serve_until(lambda: time.monotonic() >= deadline, timeout_s=seconds + 1.0)
+
+    def _reply(self, identity: bytes, message) -> None:
+        if isinstance(message, LeaseRequest):
+            send(self.socket, self._lease_reply(message.msg_id), identity)
+        elif isinstance(message, StageRecord | Outcome):
+            if self.drop_an_ack and isinstance(message, StageRecord):
+                self.drop_an_ack = False
+                self.ack_dropped_for = message.msg_id
+                return
+            send(self.socket, Ack(msg_id=message.msg_id), identity)
+
+    def _lease_reply(self, msg_id: int) -> LeaseGrant | LeaseDenied:
+        if not self.leases:
+            return LeaseDenied(msg_id=msg_id, reason="budget", retry_after_s=self.retry_after_s, policy_version=0)
+        group_id, task_id = self.leases.pop(0)
+        return LeaseGrant(
+            msg_id=msg_id, group_id=group_id, task_id=task_id, group_size=self.group_size, policy_version=0
+        )
+
+    def copies(self, msg_id: int) -> int:
+        return sum(1 for _, m in self.arrivals if isinstance(m, StageRecord | Outcome) and m.msg_id == msg_id)
+
+    def first(self, kind) -> list[tuple[float, object]]:
+        """Messages of `kind`, first copy of each msg_id, in arrival order."""
+        seen, out = set(), []
+        for at, message in self.arrivals:
+            if isinstance(message, kind) and message.msg_id not in seen:
+                seen.add(message.msg_id)
+                out.append((at, message))
+        return out
+
+    def records(self) -> list[StageRecord]:
+        return [m for _, m in self.first(StageRecord)]
+
+    def outcomes(self) -> list[Outcome]:
+        return [m for _, m in self.first(Outcome)]
+
+    def groups_finished(self, count: int) -> bool:
+        """`count` groups have every trajectory's Outcome."""
+        per_group = defaultdict(set)
+        for outcome in self.outcomes():
+            per_group[outcome.group_id].add(outcome.member)
+        return sum(len(members) == self.group_size for members in per_group.values()) >= count
+
+
+@pytest.fixture
+def zmq_context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)  # closes the test's sockets too, even after a failure
+
+
+@pytest.fixture
+def publisher(zmq_context):
+    socket = bind_publisher(zmq_context, "tcp://127.0.0.1:*")
+    yield socket
+    socket.close(linger=0)
+
+
+def worker_overrides(tmp_path: Path, replay: ReplayDouble, publisher: zmq.Socket, *extra: str) -> list[str]:
+    return [
+        f"run.dir={tmp_path}",
+        "wandb.mode=disabled",
+        f"replay.endpoint={replay.endpoint}",
+        f"learner.publish_endpoint={publisher.getsockopt_string(zmq.LAST_ENDPOINT)}",
+        f"rollout.group_size={replay.group_size}",
+        "env.num_tasks=3",
+        "env.step_latency_s=0.02",
+        "rollout.heartbeat_s=0.2",
+        *extra,
+    ]
+
+
+def make_config(tmp_path: Path, replay: ReplayDouble, publisher: zmq.Socket, *extra: str) -> Config:
+    return load_config(None, worker_overrides(tmp_path, replay, publisher, *extra))
+
+
+@contextlib.contextmanager
+def running_worker(config: Config):
+    stop = threading.Event()
+    errors = []
+
+    def target():
+        try:
+            run(config, worker_index=0, stop=stop)
+        except BaseException as exc:  # surfaced in the test thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="rollout-worker")
+    thread.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive(), "the worker did not stop within 10 s of the stop event"
+    assert not errors, errors
+
+
+def by_trajectory(records: list[StageRecord]) -> dict[str, list[StageRecord]]:
+    trajectories = defaultdict(list)
+    for record in records:
+        trajectories[record.trajectory_id].append(record)
+    return trajectories
+
+
+def assert_behaviour_logprobs_are_exact(records: list[StageRecord], models: dict[int, torch.nn.Module]) -> None:
+    """Rebuild each trajectory from its records alone; every action token's log mu equals a recomputation by the
+    weights of the version it is tagged with (so the concatenation is the context the engine really saw)."""
+    for stages in by_trajectory(records).values():
+        tokens, positions, logprobs, versions = [], [], [], []
+        for record in sorted(stages, key=lambda r: r.stage_index):
+            tokens += record.observation_ids().tolist()
+            positions += range(len(tokens) - 1, len(tokens) - 1 + len(record.action_ids()))
+            tokens += record.action_ids().tolist()
+            logprobs += record.logprobs().tolist()
+            versions += record.versions().tolist()
+        sequence = torch.tensor([tokens])
+        for version, model in models.items():
+            with torch.no_grad():
+                recomputed = token_logprobs(model(sequence).logits, sequence)[0]
+            for position, logprob, tagged in zip(positions, logprobs, versions, strict=True):
+                if tagged == version:  # float32: batched, cached decoding differs from one pass by a few ulps
+                    assert abs(float(recomputed[position]) - logprob) <= 1e-5 + 1e-5 * abs(logprob)
+
+
+def test_stages_stream_contiguously_and_before_their_outcome(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0), ("g1", 1)], group_size=3)
+    config = make_config(tmp_path, replay, publisher, "env.retries=3", "env.outcome_delay_s=0.2")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(2))
+    records, outcomes = replay.first(StageRecord), replay.first(Outcome)
+    tokenizer = load_tokenizer(ensure_model_dir(config))
+    for trajectory_id, stages in by_trajectory([m for _, m in records]).items():
+        assert [r.stage_index for r in stages] == list(range(len(stages))), "contiguous, in order, no gaps"
+        assert [r.terminal for r in stages] == [False] * (len(stages) - 1) + [True]
+        assert all(len(r.action_ids()) == len(r.logprobs()) == len(r.versions()) >= 1 for r in stages)
+        assert tokenizer.decode(stages[0].observation_ids()) == f"task{stages[0].task_id} stage1"
+        outcome_at, outcome = next((at, o) for at, o in outcomes if o.trajectory_id == trajectory_id)
+        assert outcome.num_stages == len(stages) and not outcome.abandoned and outcome.outcome in (0.0, 1.0)
+        assert max(at for at, r in records if r.trajectory_id == trajectory_id) < outcome_at
+    for group_id in ("g0", "g1"):
+        arrivals = [at for at, r in records if r.group_id == group_id]
+        first_stage = min(at for at, r in records if r.group_id == group_id and r.stage_index == 0)
+        assert first_stage < max(arrivals) - 0.02, "a stage is streamed before the group's last stage"
+    assert_behaviour_logprobs_are_exact(replay.records(), {0: load_model(ensure_model_dir(config)).eval()})
+
+
+def test_heartbeats_name_the_live_group(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.outcome_delay_s=1.0", "rollout.heartbeat_s=0.1")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(1))
+    heartbeats = [m for _, m in replay.arrivals if isinstance(m, Heartbeat)]
+    assert heartbeats and all(h.worker_id == "rollout-0" for h in heartbeats)
+    assert any(h.group_ids == ["g0"] for h in heartbeats)
+
+
+def test_new_weights_tag_the_tokens_generated_after_them(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [(f"g{i}", i % 3) for i in range(100)], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.retries=6")
+    model_v0 = load_model(ensure_model_dir(config)).eval()
+    torch.manual_seed(1)
+    weights = {name: value + 0.3 * torch.randn_like(value) for name, value in model_v0.state_dict().items()}
+    save_weights(weights, tmp_path / "weights" / "v3.safetensors")
+    announcement = WeightsPublished(version=3, path=str(tmp_path / "weights" / "v3.safetensors"))
+
+    announced_at = [0.0]
+
+    def new_version_in_use() -> bool:
+        if time.monotonic() - announced_at[0] > 0.2:  # PUB/SUB may drop a message: re-announce until it lands
+            send(publisher, announcement)
+            announced_at[0] = time.monotonic()
+        return any(3 in r.versions() for r in replay.records())
+
+    with running_worker(config):
+        replay.serve_until(lambda: len(replay.records()) >= 2)
+        replay.serve_until(new_version_in_use)
+        count = len(replay.records())
+        replay.serve_until(lambda: len(replay.records()) >= count + 4)
+
+    versions = [v for r in sorted(replay.records(), key=lambda r: r.msg_id) for v in r.versions().tolist()]
+    assert versions[0] == 0 and versions[-1] == 3
+    assert versions == sorted(versions), "once the new weights are in, no token carries the old version"
+    model_v3 = load_model(ensure_model_dir(config)).eval()
+    model_v3.load_state_dict(weights)
+    assert_behaviour_logprobs_are_exact(replay.records(), {0: model_v0, 3: model_v3})
+
+
+def test_a_late_worker_catches_up_from_latest_json(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    config = make_config(tmp_path, replay, publisher)
+    model = load_model(ensure_model_dir(config))
+    save_weights(model.state_dict(), config.run_dir / "weights" / "v5.safetensors")
+    (config.run_dir / "weights" / "latest.json").write_text(
+        f'{{"version": 5, "path": "{config.run_dir / "weights" / "v5.safetensors"}"}}'
+    )
+    with running_worker(config):
+        replay.serve_until(lambda: len(replay.records()) >= 1)
+    assert replay.records()[0].versions().tolist() == [5]
+
+
+def test_a_denied_lease_is_asked_again_after_retry_after_s(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [], group_size=2, retry_after_s=0.25)
+    config = make_config(tmp_path, replay, publisher)
+    with running_worker(config):
+        replay.serve_until(lambda: len(replay.first(LeaseRequest)) >= 4)
+    asked_at = [at for at, _ in replay.first(LeaseRequest)]
+    assert all(later - earlier >= 0.2 for earlier, later in itertools.pairwise(asked_at))
+
+
+def test_a_malformed_reply_or_an_error_does_not_stop_the_worker(tmp_path, zmq_context, publisher, caplog):
+    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    config = make_config(tmp_path, replay, publisher)
+    with running_worker(config):
+        assert poll(replay.socket, 20.0)
+        identity, request = receive(replay.socket)
+        replay.socket.send_multipart([identity, b"\x93not a message"])
+        send(replay.socket, Error(msg_id=request.msg_id, code="bad_state", detail="refused for the test"), identity)
+        replay.serve_until(lambda: replay.groups_finished(1))
+    (_, retry), *_ = replay.first(LeaseRequest)
+    assert retry.msg_id != request.msg_id, "after the Error the worker asks again with a fresh request"
+    assert "malformed reply" in caplog.text and "refused for the test" in caplog.text
+
+
+def test_a_dropped_ack_is_resent_with_the_same_msg_id(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    replay.drop_an_ack = True
+    config = make_config(tmp_path, replay, publisher, "rollout.ack_timeout_s=0.3")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.ack_dropped_for is not None)
+        dropped = replay.ack_dropped_for
+        replay.serve_until(lambda: replay.copies(dropped) >= 2)
+        replay.serve_for(0.8)  # two more ack timeouts: the acked resend must not come again
+        replay.serve_until(lambda: replay.groups_finished(1))
+    copies = [m for _, m in replay.arrivals if isinstance(m, StageRecord) and m.msg_id == dropped]
+    assert len(copies) == 2 and copies[0] == copies[1]
+    others = [m.msg_id for _, m in replay.arrivals if isinstance(m, StageRecord) and m.msg_id != dropped]
+    assert len(others) == len(set(others)), "acked records are never resent"
+
+
+def test_a_slow_outcome_does_not_block_the_next_group(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0), ("g1", 1)], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.outcome_delay_s=1.5")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(2))
+    first_g1_stage = min(at for at, r in replay.first(StageRecord) if r.group_id == "g1")
+    first_g0_outcome = min(at for at, o in replay.first(Outcome) if o.group_id == "g0")
+    assert first_g1_stage < first_g0_outcome
+
+
+def test_a_context_longer_than_the_model_abandons_the_trajectory(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    # "task0 stage1" (2) + action (1) + "ok|miss stageN" (2) + action (1) = 6 tokens; a third action cannot fit.
+    config = make_config(tmp_path, replay, publisher, "model.max_seq_len=6", "env.retries=5", "env.choices=2")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(1))
+    for outcome in replay.outcomes():  # 4 stages and 5 retries: no trajectory can end within 2 stages
+        stages = [r for r in replay.records() if r.trajectory_id == outcome.trajectory_id]
+        assert outcome.num_stages == len(stages) == 2 and not stages[-1].terminal
+        assert outcome.abandoned and outcome.reason == "context_length" and outcome.outcome is None
+
+
+def test_the_worker_stops_promptly_on_the_stop_event_despite_a_slow_judge(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0), ("g1", 1)], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.outcome_delay_s=60")
+    with running_worker(config) as stop:
+        replay.serve_until(lambda: any(r.terminal for r in replay.records()))
+        stopped_at = time.monotonic()
+        stop.set()
+    assert time.monotonic() - stopped_at < 3.0
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_worker_process_cleanly(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    overrides = worker_overrides(tmp_path, replay, publisher, "env.outcome_delay_s=60")
+    code = "import sys; from async_rl.config import load_config; from rollout.worker import run; "
+    code += "run(load_config(None, sys.argv[1:]), 0)"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-c", code, *overrides], env=env, cwd=tmp_path)
+    try:
+        replay.serve_until(lambda: any(r.terminal for r in replay.records()), timeout_s=60)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
