@@ -207,6 +207,7 @@ class ReplayStats(Message, tag="replay_stats"):
     stage_reward_mean: float = 0.0  # over the same window, per stage
     groups_started: int = 0
     groups_closed: int = 0
+    groups_empty: int = 0  # closed without a single item (zero variance everywhere); not counted by admission
     immediate_skipped_stale: int = 0
     credit_dropped: int = 0  # stage credits lost to max_correction_staleness
     ledger_residual_max: float = 0.0  # over groups closed since the previous batch

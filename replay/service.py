@@ -142,7 +142,10 @@ class ReplayService:
         if budget is not None and self.counters.env_steps >= budget:
             self.counters.leases_denied += 1
             return LeaseDenied(msg_id=request.msg_id, reason="budget", retry_after_s=BUDGET_RETRY_S, policy_version=v)
-        if not admission_allowed(self.counters.groups_started + 1, v, algo.max_staleness, algo.groups_per_step):
+        # A group that closed without a single item never takes learner capacity, so it does not count: with it
+        # counted, a stretch of zero-variance groups (a random policy's usual output) would stall admission for good.
+        admitted = self.counters.groups_started - self.counters.groups_empty
+        if not admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step):
             self.counters.leases_denied += 1
             return LeaseDenied(
                 msg_id=request.msg_id, reason="staleness", retry_after_s=STALENESS_RETRY_S, policy_version=v
@@ -240,6 +243,7 @@ class ReplayService:
         if immediate_updates_on(updates) and not group.finalized and not carried_by_correction:
             for item in group.immediate_items(now, self.algo, self.config.replay, self.item_ids):
                 self.queue.append(item)
+                group.items_made += 1
         if group.ready_to_finalize():
             self._end_lease(group)
             if corrections_on(updates):
@@ -248,9 +252,11 @@ class ReplayService:
                 self.counters.immediate_superseded += len(group.queued_immediates)
             for item in group.finalize(self.algo, self.item_ids, with_corrections=corrections_on(updates)):
                 self.queue.append(item)
+                group.items_made += 1
         if group.closable():
             self.counters.ledger_residual_max = max(self.counters.ledger_residual_max, group.residual())
             self.counters.groups_closed += 1
+            self.counters.groups_empty += group.items_made == 0
             self._end_lease(group)
             del self.groups[group.group_id]
 

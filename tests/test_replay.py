@@ -335,6 +335,20 @@ def test_admission_denies_past_the_staleness_bound_and_reopens_when_the_learner_
     assert stats.groups_started == 6 and stats.leases_denied == 2
 
 
+def test_groups_that_closed_without_items_do_not_hold_admission_back():
+    # A random policy's usual group: every reward 0, every outcome 0 -> zero variance -> no item at all. Counted
+    # by admission, such groups stalled the first real runs: the learner waited for items forever.
+    config = make_config(algo={"max_staleness": 0, "groups_per_step": 1})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+    records = [worker.stage(grant, i, 0, 0.0, terminal=True) for i in range(4)]
+    send_all(service, records + [worker.outcome(grant, i, 1, 0.0) for i in range(4)])
+    stats = service.stats_snapshot()
+    assert stats.groups_closed == 1 and stats.groups_empty == 1 and stats.items_queued == 0
+    assert isinstance(lease(service, worker), LeaseGrant)  # still version 0, yet admitted again
+
+
 def test_admission_denies_once_the_env_step_budget_is_spent():
     service, worker = ReplayService(make_config(run={"max_env_steps": 2})), Worker()
     grant = lease(service, worker)
