@@ -36,14 +36,18 @@ class WeightPublisher:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         path = self.weights_dir / f"v{version}.safetensors"
         save_weights(state_dict, path)
-        latest = self.weights_dir / "latest.json"
-        staging = latest.with_suffix(".json.tmp")
-        staging.write_text(json.dumps({"version": version, "path": str(path)}))
-        os.replace(staging, latest)
-        self.latest = WeightsPublished(version=version, path=str(path))
-        self._announce()
+        self._record(WeightsPublished(version=version, path=str(path)))
         self._prune()
         log.info("published weights v%d", version)
+
+    def _record(self, notice: WeightsPublished) -> None:
+        """Point latest.json at the new weights, then announce them."""
+        latest = self.weights_dir / "latest.json"
+        staging = latest.with_suffix(".json.tmp")
+        staging.write_text(json.dumps({"version": notice.version, "path": notice.path}))
+        os.replace(staging, latest)
+        self.latest = notice
+        self._announce()
 
     def republish_if_due(self) -> None:
         """Repeat the latest notice for subscribers that joined after it was first sent."""

@@ -27,12 +27,14 @@ import torch.distributed as dist
 import zmq
 
 from async_rl.config import Config
+from async_rl.model import ensure_model_dir
 from async_rl.protocol import Batch, ReplayStats, decode, encode
 from learner.batch import collate
 from learner.engine import build_engine, full_state_dict, leave_distributed, rank, save_checkpoint, world_size
 from learner.metrics import MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher
 from learner.replay_client import ReplayClient
+from learner.sglang_sync import make_publisher
 from learner.step import rank_share, train_on_batch
 
 log = logging.getLogger("async_rl.learner")
@@ -132,8 +134,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     client = publisher = metrics = None
     if leader:
         client = ReplayClient(context, config.replay.endpoint, LEARNER_ID)
-        publisher = WeightPublisher(context, config.learner.publish_endpoint, run_dir / "weights",
-                                    config.learner.keep_weights)
+        publisher = make_publisher(context, config, ensure_model_dir(config))  # SGLang servers: learner/sglang_sync.py
         metrics = MetricsLog(config, run_dir)
     checkpoints = run_dir / "checkpoints"
     version, stats, reason = 0, ReplayStats(), None

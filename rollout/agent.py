@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from async_rl.config import Config
 from async_rl.protocol import LOGPROB, TOKEN, LeaseGrant, Outcome, StageRecord, pack
-from rollout.engines import Generation, InferenceEngine, SamplingParams
+from rollout.engines import EngineUnavailable, Generation, InferenceEngine, SamplingParams
 from rollout.envs.trap import TrapEnv
 
 log = logging.getLogger("async_rl.rollout")
@@ -108,7 +108,12 @@ class Agent:
                 running = [t for t in trajectories if not t.done]
                 if not running:
                     return
-                generations = self.engine.generate([t.context for t in running], self.params)
+                try:
+                    generations = self.engine.generate([t.context for t in running], self.params)
+                except EngineUnavailable as exc:  # no stage of this turn was sent: each trajectory ends here
+                    for trajectory in running:
+                        self._abandon(trajectory, f"engine_unavailable: {exc}")
+                    raise
                 self._step_all(running, generations, service, stop)
                 service()
         finally:

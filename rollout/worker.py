@@ -25,7 +25,7 @@ from async_rl.model import ensure_model_dir, load_tokenizer
 from async_rl.protocol import LeaseDenied, WeightsPublished
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Agent
-from rollout.engines import InferenceEngine
+from rollout.engines import EngineUnavailable, InferenceEngine
 from rollout.engines.torch_engine import TorchEngine
 from rollout.link import ReplayLink
 
@@ -36,9 +36,11 @@ IDLE_POLL_S = 0.05
 
 
 def make_engine(config: Config, model_dir: Path, seed: int) -> InferenceEngine:
-    if config.rollout.engine == "torch":
-        return TorchEngine(model_dir, seed=seed)
-    raise NotImplementedError(f"rollout.engine: {config.rollout.engine!r} is not available yet; use 'torch'")
+    if config.rollout.engine == "sglang":
+        from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
+
+        return SGLangEngine(config.rollout.sglang)
+    return TorchEngine(model_dir, seed=seed)
 
 
 class WeightsFollower:
@@ -135,6 +137,13 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
                     agent.run_group(reply, service_during_group, stop)
                     next_request_at = 0.0
             service()
+    except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
+        log.error("%s stops: %s", worker_id, exc)
+        deadline = time.monotonic() + config.rollout.ack_timeout_s
+        while link.unacked and time.monotonic() < deadline:
+            link.handle_replies(IDLE_POLL_S)
+            link.tick([])
+        raise
     finally:
         agent.close()
         engine.close()

@@ -7,6 +7,11 @@ the venv built by scripts/build_sglang_env.sh.
     python scripts/start_sglang_server.py --model-path DIR --port 30000 \
         [--venv PATH] [--log FILE] [--timeout 300] [--build] [-- EXTRA SGLANG ARGS]
 
+Always passes --device cpu --dtype float32 --max-total-tokens 8192 and (unless
+--no-sleep-on-idle) --sleep-on-idle; sets SGLANG_USE_CPU_ENGINE=1 and
+OMP_NUM_THREADS=1 (--threads).  E.g. add `-- --skip-tokenizer-init` for a model
+directory without tokenizer files (then only input_ids prompts are accepted).
+
 On success prints one JSON line: {"pid": ..., "pgid": ..., "url": ..., "log": ...,
 "startup_s": ...} and exits 0, leaving the server running in its own process
 group.  Stop it with:  kill -TERM -- -<pgid>   (or os.killpg(pgid, SIGTERM)).
@@ -16,6 +21,7 @@ On failure it kills what it started, prints the log tail to stderr, exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -47,8 +53,14 @@ def build_command(venv: str, model_path: str, port: int, host: str, extra: list[
     ]
 
 
+# Without --sleep-on-idle the idle scheduler process busy-polls one core at 100%.
+DEFAULT_EXTRA = ["--sleep-on-idle"]
+
+
 def server_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
+    for leak in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP"):  # the server venv sees nothing of the caller's python
+        env.pop(leak, None)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,9 +94,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for the server")
     ap.add_argument("--build", action="store_true", help="run build_sglang_env.sh first")
+    ap.add_argument("--no-sleep-on-idle", action="store_true",
+                    help="do not pass --sleep-on-idle (the idle scheduler then spins a core)")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="extra sglang args after --")
     args = ap.parse_args()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    if not args.no_sleep_on_idle:
+        extra = [a for a in DEFAULT_EXTRA if a not in extra] + extra
 
     if args.build:
         env = dict(os.environ, ASYNC_RL_SGLANG_VENV=args.venv)
@@ -102,10 +118,8 @@ def main() -> int:
                                 env=server_env(args.threads), start_new_session=True)
     url = f"http://{args.host}:{args.port}"
     if not wait_healthy(url, proc, args.timeout):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
         with open(log_path, "rb") as f:
             tail = f.read()[-4000:].decode(errors="replace")

@@ -1,5 +1,5 @@
-"""Inference engines: the interface (`base`) and the built-in PyTorch engine (`torch_engine`)."""
+"""Inference engines: the interface (`base`), the built-in PyTorch engine (`torch_engine`), SGLang (`sglang`)."""
 
-from rollout.engines.base import Generation, InferenceEngine, SamplingParams
+from rollout.engines.base import EngineUnavailable, Generation, InferenceEngine, SamplingParams
 
-__all__ = ["Generation", "InferenceEngine", "SamplingParams"]
+__all__ = ["EngineUnavailable", "Generation", "InferenceEngine", "SamplingParams"]

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from async_rl.errors import AsyncRLError
+
+
+class EngineUnavailable(AsyncRLError):
+    """The engine cannot generate at all (e.g. every SGLang server is gone); nothing of the call was produced."""
+
 
 @dataclass
 class SamplingParams:

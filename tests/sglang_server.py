@@ -1,0 +1,98 @@
+"""Real SGLang servers for tests: build (or reuse) the isolated venv, start servers, stop them by process group.
+
+The server runs in its own venv (scripts/build_sglang_env.sh, cached under ~/.cache/async-rl) with that venv's
+python; nothing of it is imported into the test process, which only speaks HTTP to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def build_venv() -> tuple[Path | None, str]:
+    """The venv path, or None and why it could not be built (build takes 1-2 min when missing)."""
+    try:
+        done = subprocess.run(["bash", str(SCRIPTS / "build_sglang_env.sh")], capture_output=True, text=True,
+                              timeout=1200)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"scripts/build_sglang_env.sh could not run: {exc}"
+    if done.returncode != 0:
+        return None, f"scripts/build_sglang_env.sh failed: {done.stderr.strip()[-1500:]}"
+    return Path(done.stdout.strip().splitlines()[-1]), ""
+
+
+@dataclass
+class SGLangServer:
+    url: str
+    pgid: int
+    log: Path
+    model_dir: Path
+    port: int
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the server's process group and wait until every process of it is gone."""
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.killpg(self.pgid, signal.SIGKILL)
+
+    def alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def load(self, model_path: Path, version: int) -> None:
+        """Load weights from an HF directory and label them `version` (used to reset a server between tests)."""
+        reply = httpx.post(self.url + "/update_weights_from_disk", timeout=60,
+                           json={"model_path": str(model_path), "weight_version": str(version)})
+        reply.raise_for_status()
+
+    def model_info(self) -> dict:
+        return httpx.get(self.url + "/get_model_info", timeout=10).json()
+
+
+def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path) -> list[SGLangServer]:
+    """Start one server per port concurrently; return once every one answers /health_generate."""
+    launches = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "start_sglang_server.py"), "--model-path", str(model_dir),
+             "--port", str(port), "--venv", str(venv), "--log", str(log_dir / f"sglang-{port}.log"),
+             "--timeout", "240"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for port in ports
+    ]
+    servers, errors = [], []
+    for port, launch in zip(ports, launches, strict=True):
+        out, err = launch.communicate(timeout=300)
+        if launch.returncode == 0:
+            info = json.loads(out.strip().splitlines()[-1])
+            servers.append(SGLangServer(info["url"], info["pgid"], Path(info["log"]), model_dir, port))
+        else:
+            errors.append(f"port {port}: {err[-2000:]}")
+    if errors:
+        for server in servers:
+            server.stop()
+        raise RuntimeError("SGLang server(s) did not start:\n" + "\n".join(errors))
+    return servers
