@@ -38,7 +38,7 @@ class RunConfig(_Section):
     dir: str = "runs"  # parent directory of run directories
     seed: int = 0  # seeds model init, sampling and the learner
     max_env_steps: PosInt | None = None  # budget: stop after this many environment steps (stage records)
-    max_versions: PosInt | None = 400  # budget: stop after this many learner optimizer steps
+    max_versions: PosInt | None = 1500  # budget: stop after this many learner optimizer steps
     target_success: Fraction | None = 0.8  # stop early once success_rate reaches this (None: never)
     max_wall_s: PosFloat | None = None  # stop after this many seconds
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
@@ -81,7 +81,7 @@ class SGLangConfig(_Section):
 class RolloutConfig(_Section):
     engine: Literal["torch", "sglang"] = "torch"
     workers: PosInt = 1  # rollout worker processes started by `async-rl train`
-    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # G trajectories per task
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 16  # G trajectories per task
     temperature: PosFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: PosInt = 1  # action tokens per stage
@@ -101,13 +101,13 @@ class ReplayConfig(_Section):
 
 class LearnerConfig(_Section):
     publish_endpoint: str = "tcp://127.0.0.1:5556"  # PUB: new policy versions
-    lr: PosFloat = 3e-3
+    lr: PosFloat = 5e-4
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0  # 0 disables
     zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0
     batch_tokens: PosInt = 4096  # token budget of one batch (padded length x items)
-    min_batch_items: PosInt = 16  # wait for at least this many items ...
-    batch_wait_s: NonNegFloat = 0.5  # ... or this long, whichever comes first
+    min_batch_items: PosInt = 64  # wait for at least this many items ...
+    batch_wait_s: NonNegFloat = 2.0  # ... or this long, whichever comes first
     publish_every: PosInt = 1  # write weights and announce a version every N steps
     checkpoint_every: NonNegInt = 0  # DeepSpeed checkpoint every N steps (0: only at the end)
     keep_weights: PosInt = 3  # published weight files kept on disk
@@ -123,7 +123,7 @@ class AlgoConfig(_Section):
     staleness_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # weight × decay**staleness
     max_staleness: NonNegInt = 4  # admission bound, and hard bound for immediate items
     max_correction_staleness: NonNegInt = 16  # corrections later than this are dropped (counted)
-    groups_per_step: PosInt = 2  # groups one learner step is expected to consume (admission rule)
+    groups_per_step: PosInt = 8  # groups one learner step is expected to consume (admission rule)
     ppo_epochs: PosInt = 1  # > 1 switches to the decoupled PPO loss
     clip_low: Fraction = 0.2
     clip_high: NonNegFloat = 0.28
