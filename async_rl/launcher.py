@@ -55,14 +55,18 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _local_endpoint(endpoint: str) -> str:
-    """A configured loopback port that is taken (another run, a test) is replaced by a free one."""
+def _local_endpoint(endpoint: str, socket_path: Path) -> str:
+    """A configured loopback port that is taken (another run, a test) is replaced by a Unix socket in the run
+    directory: no other process can take that between now and the bind, unlike a "free" port."""
     if not endpoint.startswith("tcp://127.0.0.1:"):
         return endpoint
     port = int(endpoint.rsplit(":", 1)[1])
     if _port_free("127.0.0.1", port):
         return endpoint
-    replacement = f"tcp://127.0.0.1:{_free_port()}"
+    if len(str(socket_path.resolve())) < 100:  # the limit of a Unix socket path
+        replacement = f"ipc://{socket_path.resolve()}"
+    else:
+        replacement = f"tcp://127.0.0.1:{_free_port()}"
     log.info("%s is in use; using %s", endpoint, replacement)
     return replacement
 
@@ -75,9 +79,12 @@ def _fresh_run_dir(config: Config) -> Config:
     while (Path(config.run.dir) / name).exists():
         n += 1
         name = f"{config.run.name}-{n}"
-    replay = msgspec.structs.replace(config.replay, endpoint=_local_endpoint(config.replay.endpoint))
+    run_dir = Path(config.run.dir) / name
+    replay = msgspec.structs.replace(
+        config.replay, endpoint=_local_endpoint(config.replay.endpoint, run_dir / "replay.sock")
+    )
     learner = msgspec.structs.replace(
-        config.learner, publish_endpoint=_local_endpoint(config.learner.publish_endpoint)
+        config.learner, publish_endpoint=_local_endpoint(config.learner.publish_endpoint, run_dir / "weights.sock")
     )
     run = msgspec.structs.replace(config.run, name=name)
     return msgspec.structs.replace(config, run=run, replay=replay, learner=learner)

@@ -10,7 +10,6 @@ import copy
 import datetime
 import logging
 import os
-import socket
 from pathlib import Path
 
 import deepspeed
@@ -27,22 +26,17 @@ log = logging.getLogger("async_rl.learner")
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def init_distributed() -> None:
     """Join (or, without a launcher, create) the process group; single process gets a private loopback port."""
     if dist.is_initialized():
         return
     # The shared-memory comm op would be JIT-compiled (minutes) on CPU for a world > 1; gloo is enough for us.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if "RANK" not in os.environ:  # no launcher: a world of one (DeepSpeed would otherwise go looking for MPI)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if "RANK" not in os.environ:
+        # No launcher: a world of one. An in-memory store needs no port, so nothing can race us for one (a free
+        # port picked here and bound later was taken by another process often enough to fail CI runs).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False, timeout=COLLECTIVE_TIMEOUT)
 
 
