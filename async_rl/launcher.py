@@ -111,8 +111,9 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def _stop_all(children: list[Child]) -> None:
-    """SIGTERM the learner first (it finishes its step and writes the summary), then everyone else."""
-    for group in (children[:1], children[1:]):
+    """SIGTERM the learner first (it finishes its step and writes the summary), then the rollout workers (they
+    deliver what they already sent), then the replay service. `children` is [learner, replay, workers...]."""
+    for group in (children[:1], children[2:], children[1:2]):
         for child in group:
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)

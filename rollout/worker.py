@@ -33,6 +33,7 @@ log = logging.getLogger("async_rl.rollout")
 
 MIN_LEASE_INTERVAL_S = 1.0  # at most one lease request per this long unless a group just finished
 IDLE_POLL_S = 0.05
+STOP_DRAIN_S = 2.0  # on stop, wait this long at most for the acks of what was already sent
 
 
 def make_engine(config: Config, model_dir: Path, seed: int) -> InferenceEngine:
@@ -139,11 +140,10 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
             service()
     except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
         log.error("%s stops: %s", worker_id, exc)
-        deadline = time.monotonic() + config.rollout.ack_timeout_s
-        while link.unacked and time.monotonic() < deadline:
-            link.handle_replies(IDLE_POLL_S)
-            link.tick([])
+        _deliver_unacked(link, config.rollout.ack_timeout_s)
         raise
+    else:  # stopped: what was sent should still reach the replay service (it is stopped after the workers)
+        _deliver_unacked(link, STOP_DRAIN_S)
     finally:
         agent.close()
         engine.close()
@@ -152,6 +152,13 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
         context.term()
         restore_signals()
         log.info("%s stopped (%d records unacked, %d resends)", worker_id, len(link.unacked), link.resends)
+
+
+def _deliver_unacked(link: ReplayLink, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while link.unacked and time.monotonic() < deadline:
+        link.handle_replies(IDLE_POLL_S)
+        link.tick([])
 
 
 def _stop_on_signals(stop: threading.Event) -> Callable[[], None]:
