@@ -15,13 +15,14 @@ async-rl train   [--config FILE] [section.key=value ...]   all roles on this mac
 async-rl replay  [--config FILE] [section.key=value ...]   the replay service (one pod)
 async-rl learner [--config FILE] [section.key=value ...]   the DeepSpeed learner (one pod, or under torchrun)
 async-rl rollout [--config FILE] [--index N] [section.key=value ...]   one rollout worker (one pod each)
+async-rl evaluate [--config FILE] [section.key=value ...]  success of the run's latest weights on every task
 async-rl config  [--config FILE] [section.key=value ...]   print the resolved, validated config
 """
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="async-rl", usage=USAGE)
-    parser.add_argument("role", choices=["train", "replay", "learner", "rollout", "config"])
+    parser.add_argument("role", choices=["train", "replay", "learner", "rollout", "evaluate", "config"])
     parser.add_argument("--config", default=None, help="YAML config (default: configs/local.yaml)")
     parser.add_argument("--index", type=int, default=0, help="rollout worker index (rollout only)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -70,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             from replay.service import run as run_replay
 
             run_replay(config)
+        elif args.role == "evaluate":
+            import json
+
+            from rollout.evaluate import evaluate
+
+            print(json.dumps(evaluate(config, max(1, config.run.eval_samples_per_task))), flush=True)
         elif args.role == "learner":
             from learner.trainer import run as run_learner
 

@@ -41,6 +41,7 @@ class RunConfig(_Section):
     max_versions: PosInt | None = 1500  # budget: stop after this many learner optimizer steps
     target_success: Fraction | None = 0.8  # stop early once success_rate reaches this (None: never)
     max_wall_s: PosFloat | None = None  # stop after this many seconds
+    eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every task (0: skip)
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
@@ -97,6 +98,9 @@ class ReplayConfig(_Section):
     lease_timeout_s: PosFloat = 120.0  # a group whose worker is silent this long is abandoned
     batch_ack_timeout_s: PosFloat = 120.0  # a batch not acked this long goes back to the queue
     success_window: PosInt = 64  # success_rate is over the last this-many finished trajectories
+    # success_rate_long (the stop rule `run.target_success` and final_success_rate) is over this many: 64 is a few
+    # groups of a few tasks, noisy enough to touch the target on a lucky window.
+    long_success_window: PosInt = 512
 
 
 class LearnerConfig(_Section):

@@ -168,6 +168,20 @@ def _table(metrics: dict, elapsed: float, children: list[Child]) -> Table:
     return table
 
 
+def _evaluate(config_path: Path, run_dir: Path, env: dict[str, str], console: Console) -> dict:
+    """The final weights on every task (the windowed training metric is noisy): `async-rl evaluate`."""
+    console.print("evaluating the final weights on every task ...")
+    with open(run_dir / "logs" / "evaluate.log", "ab") as log_file:
+        done = subprocess.run(
+            [sys.executable, "-m", "async_rl.cli", "evaluate", "--config", str(config_path)],
+            stdout=subprocess.PIPE, stderr=log_file, env=env, text=True,
+        )
+    if done.returncode != 0:
+        console.print(f"[red]evaluation failed; see {run_dir / 'logs' / 'evaluate.log'}[/]")
+        return {}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -229,5 +243,7 @@ def train(config: Config) -> int:
     summary = json.loads(summary_path.read_text())
     result = {key: summary.get(key) for key in ("final_success_rate", "env_steps", "versions", "wall_s", "run_dir")}
     result["stop_reason"] = summary.get("stop_reason")
+    if config.run.eval_samples_per_task > 0 and not interrupted:
+        result.update(_evaluate(config_path, run_dir, env, console))
     print(json.dumps(result), flush=True)
     return 130 if interrupted else 0

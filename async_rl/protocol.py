@@ -204,6 +204,7 @@ class ReplayStats(Message, tag="replay_stats"):
     env_steps: int = 0
     trajectories_finished: int = 0
     success_rate: float = 0.0  # over the last replay.success_window finished trajectories
+    success_rate_long: float = 0.0  # over the last replay.long_success_window (the stop rule uses this one)
     stage_reward_mean: float = 0.0  # over the same window, per stage
     groups_started: int = 0
     groups_closed: int = 0

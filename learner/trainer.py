@@ -79,8 +79,8 @@ def stop_reason(config: Config, version: int, stats: ReplayStats, wall_s: float,
         return "max_env_steps"
     if (
         run.target_success is not None
-        and stats.trajectories_finished >= config.replay.success_window
-        and stats.success_rate >= run.target_success
+        and stats.trajectories_finished >= config.replay.long_success_window
+        and stats.success_rate_long >= run.target_success
     ):
         return "target_success"
     if run.max_wall_s is not None and wall_s >= run.max_wall_s:
@@ -194,7 +194,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
         if published != version:
             _publish(engine, publisher, version)
         summary = _share_summary({
-            "final_success_rate": stats.success_rate,
+            "final_success_rate": stats.success_rate_long,
             "env_steps": stats.env_steps,
             "versions": version,
             "wall_s": wall_s(),

@@ -73,6 +73,8 @@ class ReplayService:
         self.parked: dict[bytes, tuple[BatchRequest, float]] = {}  # learner identity -> (request, arrival)
         self.stage_group_deadlines: deque[tuple[float, str, int]] = deque()  # (deadline, group, k), in time order
         self.finished: deque[tuple[bool, float, int]] = deque(maxlen=config.replay.success_window)
+        self.finished_long: deque[bool] = deque(maxlen=config.replay.long_success_window)
+        self.successes_long = 0  # successes in finished_long, kept as a running count (the window is long)
         self.task_rng = random.Random(config.run.seed)
         self.item_ids = itertools.count()
         self.batch_ids = itertools.count()
@@ -123,6 +125,7 @@ class ReplayService:
         return msgspec.structs.replace(
             self.counters,
             success_rate=successes / len(self.finished) if self.finished else 0.0,
+            success_rate_long=self.successes_long / len(self.finished_long) if self.finished_long else 0.0,
             stage_reward_mean=reward_sum / stages if stages else 0.0,
             items_queued=len(self.queue),
         )
@@ -201,6 +204,10 @@ class ReplayService:
             self.counters.trajectories_finished += 1
             rewards = sum(r for r in ledger.rewards[i].values() if r is not None)
             self.finished.append((message.outcome >= 1.0, rewards, message.num_stages))
+            if len(self.finished_long) == self.finished_long.maxlen:
+                self.successes_long -= self.finished_long[0]
+            self.finished_long.append(message.outcome >= 1.0)
+            self.successes_long += message.outcome >= 1.0
         if not group.unfinished_members():
             self._end_lease(group)
         self._advance(group, now)

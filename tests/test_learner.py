@@ -81,7 +81,8 @@ def json_lines(path: Path) -> list[dict]:
 def stats_for(batch_id: int) -> ReplayStats:
     """Distinctive replay-side numbers per batch, so the metrics line can be checked to echo them."""
     return ReplayStats(
-        env_steps=100 * batch_id, trajectories_finished=7 + batch_id, success_rate=0.25, stage_reward_mean=0.5,
+        env_steps=100 * batch_id, trajectories_finished=7 + batch_id, success_rate=0.5, success_rate_long=0.25,
+        stage_reward_mean=0.5,
         groups_closed=2 * batch_id, immediate_skipped_stale=3, credit_dropped=1, ledger_residual_max=1e-9,
         bad_messages=5,
     )
@@ -395,14 +396,17 @@ def test_bad_frames_and_out_of_vocabulary_items_are_counted_not_fatal(tmp_path):
 
 def test_stop_reasons():
     config = make_config(Path("/unused"), run={"max_versions": 10, "max_env_steps": 500, "target_success": 0.8,
-                                             "max_wall_s": 60.0}, replay={"success_window": 8})
+                                             "max_wall_s": 60.0}, replay={"long_success_window": 8})
     idle = StopRequest(threading.Event())
     assert stop_reason(config, 9, ReplayStats(env_steps=499), 1.0, idle) is None
     assert stop_reason(config, 10, ReplayStats(), 1.0, idle) == "max_versions"
     assert stop_reason(config, 0, ReplayStats(env_steps=500), 1.0, idle) == "max_env_steps"
-    assert stop_reason(config, 0, ReplayStats(trajectories_finished=8, success_rate=0.8), 1.0, idle) == "target_success"
+    reached = ReplayStats(trajectories_finished=8, success_rate_long=0.8)
+    assert stop_reason(config, 0, reached, 1.0, idle) == "target_success"
     # a high success rate over too few finished trajectories is not yet evidence
-    assert stop_reason(config, 0, ReplayStats(trajectories_finished=7, success_rate=1.0), 1.0, idle) is None
+    assert stop_reason(config, 0, ReplayStats(trajectories_finished=7, success_rate_long=1.0), 1.0, idle) is None
+    # the short window alone (a few lucky groups) does not stop the run
+    assert stop_reason(config, 0, ReplayStats(trajectories_finished=8, success_rate=1.0), 1.0, idle) is None
     assert stop_reason(config, 0, ReplayStats(), 60.0, idle) == "max_wall_s"
     idle.event.set()
     assert stop_reason(config, 0, ReplayStats(), 1.0, idle) == "stop_requested"

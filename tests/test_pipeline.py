@@ -50,6 +50,7 @@ def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["versions"] == 25 and result["run_dir"] == str(run_dir)
+    assert result["eval_version"] == 25 and 0.0 <= result["eval_success_rate"] <= 1.0  # the final weights, evaluated
     lines = metrics(run_dir)
     assert [m["version"] for m in lines] == list(range(1, 26))
     for m in lines:

@@ -349,6 +349,17 @@ def test_groups_that_closed_without_items_do_not_hold_admission_back():
     assert isinstance(lease(service, worker), LeaseGrant)  # still version 0, yet admitted again
 
 
+def test_the_long_success_window_is_what_the_stop_rule_sees():
+    config = make_config(replay={"success_window": 4, "long_success_window": 8})
+    service, worker = ReplayService(config), Worker()
+    for outcome in [1.0] * 6 + [0.0] * 4:  # 10 trajectories: the long window keeps the last 8
+        grant = lease(service, worker)
+        send_all(service, [worker.stage(grant, 0, 0, 1.0, terminal=True), worker.outcome(grant, 0, 1, outcome)])
+    stats = service.stats_snapshot()
+    assert stats.success_rate == 0.0  # the last 4: all failures
+    assert stats.success_rate_long == 4 / 8
+
+
 def test_admission_denies_once_the_env_step_budget_is_spent():
     service, worker = ReplayService(make_config(run={"max_env_steps": 2})), Worker()
     grant = lease(service, worker)
