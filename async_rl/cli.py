@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
         return 0
+    if args.role in ("replay", "learner", "rollout"):
+        for key, value in (("replay.endpoint", config.replay.endpoint),
+                           ("learner.publish_endpoint", config.learner.publish_endpoint)):
+            if value == "auto":
+                print(f"async-rl: config error: {key}: 'auto' is for async-rl train; a pod needs tcp://HOST:PORT "
+                      "(see configs/cluster.yaml)", file=sys.stderr)
+                return 2
     role = f"rollout-{args.index}" if args.role == "rollout" else args.role
     configure_logging(role, config)
     try:

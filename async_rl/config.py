@@ -92,7 +92,9 @@ class RolloutConfig(_Section):
 
 
 class ReplayConfig(_Section):
-    endpoint: str = "tcp://127.0.0.1:5555"  # ROUTER: rollout workers and learners connect here
+    # ROUTER that rollout workers and learners connect to: tcp://HOST:PORT, ipc://PATH, or "auto" (async-rl train
+    # only: a Unix socket in the run directory, which no other run on the machine can collide with).
+    endpoint: str = "auto"
     stage_group_timeout_s: PosFloat = 30.0  # a stage group is complete after this long with >= min_stage_peers
     min_stage_peers: Annotated[int, msgspec.Meta(ge=2)] = 2
     lease_timeout_s: PosFloat = 120.0  # a group whose worker is silent this long is abandoned
@@ -104,7 +106,7 @@ class ReplayConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    publish_endpoint: str = "tcp://127.0.0.1:5556"  # PUB: new policy versions
+    publish_endpoint: str = "auto"  # PUB of new policy versions; same forms as replay.endpoint
     lr: PosFloat = 5e-4
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0  # 0 disables
@@ -308,5 +310,5 @@ def _check_relations(config: Config) -> None:
     for name in ("replay.endpoint", "learner.publish_endpoint"):
         section, field = name.split(".")
         value = getattr(getattr(config, section), field)
-        if not re.fullmatch(r"(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)", value):
-            raise ConfigError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+        if not re.fullmatch(r"(auto|tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)", value):
+            raise ConfigError(f"{name}: expected tcp://HOST:PORT, ipc://PATH or auto, got {value!r}")

@@ -56,18 +56,17 @@ def _free_port() -> int:
 
 
 def _local_endpoint(endpoint: str, socket_path: Path) -> str:
-    """A configured loopback port that is taken (another run, a test) is replaced by a Unix socket in the run
-    directory: no other process can take that between now and the bind, unlike a "free" port."""
-    if not endpoint.startswith("tcp://127.0.0.1:"):
-        return endpoint
-    port = int(endpoint.rsplit(":", 1)[1])
-    if _port_free("127.0.0.1", port):
+    """`auto` (or a configured loopback port that is taken) becomes a Unix socket in the run directory: unlike a
+    "free" port, no other run on the machine can take it between now and the bind."""
+    loopback = endpoint.startswith("tcp://127.0.0.1:")
+    if endpoint != "auto" and (not loopback or _port_free("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))):
         return endpoint
     if len(str(socket_path.resolve())) < 100:  # the limit of a Unix socket path
         replacement = f"ipc://{socket_path.resolve()}"
     else:
         replacement = f"tcp://127.0.0.1:{_free_port()}"
-    log.info("%s is in use; using %s", endpoint, replacement)
+    if endpoint != "auto":
+        log.info("%s is in use; using %s", endpoint, replacement)
     return replacement
 
 

@@ -54,7 +54,7 @@ def test_an_empty_file_means_all_defaults(tmp_path):
         ("env.traps=9", "env.traps: expected <= env.stages (4), got 9"),
         ("env.choices=40", "env.choices: expected int >= 2 and <= 26, got 40"),
         ("learner.zero_stage=4", "learner.zero_stage: expected int >= 0 and <= 3, got 4"),
-        ("replay.endpoint=localhost", "replay.endpoint: expected tcp://HOST:PORT or ipc://PATH"),
+        ("replay.endpoint=localhost", "replay.endpoint: expected tcp://HOST:PORT, ipc://PATH or auto"),
         ("rollout.engine=sglang", "rollout.sglang.urls: expected at least one server URL"),
         ("bogus.key=1", "bogus: unknown key"),
         ("algo=3", "expected section.key=value"),
