@@ -13,21 +13,26 @@ from typing import Literal
 
 import numpy as np
 
-from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, StageRecord, TrainItem
+from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, StageRecord, TrainItem, unpack
 
 
 @dataclass(slots=True)
 class StageTokens:
-    observation: np.ndarray  # int32, never trained
-    action: np.ndarray  # int32
-    logprobs: np.ndarray  # float32, log mu(a) per action token
-    versions: np.ndarray  # int32, v_b per action token
+    """One stage's arrays as they came off the wire, packed. Kept as bytes, not numpy views: a view's header
+    (~100 bytes each, four per stage) outweighs a short stage's tokens (benchmarks/systems.py, replay memory)."""
+
+    observation: bytes  # int32, never trained
+    action: bytes  # int32
+    logprobs: bytes  # float32, log mu(a) per action token
+    versions: bytes  # int32, v_b per action token
     oldest_version: int  # min(versions): what staleness is measured against
 
     @classmethod
     def from_record(cls, record: StageRecord) -> StageTokens:
-        versions = record.versions()
-        return cls(record.observation_ids(), record.action_ids(), record.logprobs(), versions, int(versions.min()))
+        return cls(
+            record.observation_tokens, record.action_tokens, record.behaviour_logprobs, record.policy_versions,
+            int(record.versions().min()),
+        )
 
 
 @dataclass(slots=True)
@@ -80,8 +85,8 @@ def assemble_item(
     """Stages 0..through_stage concatenated (obs_0, act_0, ..., obs_k, act_k); the loss mask, advantages,
     behaviour log-probs and versions are set on the action tokens of the stages in `credit`, 0 elsewhere."""
     stages = [trajectory.stages[k] for k in range(through_stage + 1)]
-    tokens = np.concatenate([part for stage in stages for part in (stage.observation, stage.action)]).astype(TOKEN)
-    n = len(tokens)
+    tokens = b"".join(part for stage in stages for part in (stage.observation, stage.action))
+    n = len(tokens) // TOKEN.itemsize
     mask = np.zeros(n, MASK)
     advantages = np.zeros(n, ADVANTAGE)
     logprobs = np.zeros(n, LOGPROB)
@@ -89,14 +94,14 @@ def assemble_item(
     oldest_version = None
     offset = 0
     for k, stage in enumerate(stages):
-        start = offset + len(stage.observation)
-        offset = start + len(stage.action)
+        start = offset + len(stage.observation) // TOKEN.itemsize
+        offset = start + len(stage.action) // TOKEN.itemsize
         if k not in credit:
             continue
         mask[start:offset] = 1
         advantages[start:offset] = credit[k]
-        logprobs[start:offset] = stage.logprobs
-        versions[start:offset] = stage.versions
+        logprobs[start:offset] = unpack(stage.logprobs, LOGPROB)
+        versions[start:offset] = unpack(stage.versions, TOKEN)
         oldest_version = stage.oldest_version if oldest_version is None else min(oldest_version, stage.oldest_version)
     assert oldest_version is not None, "an item must train at least one stage"
     item = TrainItem(
@@ -104,7 +109,7 @@ def assemble_item(
         kind=kind,
         group_id=group_id,
         trajectory_id=trajectory.trajectory_id,
-        tokens=tokens.tobytes(),
+        tokens=tokens,
         loss_mask=mask.tobytes(),
         advantages=advantages.tobytes(),
         behaviour_logprobs=logprobs.tobytes(),

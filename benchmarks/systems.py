@@ -1,0 +1,312 @@
+"""The system's parts against their physical limits, each measured next to its bare baseline in one invocation.
+
+The machine is shared, so every part is timed in CPU seconds of the processes doing the work (time.process_time:
+another tenant's load does not count against us), with the wall-clock ratio printed next to it. Ours and the
+baseline alternate in rounds; a ratio is the median over back-to-back pairs.
+
+  transport  stage records/s from a DEALER in this process to a ROUTER in another (tcp loopback), encoded and
+             decoded by async_rl.protocol through async_rl.transport, pipelined (no per-record ack; one reply
+             closes each round) ÷ raw ZeroMQ messages of the same byte sizes over the same socket pair and the
+             same receiver process. Rate = the pipe's CPU-bound capacity, 1 / max(sender, receiver CPU per
+             message), ZeroMQ I/O threads included. Two record sizes: the trap environment's (2 observation
+             tokens + 1 action token) and an agent's (512 + 128). Target >= 0.5.
+  learner    padded tokens/s of the learner's path (TrainItems -> learner.step.rank_share -> train_on_batch: the
+             project's loss, DeepSpeed engine step with gradient clipping) ÷ bare torch forward + backward + AdamW
+             on the same padded tensors with a copy of the same model. The batches are real ones: random-policy
+             trap-env traffic through the replay service, served at learner.batch_tokens / min_batch_items.
+             Also the padding waste of those batches. Target >= 0.8.
+  replay     CPU inside ReplayService.handle per stage record, over a group's whole life (lease, records,
+             outcomes, batch requests and acks until its corrections are trained), while 10^3 versus 10^6 other
+             records are held in open groups (10^5 with --quick). Ratio large ÷ small, target <= 1.5. Memory per
+             stored token: tracemalloc over a fill of open groups ÷ the tokens they hold (RSS delta as a check).
+
+Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
+
+    python benchmarks/systems.py            # about 3 minutes (the 10^6-record fill is most of it)
+    python benchmarks/systems.py --quick    # about 1 minute
+
+The last stdout line is JSON: {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token", ...}.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch or numpy start their thread pools; the cores are shared
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402 - after the thread pinning above
+import json  # noqa: E402
+import logging  # noqa: E402
+import multiprocessing  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from async_rl.config import Config, load_config  # noqa: E402
+from async_rl.protocol import LOGPROB, TOKEN, StageRecord, encode, pack  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _systems_parts import ReplayDriver, Round, open_sender, receiver, send_round  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "benchmarks" / "out" / "systems"
+TARGETS = {"transport": 0.5, "learner": 0.8, "replay": 1.5}
+
+
+def free_endpoint() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def paired_ratio(ours: list[float], baseline: list[float]) -> float:
+    """The median over rounds of ours ÷ baseline measured back to back: the load of a shared machine changes
+    between rounds, much less within one pair."""
+    return statistics.median(a / b for a, b in zip(ours, baseline, strict=True))
+
+
+# --- transport ---------------------------------------------------------------------------------------
+
+
+def stage_records(observation_tokens: int, action_tokens: int, count: int) -> list[StageRecord]:
+    """Distinct records of one size, with ids like a running worker's (`g123/4`)."""
+    return [
+        StageRecord(
+            msg_id=n, worker_id="rollout-0", group_id=f"g{n // 64}", trajectory_id=f"g{n // 64}/{n % 16}",
+            member=n % 16, task_id=n % 16, stage_index=n % 4,
+            observation_tokens=pack([(n + t) % 30 for t in range(observation_tokens)], TOKEN),
+            action_tokens=pack([n % 30] * action_tokens, TOKEN), behaviour_logprobs=pack([-1.5] * action_tokens,
+            LOGPROB), policy_versions=pack([n // 1000] * action_tokens, TOKEN), stage_reward=1.0, terminal=False,
+        )
+        for n in range(count)
+    ]
+
+
+def measure_transport(messages: int, rounds_per_size: int) -> dict:
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process is shared
+    results = {}
+    for name, (observation, action) in {"trap": (2, 1), "agent": (512, 128)}.items():
+        records = stage_records(observation, action, 1000)
+        records = (records * (messages // len(records) + 1))[:messages]
+        raw = [os.urandom(len(encode(r))) for r in records[:1000]]
+        raw = (raw * (messages // len(raw) + 1))[:messages]
+        endpoint = free_endpoint()
+        process = spawn.Process(target=receiver, args=(endpoint,))  # one receiver for both: the same setup
+        process.start()
+        context = zmq.Context()
+        sender = open_sender(context, endpoint)
+        rounds: dict[str, list[Round]] = {"protocol": [], "raw": []}
+        try:
+            send_round(sender, records[: messages // 10], protocol=True)  # warm up the pipe and both code paths
+            send_round(sender, raw[: messages // 10], protocol=False)
+            for _ in range(rounds_per_size):
+                rounds["raw"].append(send_round(sender, raw, protocol=False))
+                rounds["protocol"].append(send_round(sender, records, protocol=True))
+        finally:
+            sender.send(b"stop")
+            sender.close()
+            context.term()
+            process.join(timeout=10)
+        ours, bare = rounds["protocol"], rounds["raw"]
+        results[name] = {
+            "bytes": statistics.mean(len(encode(r)) for r in records[:1000]),
+            "protocol_capacity_per_s": statistics.median(r.capacity_per_s for r in ours),
+            "raw_capacity_per_s": statistics.median(r.capacity_per_s for r in bare),
+            "ratio": paired_ratio([r.capacity_per_s for r in ours], [r.capacity_per_s for r in bare]),
+            "protocol_wall_per_s": statistics.median(r.per_s for r in ours),
+            "raw_wall_per_s": statistics.median(r.per_s for r in bare),
+            "wall_ratio": paired_ratio([r.per_s for r in ours], [r.per_s for r in bare]),
+            "cpu_us": {kind: {"sender": statistics.median(r.sender_cpu_us for r in rs),
+                              "receiver": statistics.median(r.receiver_cpu_us for r in rs)}
+                       for kind, rs in rounds.items()},
+        }
+    return results
+
+
+# --- learner -----------------------------------------------------------------------------------------
+
+
+def base_config(name: str, extra: list[str] = ()) -> Config:
+    return load_config(None, [f"run.dir={OUT}", f"run.name={name}", "wandb.mode=disabled", *extra])
+
+
+def measure_learner(num_batches: int, rounds: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from async_rl.model import ensure_model_dir, load_model
+    from learner.batch import collate
+    from learner.engine import build_engine
+    from learner.step import rank_share, train_on_batch
+    from replay.service import ReplayService
+
+    torch.set_num_threads(1)
+    config = base_config("learner")
+    batches = [b.items for b in ReplayDriver(ReplayService(config), config, seed=0).collect_batches(num_batches)]
+    tensors = [collate(items) for items in batches]
+    padded = sum(t.tokens.numel() for t in tensors)
+    real = sum(int(t.attention_mask.sum()) for t in tensors)
+
+    engine, reference = build_engine(config)
+    bare = load_model(ensure_model_dir(config)).train()
+    optimizer = torch.optim.AdamW(bare.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
+
+    def ours(version: int = 0) -> None:
+        for items in batches:
+            local, scale = rank_share(items, 0, 1, config.algo.aggregation)
+            version, _ = train_on_batch(engine, reference, local, version, config, scale)
+
+    def baseline() -> None:
+        for t in tensors:
+            logits = bare(input_ids=t.tokens, attention_mask=t.attention_mask).logits[:, :-1]
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.tokens[:, 1:].reshape(-1), reduction="none")
+            loss = (nll * t.loss_mask.reshape(-1)).sum() / t.loss_mask.sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    cpu: dict[str, list[float]] = {"ours": [], "bare": []}
+    wall: dict[str, list[float]] = {"ours": [], "bare": []}
+    for run in (ours, baseline):  # warm-up: allocator, autograd graph caches
+        run()
+    for _ in range(rounds):
+        for name, run in (("ours", ours), ("bare", baseline)):
+            started, cpu_started = time.perf_counter(), time.process_time()
+            run()
+            cpu[name].append(time.process_time() - cpu_started)
+            wall[name].append(time.perf_counter() - started)
+    ours_s, bare_s = statistics.median(cpu["ours"]), statistics.median(cpu["bare"])
+    return {
+        "rounds_cpu_s": cpu, "rounds_wall_s": wall, "batches": len(batches),
+        "items_per_batch": statistics.mean(len(b) for b in batches),
+        "padded_tokens_per_batch": padded / len(batches), "padding_frac": 1 - real / padded,
+        "ours_tokens_per_s": padded / ours_s, "bare_tokens_per_s": padded / bare_s,
+        "ratio": paired_ratio(cpu["bare"], cpu["ours"]),  # tokens/s ours ÷ bare = time bare ÷ ours
+        "wall_ratio": paired_ratio(wall["bare"], wall["ours"]),
+        "ours_ms_per_step": 1000 * ours_s / len(batches), "bare_ms_per_step": 1000 * bare_s / len(batches),
+    }
+
+
+# --- replay ------------------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fill(config: Config, records: int):  # noqa: ANN201 - (ReplayService, ReplayDriver)
+    """A service holding `records` stage records in open groups: every member but the last sends its stages and
+    no outcome arrives, so no stage group completes and nothing is queued."""
+    from replay.service import ReplayService
+
+    service = ReplayService(config)
+    driver = ReplayDriver(service, config, seed=records)
+    while driver.records < records:
+        driver.play_group("filler", members=config.rollout.group_size - 1, outcomes=False)
+    return service, driver
+
+
+def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, memory_records: int) -> dict:
+    # Admission would stop the fill at (v + max_staleness + 1) * groups_per_step groups: lift it.
+    config = base_config("replay", ["algo.groups_per_step=100000000"])
+    tracemalloc.start()
+    _, driver = fill(config, memory_records)
+    traced, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    memory = {"records": driver.records, "tokens": driver.tokens, "bytes_per_token": traced / driver.tokens,
+              "bytes_per_record": traced / driver.records}
+    del driver
+
+    services = {}
+    for size in sizes:
+        before, started = rss_bytes(), time.perf_counter()
+        service, driver = fill(config, size)
+        services[size] = service
+        if size == sizes[-1]:
+            memory.update(rss_records=driver.records, rss_bytes_per_token=(rss_bytes() - before) / driver.tokens,
+                          fill_s=time.perf_counter() - started)
+    cost: dict[int, list[float]] = {size: [] for size in sizes}
+    for r in range(rounds):
+        for size, service in services.items():  # the same traffic (seed r) against each store
+            driver = ReplayDriver(service, config, seed=r)
+            for _ in range(groups_per_round):
+                driver.play_group(f"worker-r{r}")
+                driver.train_all(config.learner.batch_tokens)
+            cost[size].append(driver.handle_s / driver.records)
+    small, large = sizes
+    return {"sizes": list(sizes), "us_per_record": {str(s): 1e6 * statistics.median(cost[s]) for s in sizes},
+            "ratio": paired_ratio(cost[large], cost[small]), "rounds_s_per_record": cost, **memory}
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def report(transport: dict, learner: dict, replay: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def met(value: float, target: float, higher_is_better: bool = True) -> str:
+        ok = value >= target if higher_is_better else value <= target
+        return "[green]yes[/]" if ok else "[red]no[/]"
+
+    table = Table(title="systems: ours ÷ bare baseline, measured side by side")
+    for column in ("part", "ours", "baseline", "ratio", "target", "met"):
+        table.add_column(column, justify="right" if column != "part" else "left")
+    for name, t in transport.items():
+        table.add_row(f"transport, {name} record ({t['bytes']:.0f} B), CPU-bound capacity",
+                      f"{t['protocol_capacity_per_s']:,.0f} rec/s", f"{t['raw_capacity_per_s']:,.0f} msg/s",
+                      f"{t['ratio']:.2f}", ">= 0.5", met(t["ratio"], 0.5))
+        table.add_row(f"transport, {name} record, wall clock (shared cores)", f"{t['protocol_wall_per_s']:,.0f} rec/s",
+                      f"{t['raw_wall_per_s']:,.0f} msg/s", f"{t['wall_ratio']:.2f}", "", "")
+    table.add_row(f"learner ({learner['items_per_batch']:.0f} items, {learner['padded_tokens_per_batch']:.0f} "
+                  f"padded tokens/batch)", f"{learner['ours_tokens_per_s']:,.0f} tok/s",
+                  f"{learner['bare_tokens_per_s']:,.0f} tok/s", f"{learner['ratio']:.2f}", ">= 0.8",
+                  met(learner["ratio"], 0.8))
+    table.add_row("learner, wall clock (shared cores)", "", "", f"{learner['wall_ratio']:.2f}", "", "")
+    small, large = replay["sizes"]
+    table.add_row(f"replay µs/record, {large:.0e} ÷ {small:.0e} held", f"{replay['us_per_record'][str(large)]:.1f} µs",
+                  f"{replay['us_per_record'][str(small)]:.1f} µs", f"{replay['ratio']:.2f}", "<= 1.5",
+                  met(replay["ratio"], 1.5, higher_is_better=False))
+    table.add_row("learner padding waste", f"{learner['padding_frac']:.1%}", "", "", "", "")
+    table.add_row("replay memory / stored token", f"{replay['bytes_per_token']:.0f} B (tracemalloc)",
+                  f"{replay['rss_bytes_per_token']:.0f} B (RSS)", "", "", "")
+    Console(width=160).print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer messages and rounds; 10^5 records, not 10^6")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    OUT.mkdir(parents=True, exist_ok=True)
+    quick = args.quick
+    transport = measure_transport(messages=20_000 if quick else 50_000, rounds_per_size=5 if quick else 11)
+    learner = measure_learner(num_batches=8, rounds=5 if quick else 11)
+    replay = measure_replay((10**3, 10**5 if quick else 10**6), groups_per_round=30, rounds=5 if quick else 11,
+                            memory_records=20_000)
+    report(transport, learner, replay)
+    raw = {"transport": transport, "learner": learner, "replay": replay, "quick": quick,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (OUT / f"systems{'-quick' if quick else ''}.json").write_text(json.dumps(raw, indent=1))
+    headline = {
+        "transport_ratio": transport["trap"]["ratio"], "learner_ratio": learner["ratio"],
+        "replay_scale_ratio": replay["ratio"], "bytes_per_token": replay["bytes_per_token"],
+        "transport_ratio_agent_record": transport["agent"]["ratio"],
+        "transport_wall_ratio": {name: t["wall_ratio"] for name, t in transport.items()},
+        "learner_wall_ratio": learner["wall_ratio"], "padding_frac": learner["padding_frac"],
+        "replay_us_per_record": replay["us_per_record"], "rss_bytes_per_token": replay["rss_bytes_per_token"],
+    }
+    print(msgspec.json.encode(headline).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
