@@ -38,8 +38,8 @@ class RunConfig(_Section):
     dir: str = "runs"  # parent directory of run directories
     seed: int = 0  # seeds model init, sampling and the learner
     max_env_steps: PosInt | None = None  # budget: stop after this many environment steps (stage records)
-    max_versions: PosInt | None = 1500  # budget: stop after this many learner optimizer steps
-    target_success: Fraction | None = 0.8  # stop early once success_rate reaches this (None: never)
+    max_versions: PosInt | None = 3000  # budget: stop after this many learner optimizer steps
+    target_success: Fraction | None = 0.9  # stop early once success_rate_long reaches this (None: never)
     max_wall_s: PosFloat | None = None  # stop after this many seconds
     eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every task (0: skip)
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
