@@ -286,10 +286,17 @@ class ReplayService:
 
     def _answer_parked(self, now: float) -> list[Reply]:
         replies: list[Reply] = []
+        budget = self.config.run.max_env_steps
+        budget_spent = budget is not None and self.counters.env_steps >= budget
         for identity, (request, since) in list(self.parked.items()):
+            waited = now - since >= request.max_wait_s
             if not self.queue:
-                break
-            if len(self.queue) < max(1, request.min_items) and now - since < request.max_wait_s:
+                if budget_spent and waited:
+                    # No more rollouts will come: an empty batch carries the stats that let the learner stop.
+                    del self.parked[identity]
+                    replies.append((identity, self._empty_batch(request, now)))
+                continue
+            if len(self.queue) < max(1, request.min_items) and not waited:
                 continue
             batch = self._serve(request, now)
             if batch is not None:
@@ -331,6 +338,11 @@ class ReplayService:
         stats.immediate_before_outcome = sum(self._before_outcome(queued) for queued in served)
         self.counters.ledger_residual_max = 0.0  # reported once: the max since the previous batch
         return Batch(msg_id=request.msg_id, batch_id=batch_id, items=[q.item for q in served], stats=stats)
+
+    def _empty_batch(self, request: BatchRequest, now: float) -> Batch:
+        batch_id = next(self.batch_ids)
+        self.in_flight[batch_id] = InFlightBatch([], now)
+        return Batch(msg_id=request.msg_id, batch_id=batch_id, items=[], stats=self.stats_snapshot())
 
     def _before_outcome(self, queued: QueuedItem) -> bool:
         """An immediate item trained while its trajectory is still running: the point of immediate updates."""

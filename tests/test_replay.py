@@ -368,6 +368,20 @@ def test_admission_denies_once_the_env_step_budget_is_spent():
     assert isinstance(denied, LeaseDenied) and denied.reason == "budget"
 
 
+def test_once_the_budget_is_spent_an_idle_learner_gets_an_empty_batch_with_the_stats():
+    # Without it a learner whose last groups yielded nothing (GRPO on a sparse task) waited forever.
+    service, worker = ReplayService(make_config(run={"max_env_steps": 2})), Worker()
+    assert request_batch(service, version=0, max_wait_s=1.0) is None  # nothing to train, budget not spent: wait
+    grant = lease(service, worker)
+    records = [worker.stage(grant, i, 0, 0.0, terminal=True) for i in range(2)]
+    send_all(service, records, now=0.5)
+    assert service.tick(0.6) == []  # budget spent, but the request has not waited max_wait_s yet
+    [(identity, batch)] = service.tick(1.5)
+    assert identity == LEARNER and isinstance(batch, Batch)
+    assert batch.items == [] and batch.stats.env_steps == 2
+    assert isinstance(ack_batch(service, batch, version=0), Ack)
+
+
 def test_a_resent_lease_request_gets_the_same_group():
     service, worker = ReplayService(make_config()), Worker()
     request = worker.lease()
