@@ -18,10 +18,11 @@ def main() -> None:
     args = parser.parse_args()
     lines = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
     picks = sorted({round(i * (len(lines) - 1) / (args.rows - 1)) for i in range(args.rows)})
-    print("| wall s | version | env steps | success rate | stage reward | items imm / corr (step) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| wall s | version | env steps | success (last 64) | success (last 512) | stage reward | items imm / corr |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in (lines[i] for i in picks):
         print(f"| {m['wall_s']:.0f} | {m['version']} | {m['env_steps']} | {m['success_rate']:.2f} | "
+              f"{m['success_rate_long']:.2f} | "
               f"{m['stage_reward_mean']:.2f} | {m['items_immediate']} / {m['items_correction']} |")
     if args.png:
         import matplotlib
@@ -30,7 +31,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.plot([m["wall_s"] for m in lines], [m["success_rate"] for m in lines], label="success rate")
+        ax.plot([m["wall_s"] for m in lines], [m["success_rate"] for m in lines], label="success (last 64)", lw=0.8)
+        ax.plot([m["wall_s"] for m in lines], [m["success_rate_long"] for m in lines], label="success (last 512)")
         ax.plot([m["wall_s"] for m in lines], [m["stage_reward_mean"] for m in lines], label="stage reward", alpha=0.7)
         ax.set_xlabel("wall time (s)")
         ax.set_ylim(0, 1)

@@ -1,0 +1,195 @@
+"""The algorithm ablation of ALGORITHM.md §5 on the trap environment: which updates make the agent learn.
+
+Variants (`algo.updates`, `algo.credit`):
+  outcome-only          updates=outcome-only, credit=outcome       plain GRPO: the outcome reward, once per trajectory
+  outcome-only+step     updates=outcome-only, credit=outcome+step  the final credit with step returns, no immediate
+  immediate-only        updates=immediate-only                     stage rewards at once, never corrected (traps)
+  immediate+correction  updates=immediate+correction (default)     this project
+
+Every variant runs the default config (configs/local.yaml) with the same seeds (`run.seed` and `env.seed` together)
+and the same budget of environment steps (`run.max_env_steps`; `run.target_success=null` so every run spends all
+of it). Reported per variant:
+  steps to 80%   env steps at the first learner step whose success rate over the last 256 finished trajectories
+                 (`replay.success_window=256`, see common.TASK_SET_WINDOW) is >= 0.8; the median
+                 over seeds, where a seed that never gets there counts as infinitely many steps, so the median is
+                 "not reached" once half or more of the seeds miss;
+  final success  the success rate of the last learner step, mean (min-max) over seeds;
+  steps_ratio    steps(immediate+correction) / steps(outcome-only); null if either is not reached. When only
+                 outcome-only misses, `steps_ratio_upper_bound` = steps(immediate+correction) / budget.
+The plot (success rate vs env steps, mean and min-max band over seeds on a common grid) goes to docs/img/ablation.png
+(the --quick run's to benchmarks/out/ablation-quick/). The last stdout line is the JSON of the headline figures.
+
+    python benchmarks/ablation.py            # 4 variants x 3 seeds x 250k env steps, ~20-26 min on 2 cores
+    python benchmarks/ablation.py --quick    # 4 variants x 1 seed x 40k env steps, ~2.5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run as `python benchmarks/NAME.py`
+    DOCS_IMG,
+    OUT_DIR,
+    TASK_SET_WINDOW,
+    RunResult,
+    console,
+    emit,
+    fmt,
+    machine,
+    print_table,
+    ratio,
+    steps_to_target,
+    train,
+)
+
+TARGET = 0.8
+WINDOW = TASK_SET_WINDOW
+VARIANTS = {
+    "outcome-only": ["algo.updates=outcome-only", "algo.credit=outcome"],
+    "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
+    "immediate-only": ["algo.updates=immediate-only"],
+    "immediate+correction": ["algo.updates=immediate+correction"],
+}
+DESCRIPTION = {
+    "outcome-only": "GRPO (credit=outcome)",
+    "outcome-only+step": "no immediate, credit=outcome+step",
+    "immediate-only": "no corrections",
+    "immediate+correction": "this project",
+}
+
+
+def median_steps(steps: list[int | None]) -> float | None:
+    """Median over seeds with a miss counted as infinity: None once half or more of the seeds miss."""
+    value = statistics.median([math.inf if s is None else s for s in steps])
+    return None if math.isinf(value) else value
+
+
+def summarize(runs: dict[str, list[RunResult]], budget: int) -> dict:
+    steps = {v: [steps_to_target(r.lines, TARGET, WINDOW) for r in rs] for v, rs in runs.items()}
+    finals = {v: [r.lines[-1]["success_rate"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
+    stage_rewards = {v: [r.lines[-1]["stage_reward_mean"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
+    median = {v: median_steps(s) for v, s in steps.items()}
+    ours, grpo = median["immediate+correction"], median["outcome-only"]
+    return {
+        "steps_to_target": median,
+        "final_success": {v: statistics.mean(f) for v, f in finals.items()},
+        "steps_ratio": ratio(ours, grpo),
+        "steps_ratio_upper_bound": ratio(ours, budget) if ours is not None and grpo is None else None,
+        "target": TARGET,
+        "success_window": WINDOW,
+        "budget_env_steps": budget,
+        "seeds": len(next(iter(runs.values()))),
+        "steps_to_target_per_seed": steps,
+        "final_success_per_seed": finals,
+        "final_stage_reward": {v: statistics.mean(s) for v, s in stage_rewards.items()},
+        "versions": {v: [r.summary["versions"] for r in rs] for v, rs in runs.items()},
+        "stop_reasons": {v: [r.summary["stop_reason"] for r in rs] for v, rs in runs.items()},
+    }
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for variant in VARIANTS:
+        per_seed = result["steps_to_target_per_seed"][variant]
+        finals = result["final_success_per_seed"][variant]
+        reached = sum(s is not None for s in per_seed)
+        rows.append([
+            variant,
+            DESCRIPTION[variant],
+            fmt(result["steps_to_target"][variant], ",.0f"),
+            f"{reached}/{len(per_seed)}",
+            f"{result['final_success'][variant]:.3f} ({min(finals):.2f}-{max(finals):.2f})",
+            f"{result['final_stage_reward'][variant]:.3f}",
+        ])
+    return rows
+
+
+def plot(runs: dict[str, list[RunResult]], budget: int, path: Path) -> None:
+    """Success rate vs env steps: per variant the mean over seeds and a min-max band, on one env-step grid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.linspace(0, budget, 200)
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    for variant, results in runs.items():
+        curves = []
+        for run in results:
+            steps = [line["env_steps"] for line in run.lines]
+            success = [line["success_rate"] for line in run.lines]
+            # Before the first step nothing was learned (0); after the last the policy no longer changes (hold).
+            curves.append(np.interp(grid, [0, *steps], [0.0, *success]))
+        curves = np.array(curves)
+        (line,) = ax.plot(grid, curves.mean(axis=0), label=f"{variant}: {DESCRIPTION[variant]}")
+        ax.fill_between(grid, curves.min(axis=0), curves.max(axis=0), color=line.get_color(), alpha=0.2)
+    ax.axhline(TARGET, color="grey", linestyle="--", linewidth=1)
+    seeds = len(next(iter(runs.values())))
+    ax.set(xlabel="environment steps", ylabel=f"success rate (last {WINDOW} trajectories)", ylim=(-0.02, 1.02),
+           title=f"Trap environment: {seeds} seed(s) per variant, mean and min-max")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def markdown(result: dict, command: str) -> str:
+    """The table as Markdown, for docs/benchmarks.md."""
+    head = "| variant | what | env steps to 80% (median) | seeds reaching 80% | final success, mean (min-max) | " \
+           "final stage reward |\n|---|---|---|---|---|---|\n"
+    body = "".join("| " + " | ".join(row) + " |\n" for row in table_rows(result))
+    return f"`{command}`\n\n{head}{body}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed and a 40k env-step budget (~2 min)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3, quick 1)")
+    parser.add_argument("--budget", type=int, default=None, help="env steps per run (default 250000, quick 40000)")
+    args = parser.parse_args()
+    seeds = args.seeds or (1 if args.quick else 3)
+    budget = args.budget or (40_000 if args.quick else 250_000)
+    out_dir = OUT_DIR / ("ablation-quick" if args.quick else "ablation")
+    info = machine()
+
+    runs: dict[str, list[RunResult]] = {variant: [] for variant in VARIANTS}
+    for seed in range(seeds):  # seed-major: a slow stretch of the shared machine hits every variant alike
+        for variant, overrides in VARIANTS.items():
+            name = f"{variant}-seed{seed}"
+            console.print(f"[bold]ablation[/] {name}: {budget:,} env steps")
+            run = train(out_dir, name, [
+                *overrides, f"run.seed={seed}", f"env.seed={seed}", f"run.max_env_steps={budget}",
+                "run.target_success=null", "run.max_versions=1000000", f"replay.success_window={WINDOW}",
+            ], timeout_s=900 if not args.quick else 240, stall_s=60 if not args.quick else 30)
+            console.print(f"  {run.summary} in {run.elapsed_s:.0f} s, "
+                          f"steps to {TARGET}: {fmt(steps_to_target(run.lines, TARGET, WINDOW), ',')}")
+            runs[variant].append(run)
+
+    result = summarize(runs, budget)
+    result["machine"] = info
+    plot_path = (out_dir / "ablation.png") if args.quick else DOCS_IMG / "ablation.png"
+    plot(runs, budget, plot_path)
+    result["plot"] = str(plot_path)
+    command = "python benchmarks/ablation.py" + (" --quick" if args.quick else "")
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "table.md").write_text(markdown(result, command))
+    caption = (f"{seeds} seed(s), {budget:,} env steps each; steps_ratio (immediate+correction / outcome-only) = "
+               f"{fmt(result['steps_ratio'])}")
+    print_table(f"ablation: env steps to {TARGET:.0%} success", ["variant", "what", f"steps to {TARGET:.0%} (median)",
+                "reached", "final success (min-max)", "final stage reward"], table_rows(result), caption)
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""What the benchmark scripts share: run `async-rl train` as a subprocess, read its metrics, summarize, report.
+
+Every training run is a real `python -m async_rl.cli train` with `section.key=value` overrides, its own run
+directory under `benchmarks/out/`, W&B disabled, fresh loopback ports and `OMP_NUM_THREADS=1` in its
+environment (the launcher also pins each child through `run.threads_per_process=1`): the two cores are shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+OUT_DIR = REPO / "benchmarks" / "out"
+DOCS_IMG = REPO / "docs" / "img"
+SUCCESS_WINDOW = 64  # replay.success_window's default: success_rate is over the last this-many trajectories
+# The window the benchmarks use instead (`replay.success_window=256`). The default 64 trajectories are 4 groups, i.e.
+# 4 of the 16 tasks: a policy that solves some tasks and is trapped on others swings across 0.8 on the luck of which
+# 4 tasks came last. 256 trajectories (16 groups) cover the task set, so "80% success" means 80% over the tasks.
+TASK_SET_WINDOW = 256
+
+STARTUP_S = 60.0  # extra patience before a run's first learner step (loaded machine: imports, DeepSpeed init)
+
+console = Console(stderr=True)  # progress goes to stderr; stdout holds the table and the final JSON line
+
+
+class BenchmarkError(RuntimeError):
+    """A training run failed or timed out: the benchmark cannot report a number for it."""
+
+
+@dataclass
+class RunResult:
+    name: str
+    run_dir: Path
+    summary: dict[str, Any]  # the launcher's final stdout JSON line
+    lines: list[dict[str, Any]]  # metrics.jsonl, one dict per learner step
+    elapsed_s: float  # wall time of the whole subprocess, launch to exit
+
+
+def pinned_env() -> dict[str, str]:
+    """The environment of a timed subprocess: one BLAS/OpenMP thread per process."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train(out_dir: Path, name: str, overrides: list[str], timeout_s: float, stall_s: float | None = None) -> RunResult:
+    """One `async-rl train` run in `out_dir/name` (replaced if it exists). Raises BenchmarkError on failure.
+
+    `stall_s`: stop the run (SIGTERM: the learner finishes its step and writes the summary) once the learner has
+    written no metrics line for this long (plus STARTUP_S before its first line). The learner sees the env-step
+    count only in the stats of a batch, so when the budget is spent while the replay has nothing to serve (outcome-
+    only credit on a sparse reward: every group has zero variance) it would wait forever; its policy no longer
+    changes, so its last line is final.
+    """
+    run_dir = out_dir / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    args = [
+        sys.executable, "-m", "async_rl.cli", "train",
+        "wandb.mode=disabled", "run.threads_per_process=1", "run.log_level=WARNING",
+        f"run.dir={out_dir}", f"run.name={name}",
+        # Fresh ports: the defaults may be held by someone else's run on this shared machine.
+        f"replay.endpoint=tcp://127.0.0.1:{_free_port()}", f"learner.publish_endpoint=tcp://127.0.0.1:{_free_port()}",
+        *overrides,
+    ]
+    log_path, stdout_path = out_dir / f"{name}.stderr.log", out_dir / f"{name}.stdout.log"
+    metrics_path = run_dir / "metrics.jsonl"
+    started = time.monotonic()
+    stalled = False
+    with open(log_path, "w") as stderr, open(stdout_path, "w") as stdout:
+        process = subprocess.Popen(args, stdout=stdout, stderr=stderr, text=True, env=pinned_env(), cwd=REPO)
+        last_size, last_growth = -1, started
+        while process.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            size = metrics_path.stat().st_size if metrics_path.exists() else 0
+            if size != last_size:
+                last_size, last_growth = size, now
+            if now - started > timeout_s:
+                process.send_signal(signal.SIGTERM)
+                process.wait()
+                raise BenchmarkError(f"{name}: no result within {timeout_s:.0f} s (log: {log_path})")
+            if stall_s is not None and not stalled:
+                patience = stall_s if size > 0 else stall_s + STARTUP_S  # imports and model load come first
+                if now - last_growth > patience:
+                    stalled = True
+                    process.send_signal(signal.SIGTERM)
+    elapsed = time.monotonic() - started
+    lines = stdout_path.read_text().strip().splitlines()
+    last = lines[-1] if lines else ""
+    expected = 130 if stalled else 0  # the launcher's exit code after SIGTERM
+    if process.returncode != expected or not last.startswith("{"):
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise BenchmarkError(f"{name}: exit code {process.returncode} (log: {log_path})\n{tail}")
+    summary = json.loads(last)
+    if stalled:
+        summary["stop_reason"] = f"stalled: no learner step for {stall_s:.0f} s"
+    return RunResult(name, run_dir, summary, read_metrics(run_dir), elapsed)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_at_target(lines: list[dict[str, Any]], target: float, window: int = SUCCESS_WINDOW) -> dict[str, Any] | None:
+    """The first metrics line whose success rate (over the last `window` = replay.success_window finished
+    trajectories) is >= target. The learner's own `run.target_success` rule: a line before the window filled
+    doesn't count.
+    """
+    for line in lines:
+        if line["trajectories_finished"] >= window and line["success_rate"] >= target:
+            return line
+    return None
+
+
+def steps_to_target(lines: list[dict[str, Any]], target: float, window: int = SUCCESS_WINDOW) -> int | None:
+    """Environment steps (stage records) when the target success rate was first reached; None if never."""
+    line = first_at_target(lines, target, window)
+    return line["env_steps"] if line is not None else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def fmt(value: float | int | None, spec: str = ".3f", missing: str = "not reached") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def machine() -> dict[str, Any]:
+    """Where and when the numbers were measured (for the docs)."""
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.is_available(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]], caption: str | None = None) -> None:
+    """A rich table on stdout (wide enough never to wrap), above the final JSON line."""
+    table = Table(title=title, caption=caption)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    Console(width=160).print(table)
+
+
+def emit(payload: dict[str, Any]) -> None:
+    """The last stdout line: the headline figures as one JSON object (other tools read it)."""
+    print(json.dumps(payload), flush=True)

@@ -1,0 +1,38 @@
+"""The benchmark scripts' --quick forms run to the end and print their headline JSON line (numbers go in the docs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(script: str, timeout_s: float) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick"],
+        capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_ablation_quick():
+    result = run_benchmark("ablation.py", timeout_s=300)
+    variants = {"outcome-only", "immediate-only", "immediate+correction"}
+    assert variants <= result["steps_to_target"].keys()
+    assert variants <= result["final_success"].keys()
+    assert "steps_ratio" in result
+
+
+@pytest.mark.slow
+def test_async_vs_sync_quick():
+    result = run_benchmark("async_vs_sync.py", timeout_s=300)
+    assert {"throughput_ratio", "time_to_target_ratio", "learner_busy"} <= result.keys()
+    assert result["learner_busy"].keys() == {"sync", "async"}
