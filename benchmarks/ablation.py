@@ -43,6 +43,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     emit,
     fmt,
     machine,
+    markdown_table,
     print_table,
     ratio,
     steps_to_target,
@@ -143,12 +144,8 @@ def plot(runs: dict[str, list[RunResult]], budget: int, path: Path) -> None:
     plt.close(fig)
 
 
-def markdown(result: dict, command: str) -> str:
-    """The table as Markdown, for docs/benchmarks.md."""
-    head = "| variant | what | env steps to 80% (median) | seeds reaching 80% | final success, mean (min-max) | " \
-           "final stage reward |\n|---|---|---|---|---|---|\n"
-    body = "".join("| " + " | ".join(row) + " |\n" for row in table_rows(result))
-    return f"`{command}`\n\n{head}{body}"
+MARKDOWN_COLUMNS = ["variant", "what", "env steps to 80% (median)", "seeds reaching 80%",
+                    "final success, mean (min-max)", "final stage reward"]
 
 
 def main() -> int:
@@ -182,7 +179,7 @@ def main() -> int:
     result["plot"] = str(plot_path)
     command = "python benchmarks/ablation.py" + (" --quick" if args.quick else "")
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
-    (out_dir / "table.md").write_text(markdown(result, command))
+    (out_dir / "table.md").write_text(markdown_table(MARKDOWN_COLUMNS, table_rows(result), command))
     caption = (f"{seeds} seed(s), {budget:,} env steps each; steps_ratio (immediate+correction / outcome-only) = "
                f"{fmt(result['steps_ratio'])}")
     print_table(f"ablation: env steps to {TARGET:.0%} success", ["variant", "what", f"steps to {TARGET:.0%} (median)",

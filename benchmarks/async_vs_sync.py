@@ -39,6 +39,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     emit,
     fmt,
     machine,
+    markdown_table,
     print_table,
     ratio,
     train,
@@ -143,13 +144,6 @@ COLUMNS = ["variant", "rep", "trajectories/s", "learner busy", "s to target", "v
            "leases denied", "immediate trained / skipped stale"]
 
 
-def markdown(result: dict, command: str) -> str:
-    """The table as Markdown, for docs/benchmarks.md."""
-    head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    body = "".join("| " + " | ".join(row) + " |\n" for row in table_rows(result))
-    return f"`{command}`\n\n{head}{body}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 repetition, a lower target and a shorter cap (~3 min)")
@@ -179,7 +173,7 @@ def main() -> int:
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     command = "python benchmarks/async_vs_sync.py" + (" --quick" if args.quick else "")
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
-    (out_dir / "table.md").write_text(markdown(result, command))
+    (out_dir / "table.md").write_text(markdown_table(COLUMNS, table_rows(result), command))
     print_table(f"async vs sync: {STEP_LATENCY_S} s steps, {OUTCOME_DELAY_S} s outcomes, {WORKERS} rollout workers, "
                 f"target {target}", COLUMNS, table_rows(result))
     emit(result)

@@ -175,6 +175,13 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], caption: 
     Console(width=160).print(table)
 
 
+def markdown_table(columns: list[str], rows: list[list[str]], command: str) -> str:
+    """The same table as Markdown, headed by the command that measured it (for docs/benchmarks.md)."""
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    body = "".join("| " + " | ".join(row) + " |\n" for row in rows)
+    return f"`{command}`\n\n{head}{body}"
+
+
 def emit(payload: dict[str, Any]) -> None:
     """The last stdout line: the headline figures as one JSON object (other tools read it)."""
     print(json.dumps(payload), flush=True)

@@ -9,6 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
+import yaml
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -17,8 +19,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args()
     lines = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
+    config = yaml.safe_load((args.run_dir / "config.yaml").read_text())
+    short, long = config["replay"]["success_window"], config["replay"]["long_success_window"]
     picks = sorted({round(i * (len(lines) - 1) / (args.rows - 1)) for i in range(args.rows)})
-    print("| wall s | version | env steps | success (last 64) | success (last 512) | stage reward | items imm / corr |")
+    print(f"| wall s | version | env steps | success (last {short}) | success (last {long}) | stage reward "
+          "| items imm / corr |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in (lines[i] for i in picks):
         print(f"| {m['wall_s']:.0f} | {m['version']} | {m['env_steps']} | {m['success_rate']:.2f} | "
@@ -31,9 +36,10 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.plot([m["wall_s"] for m in lines], [m["success_rate"] for m in lines], label="success (last 64)", lw=0.8)
-        ax.plot([m["wall_s"] for m in lines], [m["success_rate_long"] for m in lines], label="success (last 512)")
-        ax.plot([m["wall_s"] for m in lines], [m["stage_reward_mean"] for m in lines], label="stage reward", alpha=0.7)
+        wall = [m["wall_s"] for m in lines]
+        ax.plot(wall, [m["success_rate"] for m in lines], label=f"success (last {short})", lw=0.8)
+        ax.plot(wall, [m["success_rate_long"] for m in lines], label=f"success (last {long})")
+        ax.plot(wall, [m["stage_reward_mean"] for m in lines], label="stage reward", alpha=0.7)
         ax.set_xlabel("wall time (s)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
