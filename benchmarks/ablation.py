@@ -167,7 +167,7 @@ def main() -> int:
             run = train(out_dir, name, [
                 *overrides, f"run.seed={seed}", f"env.seed={seed}", f"run.max_env_steps={budget}",
                 "run.target_success=null", "run.max_versions=1000000", f"replay.success_window={WINDOW}",
-            ], timeout_s=900 if not args.quick else 240, stall_s=60 if not args.quick else 30)
+            ], timeout_s=900 if not args.quick else 240)
             console.print(f"  {run.summary} in {run.elapsed_s:.0f} s, "
                           f"steps to {TARGET}: {fmt(steps_to_target(run.lines, TARGET, WINDOW), ',')}")
             runs[variant].append(run)

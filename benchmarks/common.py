@@ -12,7 +12,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,6 @@ SUCCESS_WINDOW = 64  # replay.success_window's default: success_rate is over the
 # 4 tasks came last. 256 trajectories (16 groups) cover the task set, so "80% success" means 80% over the tasks.
 TASK_SET_WINDOW = 256
 
-STARTUP_S = 60.0  # extra patience before a run's first learner step (loaded machine: imports, DeepSpeed init)
 
 console = Console(stderr=True)  # progress goes to stderr; stdout holds the table and the final JSON line
 
@@ -55,20 +53,12 @@ def pinned_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def train(out_dir: Path, name: str, overrides: list[str], timeout_s: float, stall_s: float | None = None) -> RunResult:
+def train(out_dir: Path, name: str, overrides: list[str], timeout_s: float) -> RunResult:
     """One `async-rl train` run in `out_dir/name` (replaced if it exists). Raises BenchmarkError on failure.
 
-    `stall_s`: stop the run (SIGTERM: the learner finishes its step and writes the summary) once the learner has
-    written no metrics line for this long (plus STARTUP_S before its first line). The learner sees the env-step
-    count only in the stats of a batch, so when the budget is spent while the replay has nothing to serve (outcome-
-    only credit on a sparse reward: every group has zero variance) it would wait forever; its policy no longer
-    changes, so its last line is final.
+    Endpoints stay `auto` (Unix sockets in the run directory), so concurrent runs never race for a port. A run
+    whose env-step budget is spent stops by itself even when nothing is left to train (the replay service then
+    answers the learner with an empty batch carrying the stats).
     """
     run_dir = out_dir / name
     if run_dir.exists():
@@ -76,45 +66,27 @@ def train(out_dir: Path, name: str, overrides: list[str], timeout_s: float, stal
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
         sys.executable, "-m", "async_rl.cli", "train",
-        "wandb.mode=disabled", "run.threads_per_process=1", "run.log_level=WARNING",
+        "wandb.mode=disabled", "run.threads_per_process=1", "run.log_level=WARNING", "run.eval_samples_per_task=0",
         f"run.dir={out_dir}", f"run.name={name}",
-        # Fresh ports: the defaults may be held by someone else's run on this shared machine.
-        f"replay.endpoint=tcp://127.0.0.1:{_free_port()}", f"learner.publish_endpoint=tcp://127.0.0.1:{_free_port()}",
         *overrides,
     ]
     log_path, stdout_path = out_dir / f"{name}.stderr.log", out_dir / f"{name}.stdout.log"
-    metrics_path = run_dir / "metrics.jsonl"
     started = time.monotonic()
-    stalled = False
     with open(log_path, "w") as stderr, open(stdout_path, "w") as stdout:
         process = subprocess.Popen(args, stdout=stdout, stderr=stderr, text=True, env=pinned_env(), cwd=REPO)
-        last_size, last_growth = -1, started
-        while process.poll() is None:
-            time.sleep(0.5)
-            now = time.monotonic()
-            size = metrics_path.stat().st_size if metrics_path.exists() else 0
-            if size != last_size:
-                last_size, last_growth = size, now
-            if now - started > timeout_s:
-                process.send_signal(signal.SIGTERM)
-                process.wait()
-                raise BenchmarkError(f"{name}: no result within {timeout_s:.0f} s (log: {log_path})")
-            if stall_s is not None and not stalled:
-                patience = stall_s if size > 0 else stall_s + STARTUP_S  # imports and model load come first
-                if now - last_growth > patience:
-                    stalled = True
-                    process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+            raise BenchmarkError(f"{name}: no result within {timeout_s:.0f} s (log: {log_path})") from None
     elapsed = time.monotonic() - started
     lines = stdout_path.read_text().strip().splitlines()
     last = lines[-1] if lines else ""
-    expected = 130 if stalled else 0  # the launcher's exit code after SIGTERM
-    if process.returncode != expected or not last.startswith("{"):
+    if process.returncode != 0 or not last.startswith("{"):
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
         raise BenchmarkError(f"{name}: exit code {process.returncode} (log: {log_path})\n{tail}")
-    summary = json.loads(last)
-    if stalled:
-        summary["stop_reason"] = f"stalled: no learner step for {stall_s:.0f} s"
-    return RunResult(name, run_dir, summary, read_metrics(run_dir), elapsed)
+    return RunResult(name, run_dir, json.loads(last), read_metrics(run_dir), elapsed)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
