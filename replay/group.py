@@ -33,7 +33,6 @@ class Group:
     open_corrections: set[int] = field(default_factory=set)  # correction item ids neither acked nor dropped
     dropped_stages: set[Stage] = field(default_factory=set)  # credit lost to max_correction_staleness
     finalized: bool = False
-    items_made: int = 0  # immediate and correction items this group put in the queue
 
     @property
     def group_size(self) -> int:

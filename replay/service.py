@@ -70,6 +70,9 @@ class ReplayService:
         self.last_grant: dict[str, LeaseGrant] = {}  # worker id -> its last grant, for a resent LeaseRequest
         self.queue = ItemQueue()
         self.in_flight: dict[int, InFlightBatch] = {}
+        # group id -> [items queued or in flight, items trained]: a group that ends with nothing trained (no item,
+        # or every item skipped as stale) is counted in groups_empty and no longer holds admission back.
+        self.item_tally: dict[str, list[int]] = {}
         self.parked: dict[bytes, tuple[BatchRequest, float]] = {}  # learner identity -> (request, arrival)
         self.stage_group_deadlines: deque[tuple[float, str, int]] = deque()  # (deadline, group, k), in time order
         self.finished: deque[tuple[bool, float, int]] = deque(maxlen=config.replay.success_window)
@@ -145,8 +148,9 @@ class ReplayService:
         if budget is not None and self.counters.env_steps >= budget:
             self.counters.leases_denied += 1
             return LeaseDenied(msg_id=request.msg_id, reason="budget", retry_after_s=BUDGET_RETRY_S, policy_version=v)
-        # A group that closed without a single item never takes learner capacity, so it does not count: with it
-        # counted, a stretch of zero-variance groups (a random policy's usual output) would stall admission for good.
+        # A group that ended with nothing trained never takes learner capacity, so it does not count: with it counted,
+        # a stretch of zero-variance groups (a random policy's usual output), or of immediate-only groups whose items
+        # all went stale, stalled admission for good while the learner waited for items.
         admitted = self.counters.groups_started - self.counters.groups_empty
         if not admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step):
             self.counters.leases_denied += 1
@@ -250,22 +254,39 @@ class ReplayService:
         if immediate_updates_on(updates) and not group.finalized and not carried_by_correction:
             for item in group.immediate_items(now, self.algo, self.config.replay, self.item_ids):
                 self.queue.append(item)
-                group.items_made += 1
+                self._tally(group.group_id)[0] += 1
         if group.ready_to_finalize():
             self._end_lease(group)
             if corrections_on(updates):
                 for item_id in group.queued_immediates:
                     self.queue.remove(item_id)  # never trained: issued stays 0 and the correction carries it
                 self.counters.immediate_superseded += len(group.queued_immediates)
+                self._tally(group.group_id)[0] -= len(group.queued_immediates)
             for item in group.finalize(self.algo, self.item_ids, with_corrections=corrections_on(updates)):
                 self.queue.append(item)
-                group.items_made += 1
+                self._tally(group.group_id)[0] += 1
         if group.closable():
             self.counters.ledger_residual_max = max(self.counters.ledger_residual_max, group.residual())
             self.counters.groups_closed += 1
-            self.counters.groups_empty += group.items_made == 0
             self._end_lease(group)
             del self.groups[group.group_id]
+            self._settle(group.group_id)
+
+    def _tally(self, group_id: str) -> list[int]:
+        return self.item_tally.setdefault(group_id, [0, 0])
+
+    def _item_done(self, group_id: str, trained: bool) -> None:
+        tally = self._tally(group_id)
+        tally[0] -= 1
+        tally[1] += trained
+        self._settle(group_id)
+
+    def _settle(self, group_id: str) -> None:
+        """A closed group with no item left in the queue or in flight is over: empty if nothing was trained."""
+        tally = self._tally(group_id)
+        if group_id not in self.groups and tally[0] == 0:
+            del self.item_tally[group_id]
+            self.counters.groups_empty += tally[1] == 0
 
     def _time_out_stage_groups(self, now: float) -> None:
         deadlines = self.stage_group_deadlines
@@ -316,6 +337,7 @@ class ReplayService:
                 self.counters.immediate_skipped_stale += 1  # issued stays 0: the correction carries its credit
                 if group is not None:
                     group.queued_immediates.discard(queued.item_id)
+                self._item_done(queued.group_id, trained=False)
                 continue
             if queued.kind == "correction" and not correction_trainable(
                 v, queued.oldest_version, algo.max_correction_staleness
@@ -354,6 +376,7 @@ class ReplayService:
         assert group is not None, "a group stays open while it has corrections"
         self.counters.credit_dropped += len(queued.credit)
         group.drop_correction(queued)
+        self._tally(queued.group_id)[0] -= 1
         log.warning("correction of %s dropped: past max_correction_staleness", queued.item.trajectory_id)
         self._advance(group, now)
 
@@ -365,10 +388,15 @@ class ReplayService:
         self.policy_version = max(self.policy_version, ack.policy_version)
         touched: dict[str, Group] = {}
         for queued in batch.items:
+            tally = self._tally(queued.group_id)
+            tally[0] -= 1
+            tally[1] += 1
             group = self.groups.get(queued.group_id)
-            if group is not None:  # None: an immediate-only group already closed; nothing left to account
+            if group is not None:
                 group.record_trained(queued)
                 touched[group.group_id] = group
+            else:  # an immediate-only group already closed; nothing left to account but its tally
+                self._settle(queued.group_id)
         for group in touched.values():
             self._advance(group, now)
         return Ack(msg_id=ack.msg_id)

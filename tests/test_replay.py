@@ -349,6 +349,23 @@ def test_groups_that_closed_without_items_do_not_hold_admission_back():
     assert isinstance(lease(service, worker), LeaseGrant)  # still version 0, yet admitted again
 
 
+def test_a_group_whose_items_all_went_stale_does_not_hold_admission_back():
+    # immediate-only: no correction will carry the credit of skipped items, so such a group trains nothing. Counted
+    # by admission, a run of them deadlocked a real run at version 3 (learner waiting, workers denied).
+    config = make_config(algo={"updates": "immediate-only", "max_staleness": 0, "groups_per_step": 1})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    records = [worker.stage(grant, i, 0, 1.0 if i == 0 else 0.0, terminal=True) for i in range(4)]
+    send_all(service, records + [worker.outcome(grant, i, 1, 0.0) for i in range(4)])
+    assert request_batch(service, version=1) is None  # every immediate item is stale at version 1: skipped
+    stats = service.stats_snapshot()
+    assert stats.immediate_skipped_stale == 4 and stats.groups_empty == 1
+    # At version 1 the bound is (1 + 0 + 1) x 1 = 2 groups that can still train: two new ones fit.
+    assert isinstance(lease(service, worker), LeaseGrant)
+    assert isinstance(lease(service, worker), LeaseGrant)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+
+
 def test_the_long_success_window_is_what_the_stop_rule_sees():
     config = make_config(replay={"success_window": 4, "long_success_window": 8})
     service, worker = ReplayService(config), Worker()
