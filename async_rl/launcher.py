@@ -8,6 +8,7 @@ and the run stops with a non-zero exit. The last stdout line is one JSON object 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -89,6 +90,22 @@ def _fresh_run_dir(config: Config) -> Config:
     return msgspec.structs.replace(config, run=run, replay=replay, learner=learner)
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _stop_with_launcher(launcher_pid: int):
+    """A `preexec_fn` (runs in the child between fork and exec): the kernel sends the child SIGTERM when the
+    launcher dies, even by SIGKILL, so no role outlives it (children are in their own sessions, so nothing
+    else would reach them). Linux only; elsewhere a killed launcher still leaves its children running."""
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm if sys.platform.startswith("linux") else None
+
+
 def _start(name: str, args: list[str], config_path: Path, run_dir: Path, env: dict[str, str]) -> Child:
     log_path = run_dir / "logs" / f"{name}.log"
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_all
@@ -98,6 +115,7 @@ def _start(name: str, args: list[str], config_path: Path, run_dir: Path, env: di
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
+        preexec_fn=_stop_with_launcher(os.getpid()),
     )
     return Child(name, process, log_path, log_file)
 

@@ -109,6 +109,35 @@ def test_a_dead_child_is_named_and_stops_the_run(tmp_path):
     assert_children_gone(tmp_path / "t")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
+    """SIGKILL gives the launcher no chance to stop anyone: the kernel's parent-death signal must."""
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
+    launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(tmp_path / "t" / "metrics.jsonl")
+    launcher.kill()
+    launcher.wait()
+    pids = json.loads((tmp_path / "t" / "processes.json").read_text())
+    deadline = time.monotonic() + 60
+    while (alive := [name for name, pid in pids.items() if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for name in alive:  # do not leave them behind for the rest of the suite
+        os.kill(pids[name], signal.SIGKILL)
+    assert not alive, f"still running after the launcher was killed: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, not yet reaped) is gone for our purpose
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_bad_config_fails_before_anything_starts(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "algo.max_staleness=-1"],
