@@ -22,8 +22,16 @@ from async_rl.config import AlgoConfig
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(tokens[:, t] | tokens[:, :t]) for t ≥ 1, shape (B, T−1); logits are (B, T, V)."""
+    return token_logprobs_and_entropy(logits, tokens, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` and, from the same log-softmax, H(π(· | tokens[:, :t])) per position (B, T−1)."""
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    chosen = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return chosen, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
 def importance_weights(
@@ -78,6 +86,7 @@ class LossStats:
     is_ratio_max: float
     is_capped_frac: float
     kl: float
+    entropy: float = 0.0  # mean entropy of the policy at the batch's action tokens (0 when not computed)
 
 
 def policy_loss(
@@ -89,8 +98,12 @@ def policy_loss(
     algo: AlgoConfig,
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1)."""
+    """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1).
+
+    With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to every action token's
+    loss (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in ALGORITHM.md §3)."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:
@@ -100,6 +113,11 @@ def policy_loss(
         kl = k3_kl(logp, ref_logp)
         token_loss = token_loss + algo.kl_beta * kl
         kl_value = float(aggregate(kl.detach(), mask, algo))
+    entropy_value = 0.0
+    if entropy is not None:
+        if algo.entropy_coef > 0:
+            token_loss = token_loss - algo.entropy_coef * entropy
+        entropy_value = float(aggregate(entropy.detach(), mask, algo))
     loss = aggregate(token_loss, mask, algo)
     on = mask.bool()
     rho_on = rho[on] if on.any() else torch.ones(1)
@@ -108,5 +126,6 @@ def policy_loss(
         is_ratio_max=float(rho_on.max()),
         is_capped_frac=float((rho_on > algo.is_cap).float().mean()),
         kl=kl_value,
+        entropy=entropy_value,
     )
     return loss, stats

@@ -57,6 +57,7 @@ def step_metrics(
         "is_ratio_max": first.is_ratio_max,
         "is_capped_frac": first.is_capped_frac,
         "kl": losses[-1][1].kl,
+        "entropy_mean": first.entropy,
         "step_s": step_s,
         "wall_s": wall_s,
     }

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import Config
-from async_rl.loss import LossStats, policy_loss, token_logprobs
+from async_rl.loss import LossStats, policy_loss, token_logprobs, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate
 
@@ -65,10 +65,11 @@ def train_on_batch(
             prox_logp = _logp(engine, batch, temperature)
     results = []
     for _ in range(algo.ppo_epochs):
-        logp = _logp(engine, batch, temperature)
+        logits = engine(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+        logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, temperature)
         loss, stats = policy_loss(
             logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
-            prox_logp=prox_logp, ref_logp=ref_logp,
+            prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
         )
         engine.backward(loss * loss_scale)
         engine.step()

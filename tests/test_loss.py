@@ -1,10 +1,20 @@
 """The token loss (ALGORITHM.md §3) on a real tiny model, with autograd."""
 
+import copy
+import math
+
 import pytest
 import torch
 
 from async_rl.config import AlgoConfig, load_config
-from async_rl.loss import aggregate, importance_weights, k3_kl, policy_loss, token_logprobs
+from async_rl.loss import (
+    aggregate,
+    importance_weights,
+    k3_kl,
+    policy_loss,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from async_rl.model import build_tiny_model
 
 
@@ -116,3 +126,31 @@ def test_kl_term_pulls_towards_the_reference(model):
     zero_adv = torch.zeros_like(mask)
     loss, stats = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, algo, ref_logp=ref)
     assert stats.kl > 0 and float(loss.detach()) == pytest.approx(0.5 * stats.kl, rel=1e-5)
+
+
+def test_entropy_of_uniform_logits_is_log_vocab_and_matches_the_chosen_logprobs():
+    tokens = torch.tensor([[1, 2, 3]])
+    logp, entropy = token_logprobs_and_entropy(torch.zeros(1, 3, 7), tokens)
+    assert torch.allclose(entropy, torch.full((1, 2), math.log(7)))
+    assert torch.allclose(logp, token_logprobs(torch.zeros(1, 3, 7), tokens))
+
+
+def test_entropy_bonus_raises_the_policy_entropy_and_is_off_by_default(model):
+    model = copy.deepcopy(model)  # trained below; the fixture is shared
+    tokens, mask, _, staleness = batch(1)
+    zero_adv = torch.zeros_like(mask)
+    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
+    loss, stats = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, AlgoConfig(), entropy=entropy)
+    assert float(loss.detach()) == 0.0 and stats.entropy > 0  # reported, not trained, at the default 0
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(3):
+        logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
+        loss, stats = policy_loss(
+            logp, logp.detach(), zero_adv, staleness, mask, AlgoConfig(entropy_coef=0.5), entropy=entropy
+        )
+        assert float(loss.detach()) == pytest.approx(-0.5 * stats.entropy, rel=1e-5)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    _, after = token_logprobs_and_entropy(model(tokens).logits, tokens)
+    assert float(aggregate(after.detach(), mask, AlgoConfig())) > stats.entropy
