@@ -5,6 +5,7 @@ Variants (`algo.updates`, `algo.credit`):
   outcome-only+step     updates=outcome-only, credit=outcome+step  the final credit with step returns, no immediate
   immediate-only        updates=immediate-only                     stage rewards at once, never corrected (traps)
   immediate+correction  updates=immediate+correction (default)     this project
+  imm+corr-no-entropy   the same with algo.entropy_coef=0          what the entropy bonus buys (docs/algorithm.md)
 
 Every variant runs the default config (configs/local.yaml) with the same seeds (`run.seed` and `env.seed` together)
 and the same budget of environment steps (`run.max_env_steps`; `run.target_success=null` so every run spends all
@@ -19,8 +20,8 @@ of it). Reported per variant:
 The plot (success rate vs env steps, mean and min-max band over seeds on a common grid) goes to docs/img/ablation.png
 (the --quick run's to benchmarks/out/ablation-quick/). The last stdout line is the JSON of the headline figures.
 
-    python benchmarks/ablation.py            # 4 variants x 3 seeds x 250k env steps, ~20-26 min on 2 cores
-    python benchmarks/ablation.py --quick    # 4 variants x 1 seed x 40k env steps, ~2.5 min
+    python benchmarks/ablation.py            # 5 variants x 3 seeds x 250k env steps, ~30 min on 2 cores
+    python benchmarks/ablation.py --quick    # 5 variants x 1 seed x 40k env steps, ~3 min
 """
 
 from __future__ import annotations
@@ -57,12 +58,14 @@ VARIANTS = {
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
     "immediate-only": ["algo.updates=immediate-only"],
     "immediate+correction": ["algo.updates=immediate+correction"],
+    "imm+corr-no-entropy": ["algo.updates=immediate+correction", "algo.entropy_coef=0"],
 }
 DESCRIPTION = {
     "outcome-only": "GRPO (credit=outcome)",
     "outcome-only+step": "no immediate, credit=outcome+step",
     "immediate-only": "no corrections",
     "immediate+correction": "this project",
+    "imm+corr-no-entropy": "this project without the entropy bonus",
 }
 
 

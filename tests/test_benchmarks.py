@@ -24,7 +24,7 @@ def run_benchmark(script: str, timeout_s: float) -> dict:
 
 @pytest.mark.slow
 def test_ablation_quick():
-    result = run_benchmark("ablation.py", timeout_s=300)
+    result = run_benchmark("ablation.py", timeout_s=420)
     variants = {"outcome-only", "immediate-only", "immediate+correction"}
     assert variants <= result["steps_to_target"].keys()
     assert variants <= result["final_success"].keys()
