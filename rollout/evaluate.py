@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -31,8 +32,9 @@ def latest_weights(run_dir: Path) -> tuple[int, Path | None]:
     return notice["version"], Path(notice["path"])
 
 
-def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345) -> dict[str, float]:
-    """Success rate of the run's latest published weights (version 0 if none) over every task."""
+def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345) -> dict[str, Any]:
+    """Success rate of the run's latest published weights (version 0 if none) over every task, plus how often
+    the policy takes a trap (`eval_trap_rate`) and on how many tasks it mostly does (`eval_tasks_trapped`)."""
     model_dir = ensure_model_dir(config)
     tokenizer = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, seed=seed)
@@ -47,8 +49,8 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345) -> d
         max_new_tokens=config.rollout.max_new_tokens,
         stop_token_ids=[tokenizer.eos_token_id],
     )
-    successes = 0
-    per_task = []
+    successes = trapped = 0
+    per_task, per_task_trapped = [], []
     with torch.inference_mode():
         for task_id in range(config.env.num_tasks):
             envs = [TrapEnv(env_config) for _ in range(samples_per_task)]
@@ -65,13 +67,19 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345) -> d
                         still.append(i)
                 live = still
             task_successes = sum(env.outcome() >= 1.0 for env in envs)
+            task_trapped = sum(env.trapped for env in envs)  # took a trap symbol: stage reward 1, outcome 0
             per_task.append(task_successes / samples_per_task)
+            per_task_trapped.append(task_trapped / samples_per_task)
             successes += task_successes
+            trapped += task_trapped
     engine.close()
     result = {
         "eval_success_rate": successes / (samples_per_task * config.env.num_tasks),
         "eval_version": version,
         "eval_tasks_solved": sum(rate >= 0.8 for rate in per_task),
+        "eval_trap_rate": trapped / (samples_per_task * config.env.num_tasks),
+        "eval_tasks_trapped": sum(rate >= 0.5 for rate in per_task_trapped),  # the policy learned the trap there
+        "eval_per_task": [round(rate, 4) for rate in per_task],
     }
     log.info("evaluation of version %d: %s", version, result)
     return result
