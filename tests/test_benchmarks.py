@@ -36,3 +36,14 @@ def test_async_vs_sync_quick():
     result = run_benchmark("async_vs_sync.py", timeout_s=300)
     assert {"throughput_ratio", "time_to_target_ratio", "learner_busy"} <= result.keys()
     assert result["learner_busy"].keys() == {"sync", "async"}
+
+
+@pytest.mark.slow
+def test_trap_dynamics_quick():
+    result = run_benchmark("trap_dynamics.py", timeout_s=300)
+    assert result["steps"] == 40 and result["hit_step"] is None  # 40 steps are far too few to reach 0.8
+    assert result["stage_reward_last"] > result["stage_reward_first"]  # but the stage rewards are being learned
+    probes = [json.loads(line) for line in Path(result["probe"]).read_text().splitlines()]
+    assert [p["step"] for p in probes] == [0, 10, 20, 30]
+    assert len(probes[0]["p"]) == 16 and all(len(stages) == 4 for stages in probes[0]["p"])  # default env
+    assert sum(p_trap is not None for stages in probes[0]["p"] for _, p_trap in stages) == 16 * 2  # 2 traps/task
