@@ -47,3 +47,13 @@ def test_trap_dynamics_quick():
     assert [p["step"] for p in probes] == [0, 10, 20, 30]
     assert len(probes[0]["p"]) == 16 and all(len(stages) == 4 for stages in probes[0]["p"])  # default env
     assert sum(p_trap is not None for stages in probes[0]["p"] for _, p_trap in stages) == 16 * 2  # 2 traps/task
+
+
+@pytest.mark.slow
+def test_slow_judge_quick():
+    result = run_benchmark("slow_judge.py", timeout_s=400)
+    assert result["outcome_delay_s"] == 2.0 and result["target"] is None
+    assert set(result["time_to_target_s"]) == {"immediate+correction", "outcome-only+step"}
+    # With a 2 s judge, immediate items are trained before their trajectory's outcome is known; without them, none.
+    assert result["immediate_before_outcome"]["immediate+correction"][0] > 0
+    assert result["immediate_before_outcome"]["outcome-only+step"] == [0]
