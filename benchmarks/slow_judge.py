@@ -9,9 +9,12 @@ Both run until the success rate over the last `replay.long_success_window` (2,04
 `run.target_success` (0.8, the default stop rule) or the env-step budget is spent. Reported per variant, the
 median over seeds (a seed that misses counts as infinitely slow): wall seconds of training to the target (the
 learner's `wall_s`), env steps to the target, and `time_ratio` = time(outcome-only+step) / time(immediate+correction),
-both variants run one after the other per seed on the same machine.
+both variants run one after the other per seed on the same machine. `algo.max_correction_staleness` is raised
+to 256 (`--max-correction-staleness`): with the config's 16, immediate items keep the learner stepping ~10
+versions a second, a 2 s judge makes every correction ~20 versions late, and the correction (the outcome's
+credit) is dropped; `credit_dropped` is reported per run.
 
-    python benchmarks/slow_judge.py            # 2 variants x 2 seeds, outcome delay 2 s; ~15-25 min on 2 cores
+    python benchmarks/slow_judge.py            # 2 variants x 2 seeds, outcome delay 2 s; ~20 min on 2 cores
     python benchmarks/slow_judge.py --quick    # 1 seed, a 20k env-step budget, no target: it completes (~2 min)
 """
 
@@ -64,10 +67,13 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=None, help="seeds (default 2, quick 1)")
     parser.add_argument("--outcome-delay", type=float, default=2.0, help="env.outcome_delay_s (default 2.0)")
     parser.add_argument("--step-latency", type=float, default=0.01, help="env.step_latency_s (default 0.01)")
-    parser.add_argument("--budget", type=int, default=None, help="env steps per run (default 1,000,000)")
+    parser.add_argument("--budget", type=int, default=None, help="env steps per run (default 500,000)")
+    parser.add_argument("--max-correction-staleness", type=int, default=256,
+                        help="algo.max_correction_staleness (default 256; the config's 16 drops most corrections "
+                             "when the judge is slow and immediate items keep the learner stepping)")
     args = parser.parse_args()
     seeds = args.seeds or (1 if args.quick else 2)
-    budget = args.budget or (20_000 if args.quick else 1_000_000)
+    budget = args.budget or (20_000 if args.quick else 500_000)
     target, window = 0.8, 2048
     out_dir = OUT_DIR / ("slow_judge-quick" if args.quick else "slow_judge")
     info = machine()
@@ -80,6 +86,7 @@ def main() -> int:
                 *overrides, f"run.seed={seed}", f"env.seed={seed}", f"run.max_env_steps={budget}",
                 "run.max_versions=1000000", f"env.outcome_delay_s={args.outcome_delay}",
                 f"env.step_latency_s={args.step_latency}",
+                f"algo.max_correction_staleness={args.max_correction_staleness}",
                 *(["run.target_success=null"] if args.quick else []),
             ], timeout_s=300 if args.quick else 1500)
             hit = at_target(run, target, window)
@@ -102,6 +109,8 @@ def main() -> int:
                                for v, rs in runs.items()},
         "immediate_before_outcome": {v: [sum(line["immediate_before_outcome"] for line in r.lines) for r in rs]
                                      for v, rs in runs.items()},
+        "credit_dropped": {v: [r.lines[-1]["credit_dropped"] if r.lines else 0 for r in rs] for v, rs in runs.items()},
+        "max_correction_staleness": args.max_correction_staleness,
         "outcome_delay_s": args.outcome_delay,
         "step_latency_s": args.step_latency,
         "budget_env_steps": budget,
