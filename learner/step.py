@@ -66,7 +66,8 @@ def train_on_batch(
     results = []
     for _ in range(algo.ppo_epochs):
         logits = engine(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
-        logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, temperature)
+        # The entropy is a second vocabulary-sized tensor: computed only when it is trained (entropy_mean is 0 then).
+        logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, temperature, entropy=algo.entropy_coef > 0)
         loss, stats = policy_loss(
             logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
             prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,

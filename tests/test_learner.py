@@ -244,6 +244,8 @@ def command_line(config: Config) -> list[str]:
         f"learner.publish_endpoint={learner.publish_endpoint}", f"learner.keep_weights={learner.keep_weights}",
         f"learner.checkpoint_every={learner.checkpoint_every}", f"learner.min_batch_items={learner.min_batch_items}",
         f"learner.zero_stage={learner.zero_stage}", f"learner.lr={learner.lr}", "wandb.mode=disabled",
+        # load_config(None, ...) starts from configs/local.yaml, whose algo differs from the Struct defaults here
+        f"algo.entropy_coef={config.algo.entropy_coef}",
     ]
 
 
