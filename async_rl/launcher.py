@@ -221,7 +221,9 @@ def train(config: Config) -> int:
     interrupted = failed = None
     started = time.monotonic()
     metrics = MetricsTail(run_dir / "metrics.jsonl")
-    previous_handler = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT explicitly too: a shell without job control starts background commands with SIGINT ignored, and
+    # Python then never installs its KeyboardInterrupt handler (seen: a CI run started with `&` ignored Ctrl-C).
+    previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     last_plain = 0.0
     try:
         with Live(console=console, refresh_per_second=2, transient=False) as live:
@@ -245,7 +247,8 @@ def train(config: Config) -> int:
         interrupted = True
         console.print("[yellow]interrupted: stopping every process[/]")
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         _stop_all(children)
 
     if failed is not None:
