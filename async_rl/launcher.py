@@ -222,7 +222,7 @@ def train(config: Config) -> int:
     started = time.monotonic()
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     # SIGINT explicitly too: a shell without job control starts background commands with SIGINT ignored, and
-    # Python then never installs its KeyboardInterrupt handler (seen: a CI run started with `&` ignored Ctrl-C).
+    # Python then never installs its KeyboardInterrupt handler, so `kill -INT` would be ignored.
     previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     last_plain = 0.0
     try:
