@@ -80,9 +80,10 @@ def test_immediate_only_trains_no_corrections(tmp_path):
 
 
 def _wait_for(path: Path, timeout: float = 120) -> None:
+    """Until `path` has a first complete line (the learner creates metrics.jsonl before its first step)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
+    while not (path.exists() and "\n" in path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never got a line"
         time.sleep(0.2)
 
 
