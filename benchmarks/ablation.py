@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     fmt,
     machine,
     markdown_table,
+    median_or_none,
     print_table,
     ratio,
     steps_to_target,
@@ -69,17 +69,11 @@ DESCRIPTION = {
 }
 
 
-def median_steps(steps: list[int | None]) -> float | None:
-    """Median over seeds with a miss counted as infinity: None once half or more of the seeds miss."""
-    value = statistics.median([math.inf if s is None else s for s in steps])
-    return None if math.isinf(value) else value
-
-
 def summarize(runs: dict[str, list[RunResult]], budget: int) -> dict:
     steps = {v: [steps_to_target(r.lines, TARGET, WINDOW) for r in rs] for v, rs in runs.items()}
     finals = {v: [r.lines[-1]["success_rate"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
     stage_rewards = {v: [r.lines[-1]["stage_reward_mean"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
-    median = {v: median_steps(s) for v, s in steps.items()}
+    median = {v: median_or_none(s) for v, s in steps.items()}
     ours, grpo = median["immediate+correction"], median["outcome-only"]
     return {
         "steps_to_target": median,

@@ -8,10 +8,12 @@ environment (the launcher also pins each child through `run.threads_per_process=
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -96,15 +98,23 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def first_at_target(lines: list[dict[str, Any]], target: float, window: int = SUCCESS_WINDOW) -> dict[str, Any] | None:
-    """The first metrics line whose success rate (over the last `window` = replay.success_window finished
-    trajectories) is >= target. The learner's own `run.target_success` rule: a line before the window filled
-    doesn't count.
+def first_at_target(
+    lines: list[dict[str, Any]], target: float, window: int = SUCCESS_WINDOW, key: str = "success_rate"
+) -> dict[str, Any] | None:
+    """The first metrics line whose success rate `key` (over the last `window` finished trajectories:
+    replay.success_window for `success_rate`, replay.long_success_window for `success_rate_long`) is >= target.
+    The learner's own `run.target_success` rule: a line before the window filled doesn't count.
     """
     for line in lines:
-        if line["trajectories_finished"] >= window and line["success_rate"] >= target:
+        if line["trajectories_finished"] >= window and line[key] >= target:
             return line
     return None
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """Median over seeds with a miss (None) counted as infinity: None once half or more of the seeds miss."""
+    value = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(value) else value
 
 
 def steps_to_target(lines: list[dict[str, Any]], target: float, window: int = SUCCESS_WINDOW) -> int | None:

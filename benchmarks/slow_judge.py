@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,9 +32,11 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     RunResult,
     console,
     emit,
+    first_at_target,
     fmt,
     machine,
     markdown_table,
+    median_or_none,
     print_table,
     ratio,
     train,
@@ -46,19 +46,6 @@ VARIANTS = {
     "immediate+correction": ["algo.updates=immediate+correction"],
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
 }
-
-
-def at_target(run: RunResult, target: float, window: int) -> dict | None:
-    """The first metrics line whose long-window success rate reached the target (the run's own stop rule)."""
-    for line in run.lines:
-        if line["trajectories_finished"] >= window and line["success_rate_long"] >= target:
-            return line
-    return None
-
-
-def median(values: list[float | None]) -> float | None:
-    value = statistics.median([math.inf if v is None else v for v in values])
-    return None if math.isinf(value) else value
 
 
 def main() -> int:
@@ -78,6 +65,7 @@ def main() -> int:
     out_dir = OUT_DIR / ("slow_judge-quick" if args.quick else "slow_judge")
     info = machine()
     runs: dict[str, list[RunResult]] = {v: [] for v in VARIANTS}
+    hits: dict[str, list[dict | None]] = {v: [] for v in VARIANTS}  # the first line at the target, per seed
     for seed in range(seeds):
         for variant, overrides in VARIANTS.items():
             name = f"{variant}-seed{seed}"
@@ -89,16 +77,16 @@ def main() -> int:
                 f"algo.max_correction_staleness={args.max_correction_staleness}",
                 *(["run.target_success=null"] if args.quick else []),
             ], timeout_s=300 if args.quick else 1500)
-            hit = at_target(run, target, window)
+            hit = first_at_target(run.lines, target, window, key="success_rate_long")  # the stop rule
             reached = "not reached" if hit is None else f"{hit['wall_s']:.0f} s, {hit['env_steps']:,} env steps"
             console.print(f"  {run.summary['stop_reason']} after {run.summary['wall_s']:.0f} s; to {target}: {reached}")
             runs[variant].append(run)
+            hits[variant].append(hit)
 
-    hits = {v: [at_target(r, target, window) for r in rs] for v, rs in runs.items()}
     seconds = {v: [h and round(h["wall_s"], 1) for h in hs] for v, hs in hits.items()}
     steps = {v: [h and h["env_steps"] for h in hs] for v, hs in hits.items()}
-    time_median = {v: median(s) for v, s in seconds.items()}
-    steps_median = {v: median(s) for v, s in steps.items()}
+    time_median = {v: median_or_none(s) for v, s in seconds.items()}
+    steps_median = {v: median_or_none(s) for v, s in steps.items()}
     result = {
         "time_to_target_s": time_median,
         "env_steps_to_target": steps_median,
