@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import Config
-from async_rl.loss import LossStats, policy_loss, token_logprobs, token_logprobs_and_entropy
+from async_rl.loss import LossStats, policy_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate
 
@@ -42,9 +42,12 @@ def _whole_batch_loss(scaled_share_loss: torch.Tensor) -> float:
     return float(scaled_share_loss)
 
 
-def _logp(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+def _logp(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π of the batch's tokens and, if asked, the policy's entropy at every position."""
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
-    return token_logprobs(logits, batch.tokens, temperature=temperature)
+    return token_logprobs_and_entropy(logits, batch.tokens, temperature, entropy=entropy)
 
 
 def train_on_batch(
@@ -60,14 +63,13 @@ def train_on_batch(
     ref_logp = prox_logp = None
     with torch.no_grad():
         if reference is not None:
-            ref_logp = _logp(reference, batch, temperature)
+            ref_logp, _ = _logp(reference, batch, temperature)
         if algo.ppo_epochs > 1:
-            prox_logp = _logp(engine, batch, temperature)
+            prox_logp, _ = _logp(engine, batch, temperature)
     results = []
     for _ in range(algo.ppo_epochs):
-        logits = engine(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
         # The entropy is a second vocabulary-sized tensor: computed only when it is trained (entropy_mean is 0 then).
-        logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, temperature, entropy=algo.entropy_coef > 0)
+        logp, entropy = _logp(engine, batch, temperature, entropy=algo.entropy_coef > 0)
         loss, stats = policy_loss(
             logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
             prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
