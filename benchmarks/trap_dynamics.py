@@ -35,8 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_rl.advantages import final_credit, immediate_advantages  # noqa: E402
 from async_rl.config import load_config  # noqa: E402
+from async_rl.ledger import GroupLedger  # noqa: E402
 from async_rl.loss import policy_loss, token_logprobs_and_entropy  # noqa: E402
 from async_rl.model import build_tiny_model, word_tokenizer  # noqa: E402
 from async_rl.vocab import OK, stage_word, symbol, task_word, vocabulary  # noqa: E402
@@ -138,27 +138,28 @@ class Model:
 
 
 def group_items(config, runs: list[dict]):
-    """Immediate items of one group now, its corrections for the next step (ALGORITHM.md §2)."""
-    algo, eps = config.algo, config.algo.eps
-    members = range(len(runs))
-    issued = {i: [0.0] * len(runs[i]["rewards"]) for i in members}
+    """Immediate items of one group now, its corrections for the next step, through the replay's own ledger
+    (`async_rl.ledger.GroupLedger`, ALGORITHM.md §2). A correction item carries every stage of its member."""
+    algo = config.algo
+    ledger = GroupLedger(len(runs))
+    for i, run in enumerate(runs):
+        for k, reward in enumerate(run["rewards"]):
+            ledger.add_stage(i, k, reward, terminal=k == len(run["rewards"]) - 1)
     immediate = []
-    if algo.updates != "outcome-only":
-        for k in range(max(len(r["rewards"]) for r in runs)):
-            a_imm = immediate_advantages({i: runs[i]["rewards"][k] for i in members if k < len(runs[i]["rewards"])},
-                                         algo.omega, eps)
-            for i, advantage in a_imm.items():
-                issued[i][k] = advantage
-                position, token, logp_mu = runs[i]["actions"][k]
-                immediate.append((runs[i]["tokens"], [(position, token, logp_mu, advantage, 0)]))
+    for k in range(max(len(r["rewards"]) for r in runs)):
+        for i, advantage in ledger.immediate(k, algo).items():
+            ledger.record_trained(i, k, advantage, immediate=True)
+            position, token, logp_mu = runs[i]["actions"][k]
+            immediate.append((runs[i]["tokens"], [(position, token, logp_mu, advantage, 0)]))
+    for i, run in enumerate(runs):
+        ledger.add_outcome(i, run["outcome"], len(run["rewards"]))
+    a_final = ledger.finalize(algo)
+    corrected = {i for i, _ in ledger.corrections()}
     corrections = []
-    if algo.updates != "immediate-only":
-        a_final = final_credit({i: runs[i]["rewards"] for i in members}, {i: runs[i]["outcome"] for i in members},
-                               algo.credit, algo.omega, algo.gamma, eps)
-        for i, credit in a_final.items():
-            actions = [(*runs[i]["actions"][k], credit[k] - issued[i][k], 1) for k in range(len(credit))]
-            if any(abs(a[3]) > 1e-8 for a in actions):
-                corrections.append((runs[i]["tokens"], actions))
+    for i in sorted(corrected):
+        actions = [(*action, a_final[(i, k)] - ledger.issued.get((i, k), 0.0), 1)
+                   for k, action in enumerate(runs[i]["actions"])]
+        corrections.append((runs[i]["tokens"], actions))
     return immediate, corrections
 
 
