@@ -10,23 +10,46 @@ import sys
 from async_rl.config import Config, load_config
 from async_rl.errors import AsyncRLError
 
-USAGE = """\
-async-rl train   [--config FILE] [section.key=value ...]   all roles on this machine (the local default)
-async-rl replay  [--config FILE] [section.key=value ...]   the replay service (one pod)
-async-rl learner [--config FILE] [section.key=value ...]   the DeepSpeed learner (one pod, or under torchrun)
-async-rl rollout [--config FILE] [--index N] [section.key=value ...]   one rollout worker (one pod each)
-async-rl evaluate [--config FILE] [section.key=value ...]  success of the run's latest weights on every task
-async-rl config  [--config FILE] [section.key=value ...]   print the resolved, validated config
-"""
+ROLES = {
+    "train": "Run every role on this machine (replay, learner, rollout workers as separate processes), then "
+    "evaluate the final weights. The local default.",
+    "replay": "Run the replay service (one pod): leases, the credit ledger, training items, batches.",
+    "learner": "Run the DeepSpeed learner (one pod, or every rank under torchrun).",
+    "rollout": "Run one rollout worker (one pod each): environments, the inference engine, stage records.",
+    "evaluate": "Evaluate the run's latest published weights on every task of the environment's eval split.",
+    "config": "Print the resolved, validated config.",
+}
+OVERRIDES_HELP = "overrides of config keys, e.g. algo.max_staleness=2 env.kwargs.stages=5 (anywhere on the line)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="async-rl", usage=USAGE)
-    parser.add_argument("role", choices=["train", "replay", "learner", "rollout", "evaluate", "config"])
-    parser.add_argument("--config", default=None, help="YAML config (default: configs/local.yaml)")
-    parser.add_argument("--index", type=int, default=0, help="rollout worker index (rollout only)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser = argparse.ArgumentParser(
+        prog="async-rl",
+        description="Asynchronous off-policy RL for long-horizon LLM agents. `async-rl ROLE --help` describes a role.",
+    )
+    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    for role, text in ROLES.items():
+        sub = roles.add_parser(role, help=text.split(". ")[0], description=text)
+        sub.add_argument("--config", default=None, metavar="FILE", help="YAML config (default: configs/local.yaml)")
+        if role == "rollout":
+            sub.add_argument("--index", type=int, default=0, help="this worker's index N (its id is rollout-N)")
+        if role == "evaluate":
+            sub.add_argument("--blind", action="store_true",
+                             help="replace every tool answer (observation after an action) by a fixed string")
+        sub.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
     return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Options and overrides in any order: `train --config FILE a.b=1` and `train a.b=1 --config FILE` alike."""
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ROLES and not any(a in ("-h", "--help") for a in argv):
+        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+        namespace = sub.parse_intermixed_args(argv[1:])
+        namespace.role = argv[0]
+        return namespace
+    return parser.parse_args(argv)
 
 
 def configure_logging(role: str, config: Config) -> None:
@@ -44,7 +67,7 @@ def configure_logging(role: str, config: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
     except AsyncRLError as exc:
@@ -83,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
             from rollout.evaluate import evaluate
 
-            print(json.dumps(evaluate(config, max(1, config.run.eval_samples_per_task))), flush=True)
+            print(json.dumps(evaluate(config, max(1, config.run.eval_samples_per_task), blind=args.blind)), flush=True)
         elif args.role == "learner":
             from learner.trainer import run as run_learner
 

@@ -41,7 +41,9 @@ class RunConfig(_Section):
     max_versions: PosInt | None = 2000  # budget: stop after this many learner optimizer steps
     target_success: Fraction | None = 0.8  # stop early once success_rate_long reaches this (None: never)
     max_wall_s: PosFloat | None = None  # stop after this many seconds
-    eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every task (0: skip)
+    eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every eval task (0: skip)
+    eval_every: NonNegInt = 0  # during training, rollout-0 evaluates every N policy versions into metrics (0: off)
+    eval_max_tasks: PosInt | None = None  # evaluate on at most this many eval tasks (None: all)
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
@@ -57,15 +59,13 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: Literal["trap"] = "trap"  # the built-in multi-stage environment with traps (ALGORITHM.md §5)
-    seed: int = 0  # derives every task's secret code and trap stages
-    num_tasks: PosInt = 16
-    stages: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4  # symbols in each secret code
-    choices: Annotated[int, msgspec.Meta(ge=2, le=26)] = 6  # options per stage
-    traps: NonNegInt = 2  # stages that also have a trap symbol
-    retries: NonNegInt = 1  # extra attempts at a stage after a miss
-    step_latency_s: NonNegFloat = 0.0  # simulated tool time per environment step
-    outcome_delay_s: NonNegFloat = 0.0  # simulated judge time before the outcome is known
+    # A built-in environment (`trap`, `hunt`, `coding`) or an import path `package.module:callable` returning an
+    # EnvFactory (rollout/envs/base.py; docs/environments.md). Checked when a run starts, not here: the kernel
+    # knows no environment.
+    name: str = "trap"
+    # Keyword arguments of the environment's factory, e.g. env.kwargs.stages=5 (each env documents its own).
+    kwargs: dict[str, Any] = {}
+    seed: int = 0  # seeds the order in which rollout workers draw tasks (each worker adds its index)
 
 
 class SGLangConfig(_Section):
@@ -85,7 +85,11 @@ class RolloutConfig(_Section):
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 16  # G trajectories per task
     temperature: PosFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    max_new_tokens: PosInt = 1  # action tokens per stage
+    # At most this many action tokens per turn (a turn also ends at EOS or a stop string); null: the environment's
+    # suggestion (its factory's max_action_tokens: 1 for trap, 2 for hunt), else 256.
+    max_new_tokens: PosInt | None = None
+    stop: list[str] = []  # stop strings: a turn's action ends right after the first one it produces
+    max_inflight: PosInt = 32  # trajectories one worker keeps going at once, across groups (>= group_size)
     ack_timeout_s: PosFloat = 5.0  # resend an unacknowledged record after this long
     heartbeat_s: PosFloat = 2.0
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
@@ -202,7 +206,7 @@ def dump_config(config: Config, path: Path) -> None:
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
-    if not sep or not key or not re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", key):
+    if not sep or not key or not re.fullmatch(r"[a-z_]+(\.[A-Za-z_][A-Za-z0-9_]*)+", key):
         raise ConfigError(f"override {override!r}: expected section.key=value, e.g. algo.max_staleness=2")
     try:
         value = yaml.safe_load(text) if text != "" else ""
@@ -233,6 +237,8 @@ def _check_keys(raw: Any, struct: type[msgspec.Struct], prefix: str) -> None:
         if key not in struct.__struct_fields__:
             close = difflib.get_close_matches(str(key), struct.__struct_fields__, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            if struct is EnvConfig:
+                hint = f"; an environment's own settings go under env.kwargs, e.g. env.kwargs.{key}={raw[key]!r}"
             allowed = ", ".join(struct.__struct_fields__)
             raise ConfigError(f"{prefix}{key}: unknown key{hint} (allowed: {allowed})")
         sub = _struct_type(hints[key])
@@ -297,9 +303,13 @@ def _explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
 
 
 def _check_relations(config: Config) -> None:
-    env, rollout, replay = config.env, config.rollout, config.replay
-    if env.traps > env.stages:
-        raise ConfigError(f"env.traps: expected <= env.stages ({env.stages}), got {env.traps}")
+    rollout, replay = config.rollout, config.replay
+    if rollout.max_inflight < rollout.group_size:
+        raise ConfigError(
+            f"rollout.max_inflight: expected >= rollout.group_size ({rollout.group_size}), got {rollout.max_inflight}"
+        )
+    if any(not stop for stop in rollout.stop):
+        raise ConfigError("rollout.stop: expected non-empty stop strings, got an empty one")
     if replay.min_stage_peers > rollout.group_size:
         raise ConfigError(
             f"replay.min_stage_peers: expected <= rollout.group_size ({rollout.group_size}), "

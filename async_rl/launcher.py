@@ -26,7 +26,6 @@ from rich.live import Live
 from rich.table import Table
 
 from async_rl.config import Config, dump_config
-from async_rl.model import ensure_model_dir
 
 log = logging.getLogger("async_rl.launcher")
 
@@ -204,12 +203,17 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def train(config: Config) -> int:
+    # The rollout side owns the environment (rollout/prepare.py); the launcher only composes the roles. A bad
+    # env.name or env.kwargs stops here, before the run directory or any process exists.
+    from rollout.prepare import load_env, prepare_model_dir
+
+    factory = load_env(config)
     config = _fresh_run_dir(config)
     run_dir = config.run_dir
     (run_dir / "logs").mkdir(parents=True)
     config_path = run_dir / "config.yaml"
     dump_config(config, config_path)
-    ensure_model_dir(config)  # once, before the roles race for it
+    prepare_model_dir(config, factory)  # once, before the roles race for it (its tokenizer depends on the env)
     env = dict(os.environ, ASYNC_RL_RUN_START=str(time.time()), OMP_NUM_THREADS=str(config.run.threads_per_process))
     console = Console(stderr=True)
     console.print(f"[bold]async-rl[/] run dir [cyan]{run_dir}[/] (logs in {run_dir / 'logs'})")

@@ -1,9 +1,11 @@
 """The policy model and its tokenizer, shared by the learner and the built-in engine.
 
 By default a tiny Llama-architecture causal LM is built from `model.*` sizes with random weights (seeded by
-`run.seed`) and a word-level tokenizer over the built-in environment's vocabulary. It is written once, as an
-ordinary Hugging Face model directory under the run directory, so the learner, every rollout worker and an
-SGLang server all load the very same version-0 weights. `model.path` points at any local HF model instead.
+`run.seed`) and a tokenizer built here: word-level over the environment's declared vocabulary (one token per
+word: a small action space a random policy can explore), or byte-level when the environment declares none (any
+UTF-8 text, exactly). It is written once, as an ordinary Hugging Face model directory under the run directory,
+so the learner, every rollout worker and an SGLang server all load the very same version-0 weights. The rollout
+side builds it (it knows the environment); the learner waits for it. `model.path` points at any local HF model.
 """
 
 from __future__ import annotations
@@ -12,24 +14,40 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from async_rl.config import Config
 from async_rl.errors import ConfigError
-from async_rl.vocab import EOS, PAD, UNK, vocabulary
 
 log = logging.getLogger("async_rl.model")
 
 
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIALS = [PAD, EOS, UNK]  # ids 0, 1, 2 in both tokenizers
+
+
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
-    """A whitespace-split, word-level tokenizer: one token per vocabulary word."""
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK))
+    """A whitespace-split, word-level tokenizer: one token per word; decoding joins words with one space."""
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(SPECIALS + list(words)))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per UTF-8 byte (GPT-2's byte-to-unicode alphabet, no merges): encodes any text and decodes it back
+    exactly, whitespace included (code needs its indentation)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(SPECIALS + alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, unk_token=UNK)
 
 
@@ -57,18 +75,27 @@ def build_tiny_model(config: Config, vocab_size: int, pad_id: int, eos_id: int) 
     return LlamaForCausalLM(llama).float()
 
 
-def ensure_model_dir(config: Config) -> Path:
-    """The HF directory every role loads; built (atomically, once) for the tiny default model."""
-    if config.model.path:
-        path = Path(config.model.path)
-        if not (path / "config.json").exists():
-            raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
-        return path
+def configured_model_dir(config: Config) -> Path | None:
+    """`model.path` checked, or None when the tiny model is built into the run directory."""
+    if not config.model.path:
+        return None
+    path = Path(config.model.path)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def ensure_model_dir(config: Config, words: list[str] | None = None) -> Path:
+    """The HF directory every role loads; built (atomically, once) for the tiny default model, with a word-level
+    tokenizer over `words` (an environment's declared vocabulary) or a byte-level one when None."""
+    configured = configured_model_dir(config)
+    if configured is not None:
+        return configured
     target = config.run_dir / "model"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = word_tokenizer(vocabulary(config.env))
+    tokenizer = word_tokenizer(words) if words else byte_tokenizer()
     model = build_tiny_model(config, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     staging = Path(tempfile.mkdtemp(prefix=".model-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
@@ -78,6 +105,27 @@ def ensure_model_dir(config: Config) -> Path:
         log.info("built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), target)
     except OSError:  # another role won the race; its copy is identical (same seed and config)
         shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def wait_for_model_dir(config: Config, timeout_s: float = 600.0, poll_s: float = 0.5) -> Path:
+    """The model directory, for a role that cannot build it (the learner does not know the environment, which
+    chooses the tiny model's tokenizer): `model.path`, or the run directory's model once the launcher or a rollout
+    worker has built it."""
+    configured = configured_model_dir(config)
+    if configured is not None:
+        return configured
+    target = config.run_dir / "model"
+    deadline = time.monotonic() + timeout_s
+    if not (target / "config.json").exists():
+        log.info("waiting for a rollout worker to build the model directory %s", target)
+    while not (target / "config.json").exists():
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"no model directory at {target} after {timeout_s:.0f} s: start a rollout worker with the same "
+                "config (it builds the tiny model for its environment), or set model.path"
+            )
+        time.sleep(poll_s)
     return target
 
 

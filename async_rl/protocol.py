@@ -6,7 +6,7 @@ Python ints; typed accessors unpack them. Every message carries `protocol`; `dec
 malformed or of another protocol version into `ProtocolError` and never raises anything else.
 
 Sockets (endpoints come from the config):
-  rollout worker  DEALER -> replay ROUTER   LeaseRequest, StageRecord, Outcome, Heartbeat
+  rollout worker  DEALER -> replay ROUTER   LeaseRequest, StageRecord, Outcome, Heartbeat, EvalReport
                                             (replies: Ack, LeaseGrant, LeaseDenied)
   learner         DEALER -> replay ROUTER   BatchRequest, BatchAck                         (replies: Batch, Ack)
   learner         PUB    -> rollout SUB     WeightsPublished
@@ -22,7 +22,7 @@ import numpy as np
 
 from async_rl.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tasks belong to the rollout side (string ids), outcomes carry success
 
 TOKEN = np.dtype("<i4")  # token ids and policy versions
 LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
@@ -60,11 +60,10 @@ class LeaseRequest(Message, tag="lease_request"):
 
 
 class LeaseGrant(Message, tag="lease_grant"):
-    """Start `group_size` trajectories of task `task_id` as group `group_id`."""
+    """Start `group_size` trajectories of one task (the worker draws it from its environment) as `group_id`."""
 
     msg_id: int
     group_id: str
-    task_id: int
     group_size: int
     policy_version: int  # the learner's version when the lease was granted
 
@@ -84,7 +83,7 @@ class StageRecord(Message, tag="stage_record"):
     group_id: str
     trajectory_id: str
     member: int  # index of the trajectory in its group, 0..G-1
-    task_id: int
+    task_id: str  # the environment's task id (the same for every member of a group)
     stage_index: int  # k, from 0
     observation_tokens: bytes  # int32: the environment's text before this stage's action (never trained)
     action_tokens: bytes  # int32: what the policy generated
@@ -127,9 +126,20 @@ class Outcome(Message, tag="outcome"):
     trajectory_id: str
     member: int
     num_stages: int  # how many stage records this trajectory sent
-    outcome: float | None
+    outcome: float | None  # the judgement's score R_i (None when abandoned)
+    success: bool = False  # the judgement says solved (the success windows and the stop rule count these)
     abandoned: bool = False
-    reason: str = ""
+    reason: str = ""  # why it was abandoned; "env_error: ..." when the environment plugin failed
+
+
+class EvalReport(Message, tag="eval_report"):
+    """An evaluation of the policy during training (`run.eval_every`); the replay passes it to the learner's
+    metrics line in `ReplayStats.eval_metrics`."""
+
+    worker_id: str
+    msg_id: int
+    policy_version: int
+    metrics: dict[str, float]
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -216,8 +226,10 @@ class ReplayStats(Message, tag="replay_stats"):
     leases_denied: int = 0
     bad_messages: int = 0
     trajectories_abandoned: int = 0
+    env_errors: int = 0  # trajectories abandoned because the environment plugin raised or broke its contract
     immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
     immediate_before_outcome: int = 0  # in this batch: immediate items served before their trajectory's outcome
+    eval_metrics: dict[str, float] = {}  # the latest EvalReport's metrics (eval_version among them); {} if none
 
 
 class Batch(Message, tag="batch"):
@@ -260,6 +272,7 @@ AnyMessage = (
     | StageRecord
     | Outcome
     | Heartbeat
+    | EvalReport
     | Ack
     | BatchRequest
     | Batch

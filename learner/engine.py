@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import Config
-from async_rl.model import ensure_model_dir, load_model
+from async_rl.model import wait_for_model_dir, load_model
 
 log = logging.getLogger("async_rl.learner")
 
@@ -75,7 +75,7 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.manual_seed(config.run.seed)
     torch.set_num_threads(config.run.threads_per_process)
-    model = load_model(ensure_model_dir(config))
+    model = load_model(wait_for_model_dir(config))
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     reference = None
     if config.algo.kl_beta > 0:

@@ -46,7 +46,10 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The full line. With ppo_epochs > 1 one line covers the batch's epochs: loss is their mean, ρ the first's."""
     first = losses[0][1]
-    replay_side = {name: getattr(stats, name) for name in stats.__struct_fields__ if name != "protocol"}
+    replay_side = {
+        name: getattr(stats, name) for name in stats.__struct_fields__ if name not in ("protocol", "eval_metrics")
+    }
+    replay_side.update(stats.eval_metrics)  # the latest evaluation (run.eval_every), flat: eval_success_rate, ...
     return {
         "version": version,
         **replay_side,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import zmq
 
 from async_rl.config import Config
-from async_rl.model import ensure_model_dir
+from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, decode, encode
 from learner.batch import collate
 from learner.engine import build_engine, full_state_dict, leave_distributed, rank, save_checkpoint, world_size
@@ -134,7 +134,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     client = publisher = metrics = None
     if leader:
         client = ReplayClient(context, config.replay.endpoint, LEARNER_ID)
-        publisher = make_publisher(context, config, ensure_model_dir(config))  # SGLang servers: learner/sglang_sync.py
+        publisher = make_publisher(context, config, wait_for_model_dir(config))  # SGLang servers: learner/sglang_sync.py
         metrics = MetricsLog(config, run_dir)
     checkpoints = run_dir / "checkpoints"
     version, stats, reason = 0, ReplayStats(), None

@@ -22,7 +22,6 @@ from replay.store import QueuedItem, StageTokens, Trajectory, assemble_item
 @dataclass(slots=True)
 class Group:
     group_id: str
-    task_id: int
     worker_id: str  # the lease holder: its silence abandons the group's unfinished members
     ledger: GroupLedger
     trajectories: dict[int, Trajectory] = field(default_factory=dict)  # member -> tokens
@@ -33,6 +32,7 @@ class Group:
     open_corrections: set[int] = field(default_factory=set)  # correction item ids neither acked nor dropped
     dropped_stages: set[Stage] = field(default_factory=set)  # credit lost to max_correction_staleness
     finalized: bool = False
+    task_id: str | None = None  # the worker's task, fixed by the group's first stage record
 
     @property
     def group_size(self) -> int:
@@ -57,8 +57,8 @@ class Group:
     def stage_problem(self, record: StageRecord) -> str | None:
         """Why a new (not duplicate) stage record cannot be stored, or None."""
         i, k, ledger = record.member, record.stage_index, self.ledger
-        if record.task_id != self.task_id:
-            return f"task {record.task_id}, but group {self.group_id} runs task {self.task_id}"
+        if self.task_id is not None and record.task_id != self.task_id:
+            return f"task {record.task_id!r}, but group {self.group_id} runs task {self.task_id!r}"
         if i in ledger.num_stages and k >= ledger.num_stages[i]:
             return f"stage {k} of member {i}, which has {ledger.num_stages[i]} stages"
         if record.terminal and max(ledger.rewards[i], default=-1) > k:
@@ -68,6 +68,7 @@ class Group:
     def add_stage(self, record: StageRecord, now: float, track_stage_group: bool) -> bool:
         """Store the record; True if it is the first of a stage group to hand out later."""
         i, k = record.member, record.stage_index
+        self.task_id = record.task_id
         trajectory = self.trajectories.get(i)
         if trajectory is None:
             trajectory = self.trajectories[i] = Trajectory(record.trajectory_id, i)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import signal
 import threading
 import time
@@ -33,6 +32,7 @@ from async_rl.protocol import (
     BatchAck,
     BatchRequest,
     Error,
+    EvalReport,
     Heartbeat,
     LeaseDenied,
     LeaseGrant,
@@ -78,7 +78,7 @@ class ReplayService:
         self.finished: deque[tuple[bool, float, int]] = deque(maxlen=config.replay.success_window)
         self.finished_long: deque[bool] = deque(maxlen=config.replay.long_success_window)
         self.successes_long = 0  # successes in finished_long, kept as a running count (the window is long)
-        self.task_rng = random.Random(config.run.seed)
+        self.latest_eval: dict[str, float] = {}  # the newest EvalReport's metrics, for the learner's metrics line
         self.item_ids = itertools.count()
         self.batch_ids = itertools.count()
 
@@ -97,6 +97,8 @@ class ReplayService:
                 reply = self._outcome(message, now)
             case Heartbeat():
                 reply = None
+            case EvalReport():
+                reply = self._eval_report(message)
             case BatchRequest():
                 reply = self._park(identity, message, now)
             case BatchAck():
@@ -127,6 +129,7 @@ class ReplayService:
         stages = sum(num_stages for _, _, num_stages in self.finished)
         return msgspec.structs.replace(
             self.counters,
+            eval_metrics=dict(self.latest_eval),
             success_rate=successes / len(self.finished) if self.finished else 0.0,
             success_rate_long=self.successes_long / len(self.finished_long) if self.finished_long else 0.0,
             stage_reward_mean=reward_sum / stages if stages else 0.0,
@@ -160,13 +163,10 @@ class ReplayService:
         group_id = f"g{self.counters.groups_started}"
         self.counters.groups_started += 1
         group_size = self.config.rollout.group_size
-        task_id = self.task_rng.randrange(self.config.env.num_tasks)
-        self.groups[group_id] = Group(group_id, task_id, request.worker_id, GroupLedger(group_size))
+        self.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size))
         self.leases.setdefault(request.worker_id, set()).add(group_id)
         self.worker_seen[request.worker_id] = now
-        grant = LeaseGrant(
-            msg_id=request.msg_id, group_id=group_id, task_id=task_id, group_size=group_size, policy_version=v
-        )
+        grant = LeaseGrant(msg_id=request.msg_id, group_id=group_id, group_size=group_size, policy_version=v)
         self.last_grant[request.worker_id] = grant
         return grant
 
@@ -207,11 +207,11 @@ class ReplayService:
             ledger.add_outcome(i, message.outcome, message.num_stages)
             self.counters.trajectories_finished += 1
             rewards = sum(r for r in ledger.rewards[i].values() if r is not None)
-            self.finished.append((message.outcome >= 1.0, rewards, message.num_stages))
+            self.finished.append((message.success, rewards, message.num_stages))
             if len(self.finished_long) == self.finished_long.maxlen:
                 self.successes_long -= self.finished_long[0]
-            self.finished_long.append(message.outcome >= 1.0)
-            self.successes_long += message.outcome >= 1.0
+            self.finished_long.append(message.success)
+            self.successes_long += message.success
         if not group.unfinished_members():
             self._end_lease(group)
         self._advance(group, now)
@@ -220,6 +220,7 @@ class ReplayService:
     def _abandon(self, group: Group, i: int, reason: str) -> None:
         group.ledger.abandon(i)
         self.counters.trajectories_abandoned += 1
+        self.counters.env_errors += reason.startswith("env_error")
         log.info("member %d of group %s abandoned: %s", i, group.group_id, reason)
 
     def _end_lease(self, group: Group) -> None:
@@ -243,6 +244,11 @@ class ReplayService:
                     self._abandon(group, i, f"lease of worker {worker_id} expired")
                 self._end_lease(group)
                 self._advance(group, now)
+
+    def _eval_report(self, report: EvalReport) -> Ack:
+        self.latest_eval = {**report.metrics, "eval_version": float(report.policy_version)}
+        log.info("evaluation at version %d from %s: %s", report.policy_version, report.worker_id, report.metrics)
+        return Ack(msg_id=report.msg_id)
 
     # --- a group's life (ALGORITHM.md §2) ------------------------------------------------------------
 

@@ -1,211 +1,364 @@
-"""The agent loop of one group: G trajectories of one task, turn by turn, each stage streamed as it completes.
+"""The episode runner: many trajectories in flight, each advancing on its own, for training and evaluation alike.
 
-Every turn the engine samples one action for each still-running trajectory (one batched call), the
-environments step concurrently in a thread pool (their tool latency overlaps), and each stage is sent as a
-`StageRecord` the moment its step returns, long before the trajectory ends. A finished trajectory's outcome
-(a slow judge) is computed in the background; the next group starts without waiting for it.
+A runner keeps up to `rollout.max_inflight` trajectories (of several groups) going at once. Each is in one phase:
+
+    reset  →  act  →  step  →  act  → … → judge → done        (or abandoned, from any phase)
+
+`act`: waiting for the engine. Every engine call batches whichever trajectories are waiting (the torch engine
+samples them as one batch; the SGLang engine sends concurrent requests), with weights that change only between
+calls, so every token's version tag is the version that produced it. A turn ends at EOS, a stop string
+(`rollout.stop`) or the action token budget. `step`: the action's text is with the environment, on a thread
+pool, so a slow tool holds up only its own trajectory. When the step returns, the stage (observation tokens,
+action tokens, behaviour log-probs, versions, stage reward) goes to the sink at once, long before the trajectory
+ends. `judge`: the finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing).
 
 A trajectory's token sequence is exactly the concatenation, over its stages, of observation tokens then action
-tokens, so the learner can rebuild it from the records alone.
+tokens, so the learner can rebuild it from the records alone. Observations are masked out of the loss. A model
+whose tokenizer has a chat template gets observations as user turns (the template's own tokens around them).
+A turn's action budget shrinks to what still fits in `model.max_seq_len`; a trajectory with no room left ends
+there and is judged as it stands.
+
+An environment that raises, or breaks its contract (rollout/envs/base.py), abandons that trajectory only:
+the sink hears `env_error: ...` naming the env and the method.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from async_rl.config import Config
-from async_rl.protocol import LOGPROB, TOKEN, LeaseGrant, Outcome, StageRecord, pack
 from rollout.engines import EngineUnavailable, Generation, InferenceEngine, SamplingParams
-from rollout.envs.trap import TrapEnv
+from rollout.envs.base import (
+    Env,
+    EnvError,
+    EnvFactory,
+    Judgement,
+    StepResult,
+    Task,
+    checked_judge,
+    checked_make,
+    checked_reset,
+    checked_step,
+)
 
 log = logging.getLogger("async_rl.rollout")
 
-WAIT_SLICE_S = 0.05  # how often the loop looks up from waiting on environments to service its sockets
+DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
+BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
+
+Phase = Literal["reset", "act", "step", "judge", "done"]
 
 
-def _judge_in_background(env: TrapEnv) -> Future[float]:
-    """`env.outcome()` on its own daemon thread: outcomes of several groups may be pending at once, and a slow
-    judge must hold up neither the next group nor the process's exit (a pool's threads are joined at exit)."""
-    future: Future[float] = Future()
-
-    def judge() -> None:
-        try:
-            future.set_result(env.outcome())
-        except Exception as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=judge, name="env-outcome", daemon=True).start()
-    return future
-
-
-@dataclass
-class Trajectory:
+@dataclass(eq=False)
+class Episode:
     group_id: str
-    task_id: int
     member: int
-    env: TrapEnv
-    observation_tokens: list[int]  # the observation the next action answers
+    task: Task
+    env: Env | None
+    phase: Phase = "reset"
     context: list[int] = field(default_factory=list)  # every token so far: what the policy conditions on
-    stages_sent: int = 0
-    done: bool = False
+    observation_tokens: list[int] = field(default_factory=list)  # the observation the next action answers
+    stages: int = 0  # stages handed to the sink
+    generation: Generation | None = None  # the action whose step is under way
+    started_at: float = field(default_factory=time.monotonic)
+    ended_at: float = 0.0
+    truncated: bool = False  # ended by the context limit, not by the env
 
     @property
     def trajectory_id(self) -> str:
         return f"{self.group_id}/{self.member}"
 
 
-class Agent:
-    """Runs groups for one worker. `send` delivers a record reliably; `service` keeps the sockets alive."""
+class Sink(Protocol):
+    """Where a runner's results go: the replay service (training) or a tally (evaluation)."""
 
+    def stage(self, episode: Episode, generation: Generation, reward: float, terminal: bool) -> None: ...
+
+    def outcome(self, episode: Episode, judgement: Judgement | None, reason: str) -> None: ...
+
+
+class TaskSampler:
+    """Draws tasks evenly: every task once per pass, in a fresh seeded order each pass."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int) -> None:
+        self.tasks = list(tasks)
+        self.rng = random.Random(seed)
+        self.order: list[Task] = []
+
+    def next(self) -> Task:
+        if not self.order:
+            self.order = list(self.tasks)
+            self.rng.shuffle(self.order)
+        return self.order.pop()
+
+
+class Prompter:
+    """Text to tokens for the context: plain for a plain tokenizer, the chat template's turns when it has one."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def first(self, text: str) -> list[int]:
+        if self.chat:
+            return self._template([{"role": "user", "content": text}])
+        return list(self.tokenizer(text)["input_ids"])  # special tokens (BOS) only here
+
+    def next(self, text: str) -> list[int]:
+        """The observation after an action: a user turn (and the assistant's opening) under a chat template."""
+        if not text:
+            return []
+        if not self.chat:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        # The template's text for one more user turn: render a short conversation with and without it.
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        after = self.tokenizer.apply_chat_template(
+            [*base, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        if not after.startswith(before):  # a template that rewrites earlier turns: render the turn alone
+            return self._template([{"role": "user", "content": text}])
+        return list(self.tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"])
+
+    def _template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
+    """The turn's sampling settings: `rollout.*`, with the env's suggested action budget when none is set."""
+    max_new_tokens = rollout.max_new_tokens or getattr(factory, "max_action_tokens", None) or DEFAULT_MAX_ACTION_TOKENS
+    return SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        max_new_tokens=int(max_new_tokens),
+        stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+        stop=list(rollout.stop),
+    )
+
+
+class EpisodeRunner:
     def __init__(
         self,
-        config: Config,
-        worker_id: str,
+        env_name: str,
+        factory: EnvFactory,
         engine: InferenceEngine,
         tokenizer: PreTrainedTokenizerBase,
-        send: Callable[[StageRecord | Outcome], None],
-        next_msg_id: Callable[[], int],
+        params: SamplingParams,
+        max_seq_len: int,
+        sink: Sink,
+        max_inflight: int,
+        blind: bool = False,
     ) -> None:
-        self.config = config
-        self.worker_id = worker_id
+        self.env_name = env_name
+        self.factory = factory
         self.engine = engine
         self.tokenizer = tokenizer
-        self.send = send
-        self.next_msg_id = next_msg_id
-        rollout = config.rollout
-        self.params = SamplingParams(
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            max_new_tokens=rollout.max_new_tokens,
-            stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
-        )
-        self.step_pool = ThreadPoolExecutor(max_workers=rollout.group_size, thread_name_prefix="env-step")
-        self.pending_outcomes: dict[Future[float], Trajectory] = {}
-        self.running_group: str | None = None
+        self.prompter = Prompter(tokenizer)
+        self.params = params
+        self.max_seq_len = max_seq_len
+        self.sink = sink
+        self.max_inflight = max_inflight
+        self.blind = blind
+        self.pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="env-step")
+        self.episodes: list[Episode] = []  # every episode not yet done
+        self.steps: dict[Future, Episode] = {}  # reset and step calls under way
+        self.judges: dict[Future, Episode] = {}
+        self.engine_calls = 0
+        self.env_errors = 0
+
+    # --- what the owner asks --------------------------------------------------------------------------
+
+    def acting(self) -> int:
+        """Trajectories that take a place in `max_inflight` (every phase but judge)."""
+        return sum(e.phase != "judge" for e in self.episodes)
+
+    def room_for(self, group_size: int) -> bool:
+        return self.acting() + group_size <= self.max_inflight
 
     def live_group_ids(self) -> list[str]:
-        """Groups this worker still owes records to (for heartbeats)."""
-        groups = {t.group_id for t in self.pending_outcomes.values()}
-        if self.running_group is not None:
-            groups.add(self.running_group)
-        return sorted(groups)
+        return sorted({e.group_id for e in self.episodes})
 
-    def run_group(self, grant: LeaseGrant, service: Callable[[], None], stop: threading.Event) -> None:
-        """Play the granted group to the end of its last stage (outcomes may still be pending after)."""
-        self.running_group = grant.group_id
-        trajectories = [self._start(grant, member) for member in range(grant.group_size)]
-        try:
-            while not stop.is_set():
-                for trajectory in trajectories:
-                    if not trajectory.done and self._context_full(trajectory):
-                        self._abandon(trajectory, "context_length")
-                running = [t for t in trajectories if not t.done]
-                if not running:
-                    return
-                try:
-                    generations = self.engine.generate([t.context for t in running], self.params)
-                except EngineUnavailable as exc:  # no stage of this turn was sent: each trajectory ends here
-                    for trajectory in running:
-                        self._abandon(trajectory, f"engine_unavailable: {exc}")
-                    raise
-                self._step_all(running, generations, service, stop)
-                service()
-        finally:
-            self.running_group = None
+    def idle(self) -> bool:
+        return not self.episodes
 
-    def poll_outcomes(self) -> None:
-        """Send the outcomes whose judge has answered."""
-        for future in [f for f in self.pending_outcomes if f.done()]:
-            trajectory = self.pending_outcomes.pop(future)
+    def start_group(self, group_id: str, task: Task, group_size: int) -> None:
+        for member in range(group_size):
+            episode = Episode(group_id, member, task, env=None)
+            self.episodes.append(episode)
             try:
-                outcome = future.result()
-            except Exception:
-                log.exception("outcome of trajectory %s failed; reporting it abandoned", trajectory.trajectory_id)
-                self._abandon(trajectory, "outcome_error")
+                episode.env = checked_make(self.env_name, self.factory)
+            except EnvError as exc:
+                self._abandon(episode, f"env_error: {exc}")
                 continue
-            self.send(self._outcome(trajectory, outcome=outcome))
+            self.steps[self.pool.submit(checked_reset, self.env_name, episode.env, task)] = episode
+
+    def pump(self, wait_s: float) -> None:
+        """One round: hand finished resets/steps/judges on, run one engine call for every trajectory waiting for
+        it, or (nothing to generate) wait up to `wait_s` for an environment."""
+        self._collect()
+        ready = [e for e in self.episodes if e.phase == "act"]
+        ready = [e for e in ready if not self._truncate_if_full(e)]
+        if ready:
+            self._generate(ready)
+        elif self.steps and wait_s > 0:
+            wait(list(self.steps), timeout=wait_s, return_when=FIRST_COMPLETED)
+            self._collect()
+        elif wait_s > 0:
+            time.sleep(min(wait_s, 0.01) if self.judges else wait_s)
+        self._collect_judges()
+
+    def abandon_all(self, reason: str) -> None:
+        for episode in list(self.episodes):
+            if episode.phase != "judge":
+                self._abandon(episode, reason)
 
     def close(self) -> None:
         """Stop without waiting for slow environments or judges (their leases time out at the replay service)."""
-        self.step_pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _start(self, grant: LeaseGrant, member: int) -> Trajectory:
-        env = TrapEnv(self.config.env)
-        observation = self.tokenizer(env.reset(grant.task_id))["input_ids"]  # special tokens (BOS) only here
-        return Trajectory(grant.group_id, grant.task_id, member, env, observation, context=list(observation))
+    # --- the phases -----------------------------------------------------------------------------------
 
-    def _context_full(self, trajectory: Trajectory) -> bool:
-        return len(trajectory.context) + self.params.max_new_tokens > self.config.model.max_seq_len
+    def _collect(self) -> None:
+        for future in [f for f in self.steps if f.done()]:
+            episode = self.steps.pop(future)
+            if episode.phase == "done":
+                continue
+            try:
+                result = future.result()
+            except EnvError as exc:
+                self._abandon(episode, f"env_error: {exc}")
+                continue
+            except Exception as exc:  # a bug of ours around the env call: still only this trajectory
+                log.exception("trajectory %s: internal error", episode.trajectory_id)
+                self._abandon(episode, f"internal_error: {type(exc).__name__}: {exc}")
+                continue
+            if episode.phase == "reset":
+                episode.observation_tokens = self.prompter.first(result)
+                episode.context = list(episode.observation_tokens)
+                episode.phase = "act"
+            else:
+                self._stepped(episode, result)
 
-    def _step_all(
-        self,
-        running: list[Trajectory],
-        generations: list[Generation],
-        service: Callable[[], None],
-        stop: threading.Event,
-    ) -> None:
-        """Step every running environment concurrently; stream each stage as soon as its step returns."""
-        steps: dict[Future[tuple[str, float, bool]], tuple[Trajectory, Generation]] = {}
-        for trajectory, generation in zip(running, generations, strict=True):
-            action = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-            steps[self.step_pool.submit(trajectory.env.step, action)] = (trajectory, generation)
-        while steps and not stop.is_set():
-            finished, _ = wait(steps, timeout=WAIT_SLICE_S, return_when=FIRST_COMPLETED)
-            for future in finished:
-                trajectory, generation = steps.pop(future)
-                observation, stage_reward, done = future.result()
-                self._record_stage(trajectory, generation, stage_reward, done)
-                if done:
-                    trajectory.done = True
-                    self.pending_outcomes[_judge_in_background(trajectory.env)] = trajectory
-                else:
-                    observation_tokens = self.tokenizer(observation, add_special_tokens=False)["input_ids"]
-                    trajectory.context += generation.token_ids + observation_tokens
-                    trajectory.observation_tokens = observation_tokens
-            service()
+    def _stepped(self, episode: Episode, result: StepResult) -> None:
+        generation = episode.generation
+        assert generation is not None
+        episode.generation = None
+        self.sink.stage(episode, generation, result.reward, result.done)
+        episode.stages += 1
+        if result.done:
+            self._judge(episode)
+            return
+        observation = BLIND_OBSERVATION if self.blind else (result.observation or "")
+        episode.observation_tokens = self.prompter.next(observation)
+        episode.context += generation.token_ids + episode.observation_tokens
+        episode.phase = "act"
 
-    def _record_stage(self, trajectory: Trajectory, generation: Generation, stage_reward: float, done: bool) -> None:
-        self.send(
-            StageRecord(
-                msg_id=self.next_msg_id(),
-                worker_id=self.worker_id,
-                group_id=trajectory.group_id,
-                trajectory_id=trajectory.trajectory_id,
-                member=trajectory.member,
-                task_id=trajectory.task_id,
-                stage_index=trajectory.stages_sent,
-                observation_tokens=pack(trajectory.observation_tokens, TOKEN),
-                action_tokens=pack(generation.token_ids, TOKEN),
-                behaviour_logprobs=pack(generation.logprobs, LOGPROB),
-                policy_versions=pack(generation.versions, TOKEN),
-                stage_reward=stage_reward,
-                terminal=done,
-            )
-        )
-        trajectory.stages_sent += 1
+    def _room(self, episode: Episode) -> int:
+        """Action tokens that still fit under model.max_seq_len."""
+        return min(self.params.max_new_tokens, self.max_seq_len - len(episode.context))
 
-    def _abandon(self, trajectory: Trajectory, reason: str) -> None:
-        log.warning("trajectory %s abandoned: %s", trajectory.trajectory_id, reason)
-        trajectory.done = True
-        self.send(self._outcome(trajectory, outcome=None, abandoned=True, reason=reason))
+    def _truncate_if_full(self, episode: Episode) -> bool:
+        """Not one more action token fits in model.max_seq_len: the trajectory ends here and is judged as it is."""
+        if self._room(episode) >= 1:
+            return False
+        if episode.stages == 0:
+            self._abandon(episode, f"context_length: the first observation ({len(episode.context)} tokens) leaves "
+                                   f"no room for an action under model.max_seq_len={self.max_seq_len}")
+        else:
+            episode.truncated = True
+            self._judge(episode)
+        return True
 
-    def _outcome(
-        self, trajectory: Trajectory, outcome: float | None, abandoned: bool = False, reason: str = ""
-    ) -> Outcome:
-        return Outcome(
-            msg_id=self.next_msg_id(),
-            worker_id=self.worker_id,
-            group_id=trajectory.group_id,
-            trajectory_id=trajectory.trajectory_id,
-            member=trajectory.member,
-            num_stages=trajectory.stages_sent,
-            outcome=outcome,
-            abandoned=abandoned,
-            reason=reason,
-        )
+    def _generate(self, ready: list[Episode]) -> None:
+        """One engine call for all of them; near the context limit a trajectory's action budget shrinks to what
+        fits (those few go in a call of their own)."""
+        by_room: dict[int, list[Episode]] = {}
+        for episode in ready:
+            by_room.setdefault(self._room(episode), []).append(episode)
+        for room, episodes in sorted(by_room.items(), reverse=True):
+            params = self.params if room == self.params.max_new_tokens else replace(self.params, max_new_tokens=room)
+            try:
+                generations = self.engine.generate([e.context for e in episodes], params)
+            except EngineUnavailable as exc:  # no stage of this turn was produced: each trajectory ends here
+                for episode in ready:
+                    if episode.phase == "act":
+                        self._abandon(episode, f"engine_unavailable: {exc}")
+                raise
+            self.engine_calls += 1
+            for episode, generation in zip(episodes, generations, strict=True):
+                episode.generation = generation
+                episode.phase = "step"
+                action = self._action_text(generation)
+                assert episode.env is not None
+                self.steps[self.pool.submit(checked_step, self.env_name, episode.env, action)] = episode
+
+    def _action_text(self, generation: Generation) -> str:
+        text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        for stop in self.params.stop:  # the tokens may run past the stop string inside their last token
+            at = text.find(stop)
+            if at >= 0:
+                text = text[: at + len(stop)]
+        return text
+
+    def _judge(self, episode: Episode) -> None:
+        episode.phase = "judge"
+        future: Future[Judgement] = Future()
+        env = episode.env
+        assert env is not None
+
+        def judge() -> None:  # its own daemon thread: a slow judge must not hold up the process's exit either
+            try:
+                future.set_result(checked_judge(self.env_name, env))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=judge, name="env-judge", daemon=True).start()
+        self.judges[future] = episode
+
+    def _collect_judges(self) -> None:
+        for future in [f for f in self.judges if f.done()]:
+            episode = self.judges.pop(future)
+            if episode.phase == "done":
+                continue
+            try:
+                judgement = future.result()
+            except EnvError as exc:
+                self._abandon(episode, f"env_error: {exc}")
+                continue
+            self._finish(episode)
+            self.sink.outcome(episode, judgement, "")
+
+    def _abandon(self, episode: Episode, reason: str) -> None:
+        log.warning("trajectory %s abandoned: %s", episode.trajectory_id, reason)
+        self.env_errors += reason.startswith("env_error")
+        self._finish(episode)
+        self.sink.outcome(episode, None, reason)
+
+    def _finish(self, episode: Episode) -> None:
+        episode.phase = "done"
+        episode.ended_at = time.monotonic()
+        if episode in self.episodes:
+            self.episodes.remove(episode)
+        close = getattr(episode.env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as exc:
+                log.warning("env %r: close() of trajectory %s raised %s: %s", self.env_name, episode.trajectory_id,
+                            type(exc).__name__, exc)
+
+
+def run_until_idle(runner: EpisodeRunner, service: Callable[[], None] = lambda: None, wait_s: float = 0.05) -> None:
+    """Pump a runner until every episode it holds is done (evaluation; tests)."""
+    while not runner.idle():
+        runner.pump(wait_s)
+        service()

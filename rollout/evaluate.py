@@ -1,25 +1,30 @@
-"""Evaluate a policy on every task of the environment: the success rate of fresh samples, with no training.
+"""Evaluate a policy on the environment's eval split: the success rate of fresh samples, with no training.
 
 The training metric `success_rate` covers the last 64 finished trajectories, i.e. a handful of groups of a handful
-of tasks, so it is noisy and can touch the target on a lucky window. This measures the final weights on all
-`env.num_tasks` tasks, `samples_per_task` trajectories each, sampled exactly as in training.
+of tasks, so it is noisy and can touch the target on a lucky window. This measures a policy on every eval task,
+`samples_per_task` trajectories each, sampled exactly as in training and by the same episode runner
+(rollout/agent.py). `blind=True` replaces every tool answer with a fixed string: how much the policy needs its
+observations.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from async_rl.config import Config
-from async_rl.model import ensure_model_dir, load_tokenizer
-from rollout.engines import SamplingParams
+from async_rl.errors import AsyncRLError
+from async_rl.model import load_tokenizer
+from rollout.agent import Episode, EpisodeRunner, sampling_params
+from rollout.engines import Generation, InferenceEngine, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
-from rollout.envs.trap import TrapEnv
+from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks
+from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -32,54 +37,102 @@ def latest_weights(run_dir: Path) -> tuple[int, Path | None]:
     return notice["version"], Path(notice["path"])
 
 
-def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345) -> dict[str, Any]:
-    """Success rate of the run's latest published weights (version 0 if none) over every task, plus how often
-    the policy takes a trap (`eval_trap_rate`) and on how many tasks it mostly does (`eval_tasks_trapped`)."""
-    model_dir = ensure_model_dir(config)
+class TallySink:
+    """Collects each eval trajectory's judgement (None: abandoned) by task."""
+
+    def __init__(self) -> None:
+        self.judgements: dict[str, list[Judgement | None]] = {}
+        self.stage_rewards: list[float] = []
+        self.turns: list[int] = []
+
+    def stage(self, episode: Episode, generation: Generation, reward: float, terminal: bool) -> None:
+        self.stage_rewards.append(reward)
+
+    def outcome(self, episode: Episode, judgement: Judgement | None, reason: str) -> None:
+        self.judgements.setdefault(episode.task.id, []).append(judgement)
+        self.turns.append(episode.stages)
+
+
+def evaluate_policy(
+    config: Config,
+    factory: EnvFactory,
+    engine: InferenceEngine,
+    tokenizer: Any,
+    params: SamplingParams,
+    samples_per_task: int | None = None,
+    blind: bool = False,
+    service: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Run `samples_per_task` episodes of every eval task (at most `run.eval_max_tasks`) with the engine's current
+    weights; `service` is called between rounds (a training worker keeps its leases alive with it)."""
+    samples = samples_per_task or max(1, config.run.eval_samples_per_task)
+    tasks: list[Task] = checked_tasks(config.env.name, factory, "eval")[: config.run.eval_max_tasks]
+    sink = TallySink()
+    inflight = max(config.rollout.max_inflight, samples)
+    runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, params, config.model.max_seq_len, sink,
+                           inflight, blind=blind)
+    pending = list(enumerate(tasks))
+    try:
+        with torch.inference_mode():
+            while pending or not runner.idle():
+                while pending and runner.room_for(samples):
+                    n, task = pending.pop(0)
+                    runner.start_group(f"eval{n}", task, samples)
+                runner.pump(0.05)
+                service()
+    finally:
+        runner.close()
+    return summarize(sink, tasks, samples, engine.version, blind)
+
+
+def summarize(sink: TallySink, tasks: list[Task], samples: int, version: int, blind: bool) -> dict[str, Any]:
+    per_task, scores, info = [], [], {}
+    abandoned = 0
+    for task in tasks:
+        judged = sink.judgements.get(task.id, [])
+        per_task.append(sum(j is not None and j.success for j in judged) / samples)
+        for judgement in judged:
+            if judgement is None:
+                abandoned += 1
+                continue
+            scores.append(judgement.score)
+            for key, value in judgement.info.items():
+                info.setdefault(key, []).append(value)
+    total = samples * len(tasks)
+    result: dict[str, Any] = {
+        "eval_success_rate": sum(rate * samples for rate in per_task) / total,
+        "eval_score_mean": sum(scores) / total,
+        "eval_version": version,
+        "eval_tasks": len(tasks),
+        "eval_tasks_solved": sum(rate >= 0.8 for rate in per_task),
+        "eval_abandoned": abandoned,
+        "eval_turns_mean": sum(sink.turns) / max(1, len(sink.turns)),
+        "eval_stage_reward_mean": sum(sink.stage_rewards) / max(1, len(sink.stage_rewards)),
+    }
+    for key, values in sorted(info.items()):
+        result[f"eval_{key}"] = sum(values) / total
+    if blind:
+        result["eval_blind"] = True
+    result["eval_per_task"] = [round(rate, 4) for rate in per_task]
+    return result
+
+
+def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blind: bool = False) -> dict[str, Any]:
+    """The run's latest published weights (version 0 if none) on every eval task."""
+    factory = load_env(config)
+    if not config.model.path and not (config.run_dir / "model" / "config.json").exists():
+        raise AsyncRLError(f"no run at {config.run_dir} (no model directory): evaluate a run that exists "
+                           "(set run.dir / run.name, or --config <run_dir>/config.yaml)")
+    model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, seed=seed)
     version, path = latest_weights(config.run_dir)
     if path is not None:
         engine.update_weights(version, str(path))
-    # No simulated latency: evaluation measures the policy, not the tools.
-    env_config = msgspec.structs.replace(config.env, step_latency_s=0.0, outcome_delay_s=0.0)
-    params = SamplingParams(
-        temperature=config.rollout.temperature,
-        top_p=config.rollout.top_p,
-        max_new_tokens=config.rollout.max_new_tokens,
-        stop_token_ids=[tokenizer.eos_token_id],
-    )
-    successes = trapped = 0
-    per_task, per_task_trapped = [], []
-    with torch.inference_mode():
-        for task_id in range(config.env.num_tasks):
-            envs = [TrapEnv(env_config) for _ in range(samples_per_task)]
-            contexts = [tokenizer(env.reset(task_id))["input_ids"] for env in envs]
-            live = list(range(samples_per_task))
-            while live:
-                generations = engine.generate([contexts[i] for i in live], params)
-                still = []
-                for i, generation in zip(live, generations, strict=True):
-                    action = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-                    observation, _, done = envs[i].step(action)
-                    contexts[i] += generation.token_ids + tokenizer(observation)["input_ids"]
-                    if not done:
-                        still.append(i)
-                live = still
-            task_successes = sum(env.outcome() >= 1.0 for env in envs)
-            task_trapped = sum(env.trapped for env in envs)  # took a trap symbol: stage reward 1, outcome 0
-            per_task.append(task_successes / samples_per_task)
-            per_task_trapped.append(task_trapped / samples_per_task)
-            successes += task_successes
-            trapped += task_trapped
-    engine.close()
-    result = {
-        "eval_success_rate": successes / (samples_per_task * config.env.num_tasks),
-        "eval_version": version,
-        "eval_tasks_solved": sum(rate >= 0.8 for rate in per_task),
-        "eval_trap_rate": trapped / (samples_per_task * config.env.num_tasks),
-        "eval_tasks_trapped": sum(rate >= 0.5 for rate in per_task_trapped),  # the policy learned the trap there
-        "eval_per_task": [round(rate, 4) for rate in per_task],
-    }
+    try:
+        result = evaluate_policy(config, factory, engine, tokenizer, sampling_params(config.rollout, factory, tokenizer),
+                                 samples_per_task, blind)
+    finally:
+        engine.close()
     log.info("evaluation of version %d: %s", version, result)
     return result

@@ -1,10 +1,15 @@
-"""A rollout worker: lease a group from the replay service, play it, stream its stages, follow new weights.
+"""A rollout worker: lease groups from the replay service, run their episodes, stream their stages, follow weights.
 
-    DEALER -> replay ROUTER   LeaseRequest, StageRecord, Outcome, Heartbeat   (Ack, LeaseGrant, LeaseDenied, Error)
+    DEALER -> replay ROUTER   LeaseRequest, StageRecord, Outcome, Heartbeat, EvalReport
+                              (Ack, LeaseGrant, LeaseDenied, Error)
     SUB    <- learner PUB     WeightsPublished
 
-Weights change only between turns (never inside one `generate` call), so every token's version tag is the
-version that actually produced it. A worker that starts late catches up from `<run_dir>/weights/latest.json`.
+The worker asks for a new group whenever its episode runner (rollout/agent.py) has room for one more group
+within `rollout.max_inflight`, and draws the group's task from its environment's train split (each task once per
+pass, in a seeded order). Weights change only between engine calls, so every token's version tag is the version
+that actually produced it. A worker that starts late catches up from `<run_dir>/weights/latest.json`.
+With `run.eval_every` > 0, worker 0 evaluates the policy on the eval split every that many versions and reports
+the result (EvalReport) for the learner's metrics line.
 """
 
 from __future__ import annotations
@@ -21,19 +26,65 @@ import torch
 import zmq
 
 from async_rl.config import Config
-from async_rl.model import ensure_model_dir, load_tokenizer
-from async_rl.protocol import LeaseDenied, WeightsPublished
+from async_rl.model import load_tokenizer
+from async_rl.protocol import LOGPROB, TOKEN, EvalReport, LeaseDenied, LeaseGrant, Outcome, StageRecord, WeightsPublished, pack
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
-from rollout.agent import Agent
-from rollout.engines import EngineUnavailable, InferenceEngine
+from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
+from rollout.engines import EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.torch_engine import TorchEngine
+from rollout.envs.base import Judgement, checked_tasks
+from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
+from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")
 
-MIN_LEASE_INTERVAL_S = 1.0  # at most one lease request per this long unless a group just finished
-IDLE_POLL_S = 0.05
+IDLE_POLL_S = 0.05  # how long the loop waits for a reply or an environment when there is nothing to generate
 STOP_DRAIN_S = 2.0  # on stop, wait this long at most for the acks of what was already sent
+
+
+class ReplaySink:
+    """Stages and outcomes of a runner's episodes, as records to the replay service."""
+
+    def __init__(self, worker_id: str, send: Callable[[StageRecord | Outcome], None], next_msg_id: Callable[[], int]):
+        self.worker_id = worker_id
+        self.send = send
+        self.next_msg_id = next_msg_id
+
+    def stage(self, episode: Episode, generation: Generation, reward: float, terminal: bool) -> None:
+        self.send(
+            StageRecord(
+                msg_id=self.next_msg_id(),
+                worker_id=self.worker_id,
+                group_id=episode.group_id,
+                trajectory_id=episode.trajectory_id,
+                member=episode.member,
+                task_id=episode.task.id,
+                stage_index=episode.stages,
+                observation_tokens=pack(episode.observation_tokens, TOKEN),
+                action_tokens=pack(generation.token_ids, TOKEN),
+                behaviour_logprobs=pack(generation.logprobs, LOGPROB),
+                policy_versions=pack(generation.versions, TOKEN),
+                stage_reward=reward,
+                terminal=terminal,
+            )
+        )
+
+    def outcome(self, episode: Episode, judgement: Judgement | None, reason: str) -> None:
+        self.send(
+            Outcome(
+                msg_id=self.next_msg_id(),
+                worker_id=self.worker_id,
+                group_id=episode.group_id,
+                trajectory_id=episode.trajectory_id,
+                member=episode.member,
+                num_stages=episode.stages,
+                outcome=judgement.score if judgement is not None else None,
+                success=judgement.success if judgement is not None else False,
+                abandoned=judgement is None,
+                reason=reason,
+            )
+        )
 
 
 def make_engine(config: Config, model_dir: Path, seed: int) -> InferenceEngine:
@@ -97,7 +148,9 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     worker_id = f"rollout-{worker_index}"
     restore_signals = _stop_on_signals(stop)
     torch.set_num_threads(config.run.threads_per_process)
-    model_dir = ensure_model_dir(config)
+    factory = load_env(config)
+    train_tasks = TaskSampler(checked_tasks(config.env.name, factory, "train"), seed=config.env.seed * 1000 + worker_index)
+    model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
     engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index)
     context = zmq.Context()
@@ -105,39 +158,43 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     subscriber = connect_subscriber(context, config.learner.publish_endpoint)
     link = ReplayLink(dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)
     weights = WeightsFollower(subscriber, engine, config.run_dir)
-    agent = Agent(config, worker_id, engine, tokenizer, link.send_reliably, link.next_msg_id)
-    log.info(
-        "%s up: engine %s at version %d, replay %s",
-        worker_id,
-        config.rollout.engine,
-        engine.version,
-        config.replay.endpoint,
-    )
+    params = sampling_params(config.rollout, factory, tokenizer)
+    sink = ReplaySink(worker_id, link.send_reliably, link.next_msg_id)
+    runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, params, config.model.max_seq_len, sink,
+                           config.rollout.max_inflight)
+    group_size = config.rollout.group_size
+    eval_every = config.run.eval_every if worker_index == 0 else 0
+    next_eval = eval_every
+    held_replies: list = []  # lease replies that arrived while an evaluation ran
+    log.info("%s up: env %s, engine %s at version %d, %d in flight at most, replay %s", worker_id, config.env.name,
+             config.rollout.engine, engine.version, config.rollout.max_inflight, config.replay.endpoint)
 
     def service() -> None:
         weights.sync()
-        agent.poll_outcomes()
-        link.tick(agent.live_group_ids())
-
-    def service_during_group() -> None:
-        link.handle_replies(0.0)  # acks; no lease request is open while a group runs
-        service()
+        link.tick(runner.live_group_ids())
 
     next_request_at = 0.0
     try:
         while not stop.is_set():
-            if link.lease_request is None and time.monotonic() >= next_request_at:
+            now = time.monotonic()
+            if link.lease_request is None and now >= next_request_at and runner.room_for(group_size):
                 link.request_lease()
-                next_request_at = time.monotonic() + MIN_LEASE_INTERVAL_S
-            for reply in link.handle_replies(IDLE_POLL_S):
+            busy = not runner.idle()
+            for reply in held_replies + link.handle_replies(0.0 if busy else IDLE_POLL_S):
                 if isinstance(reply, LeaseDenied):
                     log.debug("lease denied (%s); asking again in %.2fs", reply.reason, reply.retry_after_s)
                     next_request_at = time.monotonic() + reply.retry_after_s
                 else:
-                    log.info("group %s: task %d x %d", reply.group_id, reply.task_id, reply.group_size)
-                    agent.run_group(reply, service_during_group, stop)
+                    task = train_tasks.next()
+                    log.debug("group %s: task %s x %d", reply.group_id, task.id, reply.group_size)
+                    runner.start_group(reply.group_id, task, reply.group_size)
                     next_request_at = 0.0
+            held_replies = []
+            runner.pump(IDLE_POLL_S if busy else 0.0)
             service()
+            if eval_every and engine.version >= next_eval:
+                next_eval = engine.version + eval_every
+                held_replies = _evaluate_now(config, factory, engine, tokenizer, params, link, runner, worker_id)
     except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
         log.error("%s stops: %s", worker_id, exc)
         _deliver_unacked(link, config.rollout.ack_timeout_s)
@@ -145,13 +202,33 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     else:  # stopped: what was sent should still reach the replay service (it is stopped after the workers)
         _deliver_unacked(link, STOP_DRAIN_S)
     finally:
-        agent.close()
+        runner.close()
         engine.close()
         dealer.close(linger=0)
         subscriber.close(linger=0)
         context.term()
         restore_signals()
-        log.info("%s stopped (%d records unacked, %d resends)", worker_id, len(link.unacked), link.resends)
+        log.info("%s stopped (%d records unacked, %d resends, %d env errors)", worker_id, len(link.unacked),
+                 link.resends, runner.env_errors)
+
+
+def _evaluate_now(config: Config, factory, engine: InferenceEngine, tokenizer, params, link: ReplayLink,
+                  runner: EpisodeRunner, worker_id: str) -> list[LeaseGrant | LeaseDenied]:
+    """Evaluate the loaded weights on the eval split (training episodes wait; leases stay alive), report it."""
+    held: list[LeaseGrant | LeaseDenied] = []
+
+    def keep_leases() -> None:
+        held.extend(link.handle_replies(0.0))
+        link.tick(runner.live_group_ids())
+
+    version = engine.version
+    started = time.monotonic()
+    metrics = evaluate_policy(config, factory, engine, tokenizer, params, service=keep_leases)
+    metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    metrics["eval_s"] = time.monotonic() - started
+    link.send_reliably(EvalReport(worker_id=worker_id, msg_id=link.next_msg_id(), policy_version=version,
+                                  metrics=metrics))
+    return held
 
 
 def _deliver_unacked(link: ReplayLink, timeout_s: float) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,14 +16,16 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parent.parent
+
 SHORT_RUN = [
     "wandb.mode=disabled",
     "run.target_success=null",
     "rollout.workers=2",
     "rollout.group_size=4",
-    "env.num_tasks=4",
-    "env.step_latency_s=0.01",
-    "env.outcome_delay_s=0.3",
+    "env.kwargs.num_tasks=4",
+    "env.kwargs.step_latency_s=0.01",
+    "env.kwargs.outcome_delay_s=0.3",
     "learner.min_batch_items=4",
     "learner.batch_wait_s=0.2",
     "algo.max_staleness=2",
@@ -152,3 +156,102 @@ def test_a_bad_config_fails_before_anything_starts(tmp_path):
     assert done.returncode == 2
     assert "algo.max_staleness: expected int >= 0, got -1" in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_bad_environment_fails_before_anything_starts(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "env.name=no_such_env_module:factory"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "env 'no_such_env_module:factory': cannot import module 'no_such_env_module'" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_documented_command_form_with_a_config_file_then_overrides(tmp_path):
+    """`async-rl train --config FILE key=value ...` exactly as the README prints it (the installed script)."""
+    script = shutil.which("async-rl")
+    command = [script] if script else [sys.executable, "-m", "async_rl.cli"]
+    config = tmp_path / "my.yaml"
+    config.write_text((REPO / "configs" / "local.yaml").read_text().replace("name: local", "name: mine"))
+    done = subprocess.run(
+        [*command, "train", "--config", str(config), f"run.dir={tmp_path}", *SHORT_RUN, "run.max_versions=3",
+         "run.eval_samples_per_task=2"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["versions"] == 3 and result["run_dir"] == str(tmp_path / "mine")
+
+
+USER_ENV = """
+from rollout.envs.base import Judgement, StepResult, Task
+
+class Counter:
+    \"\"\"Say a word `target` times; a stage reward for each word said right.\"\"\"
+    def __init__(self, word, turns):
+        self.word, self.turns, self.said, self.right = word, turns, 0, 0
+    def reset(self, task):
+        self.said = self.right = 0
+        return "say " + self.word + " " + task.data["n"]
+    def step(self, action):
+        self.said += 1
+        self.right += action.strip() == self.word
+        return StepResult(observation="again", reward=float(action.strip() == self.word), done=self.said >= self.turns)
+    def judge(self):
+        return Judgement(score=self.right / self.turns, success=self.right == self.turns)
+
+class Factory:
+    def __init__(self, word, turns):
+        self.word, self.turns = word, turns
+    def tasks(self, split):
+        return [Task(id=f"{split}{i}", data={"n": str(i)}) for i in range(3 if split == "train" else 2)]
+    def make(self):
+        return Counter(self.word, self.turns)
+    def vocabulary(self):
+        return ["say", "again", self.word, "0", "1", "2", "apple", "pear"]
+
+def factory(word="plum", turns=2):
+    return Factory(word, int(turns))
+"""
+
+
+def test_a_user_environment_outside_the_project_trains_and_is_evaluated(tmp_path):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "counter_env.py").write_text(textwrap.dedent(USER_ENV))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=disabled",
+            "run.target_success=null", "run.max_versions=12", "rollout.group_size=4", "learner.min_batch_items=4",
+            "learner.batch_wait_s=0.2", "env.name=counter_env:factory", "env.kwargs.word=apple",
+            "env.kwargs.turns=3", "run.eval_every=4", "run.eval_samples_per_task=4"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = metrics(tmp_path / "t")
+    assert lines[-1]["trajectories_finished"] > 0 and lines[-1]["env_steps"] > 0
+    assert max(m["stage_reward_mean"] for m in lines) > 0  # some "apple"s were said (1 word of 11)
+    assert all(m["ledger_residual_max"] < 1e-6 for m in lines)
+    evaluated = [m for m in lines if "eval_success_rate" in m]
+    assert evaluated and evaluated[-1]["eval_tasks"] == 2  # during training, on the eval split (2 tasks)
+    assert all(m["eval_version"] % 4 == 0 for m in evaluated)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["eval_tasks"] == 2 and result["eval_version"] == 12 and len(result["eval_per_task"]) == 2
+
+
+def test_the_hunt_trains_and_evaluates_blind(tmp_path):
+    done, run_dir = train(tmp_path, "env.name=hunt", "env.kwargs={}", "env.kwargs.num_tasks=2", "run.max_versions=4",
+                          "run.eval_samples_per_task=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = run_dir / "config.yaml"
+    blind = subprocess.run([sys.executable, "-m", "async_rl.cli", "evaluate", "--config", str(config), "--blind"],
+                           capture_output=True, text=True, timeout=120)
+    assert blind.returncode == 0, blind.stderr[-3000:]
+    result = json.loads(blind.stdout.strip().splitlines()[-1])
+    assert result["eval_blind"] is True and result["eval_version"] == 4 and result["eval_tasks"] == 2
+
+
+def test_evaluating_a_run_that_does_not_exist_is_an_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "async_rl.cli", "evaluate", f"run.dir={tmp_path}", "run.name=nope"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"no run at {tmp_path / 'nope'}" in done.stderr

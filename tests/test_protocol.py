@@ -18,6 +18,7 @@ from async_rl.protocol import (
     BatchAck,
     BatchRequest,
     Error,
+    EvalReport,
     Heartbeat,
     LeaseDenied,
     LeaseGrant,
@@ -35,7 +36,7 @@ from async_rl.protocol import (
 
 def stage_record(**changes) -> StageRecord:
     fields = dict(
-        msg_id=7, worker_id="rollout-0", group_id="g3", trajectory_id="g3/1", member=1, task_id=5, stage_index=2,
+        msg_id=7, worker_id="rollout-0", group_id="g3", trajectory_id="g3/1", member=1, task_id="5", stage_index=2,
         observation_tokens=pack([4, 9, 11], TOKEN), action_tokens=pack([20, 21], TOKEN),
         behaviour_logprobs=pack([-0.5, -1.25], LOGPROB), policy_versions=pack([3, 4], TOKEN),
         stage_reward=1.0, terminal=False,
@@ -54,14 +55,16 @@ def train_item() -> TrainItem:
 
 ALL_MESSAGES = [
     LeaseRequest(worker_id="rollout-0", msg_id=1),
-    LeaseGrant(msg_id=1, group_id="g0", task_id=3, group_size=8, policy_version=2),
+    LeaseGrant(msg_id=1, group_id="g0", group_size=8, policy_version=2),
     LeaseDenied(msg_id=1, reason="staleness", retry_after_s=0.05, policy_version=2),
     stage_record(),
     stage_record(stage_reward=None, terminal=True),
-    Outcome(msg_id=2, worker_id="rollout-0", group_id="g0", trajectory_id="g0/0", member=0, num_stages=3, outcome=1.0),
+    Outcome(msg_id=2, worker_id="rollout-0", group_id="g0", trajectory_id="g0/0", member=0, num_stages=3, outcome=1.0,
+            success=True),
     Outcome(msg_id=3, worker_id="rollout-0", group_id="g0", trajectory_id="g0/1", member=1, num_stages=1,
             outcome=None, abandoned=True, reason="server died"),
     Heartbeat(worker_id="rollout-0", group_ids=["g0", "g1"]),
+    EvalReport(worker_id="rollout-0", msg_id=6, policy_version=3, metrics={"eval_success_rate": 0.5}),
     Ack(msg_id=9, duplicate=True),
     BatchRequest(learner_id="learner-0", msg_id=4, policy_version=5, max_tokens=4096, min_items=8, max_wait_s=0.5),
     Batch(msg_id=4, batch_id=11, items=[train_item()], stats=ReplayStats(env_steps=100, success_rate=0.5)),

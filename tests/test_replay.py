@@ -21,6 +21,7 @@ from async_rl.advantages import final_credit, immediate_advantages
 from async_rl.config import Config, config_from_dict
 from async_rl.protocol import (
     LOGPROB,
+    PROTOCOL_VERSION,
     TOKEN,
     Ack,
     Batch,
@@ -77,7 +78,7 @@ class Worker:
             group_id=grant.group_id,
             trajectory_id=f"{grant.group_id}/{i}",
             member=i,
-            task_id=grant.task_id,
+            task_id="task-a",
             stage_index=k,
             observation_tokens=pack([1000 + 10 * k + j for j in range(n_obs)], TOKEN),
             action_tokens=pack([2000 + 100 * i + 10 * k + j for j in range(n_act)], TOKEN),
@@ -96,7 +97,7 @@ class Worker:
             member=i,
             num_stages=num_stages,
             outcome=outcome,
-            **kw,
+            **{"success": outcome is not None and outcome >= 1.0, **kw},
         )
 
 
@@ -455,7 +456,7 @@ def test_a_duplicate_stage_record_is_acked_as_duplicate_and_counted_once():
 def test_records_for_unknown_groups_or_members_are_rejected_without_storing():
     service, worker = ReplayService(make_config()), Worker()
     grant = lease(service, worker)
-    ghost = LeaseGrant(msg_id=0, group_id="g99", task_id=grant.task_id, group_size=4, policy_version=0)
+    ghost = LeaseGrant(msg_id=0, group_id="g99", group_size=4, policy_version=0)
     error = only_reply(service.handle(WORKER, worker.stage(ghost, 0, 0, 1.0), 0.0))
     assert isinstance(error, Error) and error.code == "unknown_group"
     error = only_reply(service.handle(WORKER, worker.stage(grant, 4, 0, 1.0), 0.0))
@@ -630,7 +631,7 @@ def test_bad_frames_get_errors_and_the_service_keeps_serving(served):
         assert socket.poll(5000)
         error = receive(socket)[1]
         assert isinstance(error, Error) and error.code == "malformed" and error.msg_id == -1
-    socket.send(encode(LeaseRequest(worker_id="w", msg_id=1, protocol=2)))
+    socket.send(encode(LeaseRequest(worker_id="w", msg_id=1, protocol=PROTOCOL_VERSION + 1)))
     assert socket.poll(5000)
     error = receive(socket)[1]
     assert isinstance(error, Error) and error.code == "malformed" and "protocol version" in error.detail

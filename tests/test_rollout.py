@@ -21,7 +21,7 @@ import zmq
 
 from async_rl.config import Config, load_config
 from async_rl.loss import token_logprobs
-from async_rl.model import ensure_model_dir, load_model, load_tokenizer, save_weights
+from async_rl.model import load_model, load_tokenizer, save_weights
 from async_rl.protocol import (
     Ack,
     Error,
@@ -34,20 +34,21 @@ from async_rl.protocol import (
     WeightsPublished,
 )
 from async_rl.transport import bind_publisher, bind_router, poll, receive, send
+from rollout.prepare import prepare_model_dir
 from rollout.worker import run
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class ReplayDouble:
-    """The replay service's part on a real ROUTER: grants `leases` (group_id, task_id), then denies ("budget").
+    """The replay service's part on a real ROUTER: grants `leases` (group ids), then denies ("budget").
 
     Every StageRecord and Outcome is acked, except the first StageRecord after `drop_an_ack` is set (as if its
     ack were lost on the way). Everything received is kept with its arrival time.
     """
 
     def __init__(
-        self, context: zmq.Context, leases: list[tuple[str, int]], group_size: int, retry_after_s: float = 0.1
+        self, context: zmq.Context, leases: list[str], group_size: int, retry_after_s: float = 0.1
     ) -> None:
         self.socket = bind_router(context, "tcp://127.0.0.1:*")
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -84,10 +85,7 @@ class ReplayDouble:
     def _lease_reply(self, msg_id: int) -> LeaseGrant | LeaseDenied:
         if not self.leases:
             return LeaseDenied(msg_id=msg_id, reason="budget", retry_after_s=self.retry_after_s, policy_version=0)
-        group_id, task_id = self.leases.pop(0)
-        return LeaseGrant(
-            msg_id=msg_id, group_id=group_id, task_id=task_id, group_size=self.group_size, policy_version=0
-        )
+        return LeaseGrant(msg_id=msg_id, group_id=self.leases.pop(0), group_size=self.group_size, policy_version=0)
 
     def copies(self, msg_id: int) -> int:
         return sum(1 for _, m in self.arrivals if isinstance(m, StageRecord | Outcome) and m.msg_id == msg_id)
@@ -136,8 +134,8 @@ def worker_overrides(tmp_path: Path, replay: ReplayDouble, publisher: zmq.Socket
         f"replay.endpoint={replay.endpoint}",
         f"learner.publish_endpoint={publisher.getsockopt_string(zmq.LAST_ENDPOINT)}",
         f"rollout.group_size={replay.group_size}",
-        "env.num_tasks=3",
-        "env.step_latency_s=0.02",
+        "env.kwargs.num_tasks=3",
+        "env.kwargs.step_latency_s=0.02",
         "rollout.heartbeat_s=0.2",
         *extra,
     ]
@@ -197,12 +195,12 @@ def assert_behaviour_logprobs_are_exact(records: list[StageRecord], models: dict
 
 
 def test_stages_stream_contiguously_and_before_their_outcome(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0), ("g1", 1)], group_size=3)
-    config = make_config(tmp_path, replay, publisher, "env.retries=3", "env.outcome_delay_s=0.2")
+    replay = ReplayDouble(zmq_context, ["g0", "g1"], group_size=3)
+    config = make_config(tmp_path, replay, publisher, "env.kwargs.retries=3", "env.kwargs.outcome_delay_s=0.2")
     with running_worker(config):
         replay.serve_until(lambda: replay.groups_finished(2))
     records, outcomes = replay.first(StageRecord), replay.first(Outcome)
-    tokenizer = load_tokenizer(ensure_model_dir(config))
+    tokenizer = load_tokenizer(prepare_model_dir(config))
     for trajectory_id, stages in by_trajectory([m for _, m in records]).items():
         assert [r.stage_index for r in stages] == list(range(len(stages))), "contiguous, in order, no gaps"
         assert [r.terminal for r in stages] == [False] * (len(stages) - 1) + [True]
@@ -210,17 +208,18 @@ def test_stages_stream_contiguously_and_before_their_outcome(tmp_path, zmq_conte
         assert tokenizer.decode(stages[0].observation_ids()) == f"task{stages[0].task_id} stage1"
         outcome_at, outcome = next((at, o) for at, o in outcomes if o.trajectory_id == trajectory_id)
         assert outcome.num_stages == len(stages) and not outcome.abandoned and outcome.outcome in (0.0, 1.0)
+        assert outcome.success == (outcome.outcome == 1.0)
         assert max(at for at, r in records if r.trajectory_id == trajectory_id) < outcome_at
     for group_id in ("g0", "g1"):
         arrivals = [at for at, r in records if r.group_id == group_id]
         first_stage = min(at for at, r in records if r.group_id == group_id and r.stage_index == 0)
         assert first_stage < max(arrivals) - 0.02, "a stage is streamed before the group's last stage"
-    assert_behaviour_logprobs_are_exact(replay.records(), {0: load_model(ensure_model_dir(config)).eval()})
+    assert_behaviour_logprobs_are_exact(replay.records(), {0: load_model(prepare_model_dir(config)).eval()})
 
 
 def test_heartbeats_name_the_live_group(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
-    config = make_config(tmp_path, replay, publisher, "env.outcome_delay_s=1.0", "rollout.heartbeat_s=0.1")
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.kwargs.outcome_delay_s=1.0", "rollout.heartbeat_s=0.1")
     with running_worker(config):
         replay.serve_until(lambda: replay.groups_finished(1))
     heartbeats = [m for _, m in replay.arrivals if isinstance(m, Heartbeat)]
@@ -229,9 +228,9 @@ def test_heartbeats_name_the_live_group(tmp_path, zmq_context, publisher):
 
 
 def test_new_weights_tag_the_tokens_generated_after_them(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [(f"g{i}", i % 3) for i in range(100)], group_size=2)
-    config = make_config(tmp_path, replay, publisher, "env.retries=6")
-    model_v0 = load_model(ensure_model_dir(config)).eval()
+    replay = ReplayDouble(zmq_context, [f"g{i}" for i in range(100)], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.kwargs.retries=6")
+    model_v0 = load_model(prepare_model_dir(config)).eval()
     torch.manual_seed(1)
     weights = {name: value + 0.3 * torch.randn_like(value) for name, value in model_v0.state_dict().items()}
     save_weights(weights, tmp_path / "weights" / "v3.safetensors")
@@ -254,15 +253,15 @@ def test_new_weights_tag_the_tokens_generated_after_them(tmp_path, zmq_context, 
     versions = [v for r in sorted(replay.records(), key=lambda r: r.msg_id) for v in r.versions().tolist()]
     assert versions[0] == 0 and versions[-1] == 3
     assert versions == sorted(versions), "once the new weights are in, no token carries the old version"
-    model_v3 = load_model(ensure_model_dir(config)).eval()
+    model_v3 = load_model(prepare_model_dir(config)).eval()
     model_v3.load_state_dict(weights)
     assert_behaviour_logprobs_are_exact(replay.records(), {0: model_v0, 3: model_v3})
 
 
 def test_a_late_worker_catches_up_from_latest_json(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     config = make_config(tmp_path, replay, publisher)
-    model = load_model(ensure_model_dir(config))
+    model = load_model(prepare_model_dir(config))
     save_weights(model.state_dict(), config.run_dir / "weights" / "v5.safetensors")
     (config.run_dir / "weights" / "latest.json").write_text(
         f'{{"version": 5, "path": "{config.run_dir / "weights" / "v5.safetensors"}"}}'
@@ -282,7 +281,7 @@ def test_a_denied_lease_is_asked_again_after_retry_after_s(tmp_path, zmq_context
 
 
 def test_a_malformed_reply_or_an_error_does_not_stop_the_worker(tmp_path, zmq_context, publisher, caplog):
-    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     config = make_config(tmp_path, replay, publisher)
     with running_worker(config):
         assert poll(replay.socket, 20.0)
@@ -296,7 +295,7 @@ def test_a_malformed_reply_or_an_error_does_not_stop_the_worker(tmp_path, zmq_co
 
 
 def test_a_dropped_ack_is_resent_with_the_same_msg_id(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     replay.drop_an_ack = True
     config = make_config(tmp_path, replay, publisher, "rollout.ack_timeout_s=0.3")
     with running_worker(config):
@@ -312,8 +311,8 @@ def test_a_dropped_ack_is_resent_with_the_same_msg_id(tmp_path, zmq_context, pub
 
 
 def test_a_slow_outcome_does_not_block_the_next_group(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0), ("g1", 1)], group_size=2)
-    config = make_config(tmp_path, replay, publisher, "env.outcome_delay_s=1.5")
+    replay = ReplayDouble(zmq_context, ["g0", "g1"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.kwargs.outcome_delay_s=1.5")
     with running_worker(config):
         replay.serve_until(lambda: replay.groups_finished(2))
     first_g1_stage = min(at for at, r in replay.first(StageRecord) if r.group_id == "g1")
@@ -321,21 +320,22 @@ def test_a_slow_outcome_does_not_block_the_next_group(tmp_path, zmq_context, pub
     assert first_g1_stage < first_g0_outcome
 
 
-def test_a_context_longer_than_the_model_abandons_the_trajectory(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
+def test_a_context_longer_than_the_model_ends_the_trajectory_and_it_is_judged(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     # "task0 stage1" (2) + action (1) + "ok|miss stageN" (2) + action (1) = 6 tokens; a third action cannot fit.
-    config = make_config(tmp_path, replay, publisher, "model.max_seq_len=6", "env.retries=5", "env.choices=2")
+    config = make_config(tmp_path, replay, publisher, "model.max_seq_len=6", "env.kwargs.retries=5",
+                         "env.kwargs.choices=2")
     with running_worker(config):
         replay.serve_until(lambda: replay.groups_finished(1))
     for outcome in replay.outcomes():  # 4 stages and 5 retries: no trajectory can end within 2 stages
         stages = [r for r in replay.records() if r.trajectory_id == outcome.trajectory_id]
         assert outcome.num_stages == len(stages) == 2 and not stages[-1].terminal
-        assert outcome.abandoned and outcome.reason == "context_length" and outcome.outcome is None
+        assert not outcome.abandoned and outcome.outcome == 0.0 and not outcome.success  # cut short: not solved
 
 
 def test_the_worker_stops_promptly_on_the_stop_event_despite_a_slow_judge(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0), ("g1", 1)], group_size=2)
-    config = make_config(tmp_path, replay, publisher, "env.outcome_delay_s=60")
+    replay = ReplayDouble(zmq_context, ["g0", "g1"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.kwargs.outcome_delay_s=60")
     with running_worker(config) as stop:
         replay.serve_until(lambda: any(r.terminal for r in replay.records()))
         stopped_at = time.monotonic()
@@ -345,8 +345,8 @@ def test_the_worker_stops_promptly_on_the_stop_event_despite_a_slow_judge(tmp_pa
 
 @pytest.mark.slow
 def test_sigterm_stops_a_worker_process_cleanly(tmp_path, zmq_context, publisher):
-    replay = ReplayDouble(zmq_context, [("g0", 0)], group_size=2)
-    overrides = worker_overrides(tmp_path, replay, publisher, "env.outcome_delay_s=60")
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
+    overrides = worker_overrides(tmp_path, replay, publisher, "env.kwargs.outcome_delay_s=60")
     code = "import sys; from async_rl.config import load_config; from rollout.worker import run; "
     code += "run(load_config(None, sys.argv[1:]), 0)"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -358,3 +358,114 @@ def test_sigterm_stops_a_worker_process_cleanly(tmp_path, zmq_context, publisher
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# --- many trajectories in flight, user environments, multi-token turns --------------------------------------------
+
+TEXT_ENV = '''
+import itertools
+from rollout.envs.base import Judgement, StepResult, Task
+
+made = itertools.count()
+
+class TextEnv:
+    """Byte-level text (no declared vocabulary): each turn's action is any text; the tool answers with a
+    multi-line report. Every `fail_every`-th env made raises inside its second step."""
+    def __init__(self, turns, fail):
+        self.turns, self.fail, self.n = turns, fail, 0
+    def reset(self, task):
+        return "Task " + task.id + ": write something.\\n"
+    def step(self, action):
+        self.n += 1
+        if self.fail and self.n == 2:
+            raise ValueError("the tool fell over")
+        return StepResult("Tool: got " + str(len(action)) + " chars\\nnext?\\n", float(len(action) > 3),
+                          self.n >= self.turns)
+    def judge(self):
+        return Judgement(score=0.5, success=False, info={"turns": float(self.n)})
+
+class Factory:
+    def __init__(self, turns, fail_every):
+        self.turns, self.fail_every = turns, fail_every
+    def tasks(self, split):
+        return [Task(id=f"{split}-{i}", data={}) for i in range(3)]
+    def make(self):
+        n = next(made)
+        return TextEnv(self.turns, fail=bool(self.fail_every) and n % self.fail_every == self.fail_every - 1)
+
+def factory(turns=3, fail_every=0):
+    return Factory(turns, fail_every)
+'''
+
+
+@pytest.fixture
+def text_env(tmp_path, monkeypatch):
+    """A user's environment module outside the project, importable by name."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "text_env_plugin.py").write_text(TEXT_ENV)
+    monkeypatch.syspath_prepend(str(plugins))
+    yield "text_env_plugin:factory"
+    sys.modules.pop("text_env_plugin", None)
+
+
+def test_multi_token_turns_stop_at_a_stop_string_and_rebuild_exactly(tmp_path, zmq_context, publisher, text_env):
+    replay = ReplayDouble(zmq_context, ["g0", "g1"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, f"env.name={text_env}", "env.kwargs={}",
+                         "env.kwargs.turns=3", "rollout.max_new_tokens=12", "rollout.stop=['e', 'x']")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(2))
+    tokenizer = load_tokenizer(prepare_model_dir(config))
+    assert len(tokenizer) == 259  # no vocabulary declared: the tiny model's tokenizer is byte-level
+    records = replay.records()
+    for stages in by_trajectory(records).values():
+        stages.sort(key=lambda r: r.stage_index)
+        assert len(stages) == 3 and stages[-1].terminal and stages[0].task_id.startswith("train-")
+        assert tokenizer.decode(stages[0].observation_ids()) == f"Task {stages[0].task_id}: write something.\n"
+        for record in stages[1:]:
+            assert tokenizer.decode(record.observation_ids()).startswith("Tool: got ")
+    ends = []
+    for record in records:
+        text = tokenizer.decode(record.action_ids(), skip_special_tokens=True)
+        eos = record.action_ids()[-1] == tokenizer.eos_token_id
+        assert 1 <= len(record.action_ids()) <= 12
+        if not eos and len(record.action_ids()) < 12:  # ended early without EOS: only a stop string does that
+            assert text.endswith("e") or text.endswith("x")
+            ends.append(text)
+        assert "e" not in text[:-1] and "x" not in text[:-1], "nothing is generated past a stop string"
+    assert ends, "some turns ended at a stop string"
+    assert_behaviour_logprobs_are_exact(records, {0: load_model(prepare_model_dir(config)).eval()})
+    assert {o.outcome for o in replay.outcomes()} == {0.5} and not any(o.success for o in replay.outcomes())
+
+
+def test_an_env_error_abandons_only_its_trajectory(tmp_path, zmq_context, publisher, text_env):
+    replay = ReplayDouble(zmq_context, ["g0", "g1", "g2"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, f"env.name={text_env}", "env.kwargs={}",
+                         "env.kwargs.fail_every=3", "rollout.max_new_tokens=4")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(3))
+    outcomes = replay.outcomes()
+    failed = [o for o in outcomes if o.abandoned]
+    assert len(outcomes) == 6 and len(failed) == 2
+    for outcome in failed:
+        assert outcome.reason == f"env_error: env '{text_env}': step raised ValueError: the tool fell over"
+        assert outcome.num_stages == 1  # the first stage was streamed; the failed step produced none
+    assert all(o.outcome == 0.5 for o in outcomes if not o.abandoned)
+
+
+def test_trajectories_of_several_groups_are_in_flight_at_once(tmp_path, zmq_context, publisher):
+    replay = ReplayDouble(zmq_context, ["g0", "g1", "g2"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "rollout.max_inflight=6", "env.kwargs.step_latency_s=0.15",
+                         "env.kwargs.retries=3")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(3))
+    spans = {}
+    for at, record in replay.first(StageRecord):
+        first, last = spans.get(record.group_id, (at, at))
+        spans[record.group_id] = (min(first, at), max(last, at))
+    for at, outcome in replay.first(Outcome):
+        first, last = spans[outcome.group_id]
+        spans[outcome.group_id] = (first, max(last, at))
+    (s0, e0), (s1, e1), (s2, e2) = spans["g0"], spans["g1"], spans["g2"]
+    assert s1 < e0 and s2 < e0, "groups 1 and 2 streamed stages while group 0 was still running"
+    assert s2 - s0 < 0.15, "all three groups started within one tool latency"

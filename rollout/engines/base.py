@@ -22,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 1
     stop_token_ids: list[int] = field(default_factory=list)  # a stop token is kept in the output, then the row ends
+    stop: list[str] = field(default_factory=list)  # stop strings: the row ends at the token completing one (kept)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from async_rl.model import load_model, load_weights
+from async_rl.model import load_model, load_tokenizer, load_weights
 from rollout.engines.base import Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
@@ -27,6 +27,7 @@ class TorchEngine:
     def __init__(self, model_dir: Path, seed: int, device: str = "cpu") -> None:
         self.device = torch.device(device)
         self.model = load_model(model_dir).to(self.device).eval()
+        self.tokenizer = load_tokenizer(model_dir)  # stop strings are matched on the decoded text
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.pad_id = self.model.config.pad_token_id or 0  # any id works: padding is masked out
         self.version = 0  # the model directory holds the version-0 weights
@@ -59,7 +60,7 @@ class TorchEngine:
                 generation.token_ids.append(token)
                 generation.logprobs.append(logprob)
                 generation.versions.append(self.version)
-                if token in stop_ids:
+                if token in stop_ids or (params.stop and self._ends_at_stop_string(generation.token_ids, params.stop)):
                     generation.finish_reason = "stop"
                     running[row] = False
             if not any(running) or step == params.max_new_tokens - 1:
@@ -75,6 +76,13 @@ class TorchEngine:
                 use_cache=True,
             )
         return generations
+
+    def _ends_at_stop_string(self, token_ids: list[int], stops: list[str]) -> bool:
+        """Whether the text so far contains a stop string; only the tail can hold a new one, so only the tail of
+        the tokens is decoded (a token is at least one byte, so this many tokens cover the longest stop string)."""
+        tail = token_ids[-(max(len(s.encode()) for s in stops) + 8) :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        return any(stop in text for stop in stops)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row with temperature and top-p; return it and its full-distribution log-prob."""

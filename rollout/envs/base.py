@@ -23,11 +23,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import msgspec
 
 from async_rl.errors import AsyncRLError
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 @dataclass
@@ -115,7 +120,8 @@ def load_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> EnvFacto
     missing = [m for m in ("tasks", "make") if not callable(getattr(factory, m, None))]
     if missing:
         raise EnvError(
-            f"env {name!r}: {path} returned {type(factory).__name__}, which has no {' or '.join(missing)}() "
+            f"env {name!r}: {path} returned {type(factory).__name__}, which has no "
+            f"{' or '.join(m + '()' for m in missing)} "
             "(an EnvFactory needs tasks(split) and make())"
         )
     return factory
@@ -133,6 +139,30 @@ def _check_kwargs(name: str, target: Callable, kwargs: dict[str, Any]) -> None:
     for key in kwargs:
         if key not in accepted:
             raise EnvError(f"env.kwargs.{key}: env {name!r} takes no such argument (accepted: {', '.join(accepted)})")
+
+
+def settings_from_kwargs(env_name: str, settings: type[S], kwargs: Mapping[str, Any]) -> S:
+    """`env.kwargs` validated into an env's settings Struct (unknown keys, types and ranges named like config
+    errors: `env.kwargs.stages: expected int >= 1, got 0`)."""
+    unknown = [key for key in kwargs if key not in settings.__struct_fields__]
+    if unknown:
+        raise EnvError(
+            f"env.kwargs.{unknown[0]}: env {env_name!r} takes no such setting "
+            f"(allowed: {', '.join(settings.__struct_fields__)})"
+        )
+    try:
+        return msgspec.convert(dict(kwargs), settings, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = re.search(r" - at `\$\.?(.*)`$", text)
+        detail = text.split(" - at ")[0]
+        detail = detail[0].lower() + detail[1:]
+        if match:  # a field's type or range
+            key = match.group(1)
+            got = "" if "got" in detail else f", got {kwargs.get(key)!r}"
+            raise EnvError(f"env.kwargs.{key}: {detail}{got}") from None
+        # __post_init__ checks across fields say "key: why"
+        raise EnvError(f"env.kwargs.{detail}" if re.match(r"\w+: ", detail) else f"env {env_name!r}: {detail}") from None
 
 
 def env_call(env_name: str, method: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -198,7 +228,8 @@ def checked_make(env_name: str, factory: EnvFactory) -> Env:
     env = env_call(env_name, "make", factory.make)
     missing = [m for m in ("reset", "step", "judge") if not callable(getattr(env, m, None))]
     if missing:
-        raise EnvError(f"env {env_name!r}: make() returned {type(env).__name__}, which has no {', '.join(missing)}()")
+        calls = ", ".join(m + "()" for m in missing)
+        raise EnvError(f"env {env_name!r}: make() returned {type(env).__name__}, which has no {calls}")
     return env
 
 
