@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from async_rl.vocab import symbol, vocabulary
 
 from async_rl.config import Config, EnvConfig
 from async_rl.protocol import (
@@ -28,7 +29,6 @@ from async_rl.protocol import (
     pack,
 )
 from async_rl.transport import bind_router, connect_dealer, receive, send
-from async_rl.vocab import symbol, vocabulary
 from rollout.envs.trap import TrapEnv
 
 LEARNER = b"learner-0"

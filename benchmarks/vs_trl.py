@@ -138,13 +138,13 @@ def trl_child(seed: int, model_dir: Path, max_wall_s: float, result_path: Path) 
     """One GRPOTrainer run; stops at the target (or the time limit) and writes its result as JSON."""
     launched = float(os.environ["BENCH_LAUNCH"])
     import torch
+    from async_rl.vocab import stage_word, task_word
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from async_rl.config import load_config
     from async_rl.model import load_model, load_tokenizer
-    from async_rl.vocab import stage_word, task_word
     from rollout.envs.trap import TrapEnv
 
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import Config
-from async_rl.model import wait_for_model_dir, load_model
+from async_rl.model import load_model, wait_for_model_dir
 
 log = logging.getLogger("async_rl.learner")
 

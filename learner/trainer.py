@@ -134,7 +134,8 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     client = publisher = metrics = None
     if leader:
         client = ReplayClient(context, config.replay.endpoint, LEARNER_ID)
-        publisher = make_publisher(context, config, wait_for_model_dir(config))  # SGLang servers: learner/sglang_sync.py
+        # SGLang servers: learner/sglang_sync.py
+        publisher = make_publisher(context, config, wait_for_model_dir(config))
         metrics = MetricsLog(config, run_dir)
     checkpoints = run_dir / "checkpoints"
     version, stats, reason = 0, ReplayStats(), None

@@ -130,8 +130,8 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blin
     if path is not None:
         engine.update_weights(version, str(path))
     try:
-        result = evaluate_policy(config, factory, engine, tokenizer, sampling_params(config.rollout, factory, tokenizer),
-                                 samples_per_task, blind)
+        params = sampling_params(config.rollout, factory, tokenizer)
+        result = evaluate_policy(config, factory, engine, tokenizer, params, samples_per_task, blind)
     finally:
         engine.close()
     log.info("evaluation of version %d: %s", version, result)

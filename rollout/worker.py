@@ -27,7 +27,17 @@ import zmq
 
 from async_rl.config import Config
 from async_rl.model import load_tokenizer
-from async_rl.protocol import LOGPROB, TOKEN, EvalReport, LeaseDenied, LeaseGrant, Outcome, StageRecord, WeightsPublished, pack
+from async_rl.protocol import (
+    LOGPROB,
+    TOKEN,
+    EvalReport,
+    LeaseDenied,
+    LeaseGrant,
+    Outcome,
+    StageRecord,
+    WeightsPublished,
+    pack,
+)
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
 from rollout.engines import EngineUnavailable, Generation, InferenceEngine
@@ -149,7 +159,8 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     restore_signals = _stop_on_signals(stop)
     torch.set_num_threads(config.run.threads_per_process)
     factory = load_env(config)
-    train_tasks = TaskSampler(checked_tasks(config.env.name, factory, "train"), seed=config.env.seed * 1000 + worker_index)
+    tasks = checked_tasks(config.env.name, factory, "train")
+    train_tasks = TaskSampler(tasks, seed=config.env.seed * 1000 + worker_index)
     model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
     engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index)

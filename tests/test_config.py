@@ -51,7 +51,7 @@ def test_an_empty_file_means_all_defaults(tmp_path):
         ("algo.gamma=1.5", "algo.gamma: expected float >= 0.0 and <= 1.0, got 1.5"),
         ("algo.is_cap=0", "algo.is_cap: expected float > 0.0, got 0"),
         ("wandb.mode=loud", "wandb.mode: expected one of 'offline' | 'online' | 'disabled', got 'loud'"),
-        ("env.traps=9", "env.traps: unknown key; an environment's own settings go under env.kwargs, e.g. env.kwargs.traps=9"),
+        ("env.traps=9", "env.traps: unknown key; an environment's own settings go under env.kwargs, e.g. env.kwargs."),
         ("rollout.max_inflight=4", "rollout.max_inflight: expected >= rollout.group_size (16), got 4"),
         ("rollout.stop=['']", "rollout.stop: expected non-empty stop strings"),
         ("learner.zero_stage=4", "learner.zero_stage: expected int >= 0 and <= 3, got 4"),

@@ -84,7 +84,7 @@ def test_builtins_load_by_short_name_and_by_import_path():
 @pytest.mark.parametrize(
     ("name", "kwargs", "expected"),
     [
-        ("no_such_module_xyz:factory", {}, "env 'no_such_module_xyz:factory': cannot import module 'no_such_module_xyz'"),
+        ("no_such_module_xyz:f", {}, "env 'no_such_module_xyz:f': cannot import module 'no_such_module_xyz'"),
         ("PLUGIN:missing", {}, "module 'my_plugin_env' has no attribute 'missing'"),
         ("PLUGIN", {}, "expected a built-in (trap, hunt, coding) or an import path package.module:callable"),
         ("PLUGIN:not_callable", {}, "my_plugin_env:not_callable is not callable"),
@@ -166,7 +166,7 @@ def test_bad_factories_are_named():
 
     with pytest.raises(EnvError, match=r"env 'f': tasks\('train'\) returned no task"):
         checked_tasks("f", NoTasks(), "train")
-    with pytest.raises(EnvError, match=r"env 'f': make\(\) returned object, which has no reset\(\), step\(\), judge\(\)"):
+    with pytest.raises(EnvError, match=r"make\(\) returned object, which has no reset\(\), step\(\), judge\(\)"):
         checked_make("f", NoTasks())
     with pytest.raises(EnvError, match="vocabulary\\(\\) must return a list of non-empty words"):
         vocabulary_of("f", NoTasks())

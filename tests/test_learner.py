@@ -22,7 +22,7 @@ import zmq
 
 from async_rl.config import Config, config_from_dict
 from async_rl.loss import aggregate, token_logprobs
-from async_rl.model import ensure_model_dir, load_model, load_tokenizer, load_weights
+from async_rl.model import load_model, load_tokenizer, load_weights
 from async_rl.protocol import (
     ADVANTAGE,
     LOGPROB,
@@ -42,6 +42,7 @@ from async_rl.transport import bind_router, connect_subscriber, poll, receive, s
 from learner.batch import collate
 from learner.step import rank_share
 from learner.trainer import StopRequest, run, stop_reason
+from rollout.prepare import prepare_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}  # in-process runs set them
@@ -92,7 +93,7 @@ class Sequences:
     """Token ids of the tiny model's vocabulary, and the two groups of items every batch carries."""
 
     def __init__(self, config: Config) -> None:
-        vocab = load_tokenizer(ensure_model_dir(config)).get_vocab()
+        vocab = load_tokenizer(prepare_model_dir(config)).get_vocab()
         self.ids = vocab
         self.prompt = [vocab["task0"], vocab["stage1"]]
         self.good, self.bad = vocab["A"], vocab["B"]
@@ -105,7 +106,7 @@ class Sequences:
         second = [self.ids["ok"], self.ids["stage2"]]
         rows += [(self.prompt + [a] + second + [a], [0, 0, 1, 0, 0, 1], [0, 0, adv, 0, 0, adv], "correction")
                  for a, adv in ((self.good, 0.5), (self.bad, -0.5))]
-        model = load_model(ensure_model_dir(config))
+        model = load_model(prepare_model_dir(config))
         items = []
         for item_id, (tokens, mask, advantages, kind) in enumerate(rows):
             with torch.no_grad():
@@ -317,16 +318,16 @@ def test_weights_are_written_announced_and_pruned(trained):
 
 
 def test_published_weights_differ_from_v0_and_load_into_a_fresh_model(trained):
-    v0 = load_model(ensure_model_dir(trained.config))
-    fresh = load_model(ensure_model_dir(trained.config))
+    v0 = load_model(prepare_model_dir(trained.config))
+    fresh = load_model(prepare_model_dir(trained.config))
     load_weights(fresh, trained.run_dir / "weights" / "v4.safetensors")
     changed = [name for name, p in fresh.state_dict().items() if not torch.equal(p, v0.state_dict()[name])]
     assert changed
 
 
 def test_positively_advantaged_tokens_gain_logprob(trained):
-    before = good_and_bad_logprob(load_model(ensure_model_dir(trained.config)), trained.sequences)
-    after_model = load_model(ensure_model_dir(trained.config))
+    before = good_and_bad_logprob(load_model(prepare_model_dir(trained.config)), trained.sequences)
+    after_model = load_model(prepare_model_dir(trained.config))
     load_weights(after_model, trained.run_dir / "weights" / "v4.safetensors")
     after = good_and_bad_logprob(after_model, trained.sequences)
     assert after[0] > before[0] + 0.05  # A had positive advantage
@@ -418,7 +419,7 @@ def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path):
     """Two ranks' rescaled share losses average to the whole-batch loss (DeepSpeed averages gradients)."""
     config = make_config(tmp_path)
     items = Sequences(config).items(config)
-    model = load_model(ensure_model_dir(config))
+    model = load_model(prepare_model_dir(config))
 
     def loss_of(batch):
         logp = token_logprobs(model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits, batch.tokens)
@@ -447,9 +448,9 @@ def test_zero3_single_process_trains_and_publishes_full_weights(tmp_path):
     config = make_config(tmp_path, learner={"zero_stage": 3}, run={"max_versions": 2})
     done = LearnerRun(config).start().finish()
     assert [ack.policy_version for ack in done.replay.acks] == [1, 2]
-    fresh = load_model(ensure_model_dir(config))
+    fresh = load_model(prepare_model_dir(config))
     load_weights(fresh, config.run_dir / "weights" / "v2.safetensors")
-    good_before, _ = good_and_bad_logprob(load_model(ensure_model_dir(config)), done.sequences)
+    good_before, _ = good_and_bad_logprob(load_model(prepare_model_dir(config)), done.sequences)
     good_after, _ = good_and_bad_logprob(fresh, done.sequences)
     assert good_after > good_before
     assert (config.run_dir / "checkpoints" / "v2").is_dir()
@@ -511,9 +512,9 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
         replay.join(5)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert [ack.policy_version for ack in replay.acks] == [1, 2, 3, 4]  # one learner on the wire, not two
-    two_ranks = load_model(ensure_model_dir(config))
+    two_ranks = load_model(prepare_model_dir(config))
     load_weights(two_ranks, config.run_dir / "weights" / "v4.safetensors")
-    one_rank = load_model(ensure_model_dir(trained.config))
+    one_rank = load_model(prepare_model_dir(trained.config))
     load_weights(one_rank, trained.run_dir / "weights" / "v4.safetensors")
     for name, weight in one_rank.state_dict().items():
         torch.testing.assert_close(two_ranks.state_dict()[name], weight, rtol=1e-4, atol=1e-5)

@@ -25,10 +25,11 @@ from sglang_server import build_venv, start_servers
 
 from async_rl.config import SGLangConfig, load_config
 from async_rl.loss import token_logprobs
-from async_rl.model import ensure_model_dir, load_model
+from async_rl.model import load_model
 from learner.sglang_sync import DistributedWeightSync, write_hf_dir
 from rollout.engines import EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
+from rollout.prepare import prepare_model_dir
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -72,7 +73,7 @@ def pool(tmp_path_factory):
     if venv is None:
         pytest.skip(f"no SGLang server environment: {reason}")
     root = tmp_path_factory.mktemp("sglang")
-    model_dir = ensure_model_dir(load_config(None, [f"run.dir={root}", "run.name=base"]))
+    model_dir = prepare_model_dir(load_config(None, [f"run.dir={root}", "run.name=base"]))
     servers = Pool(venv, model_dir, root)
     yield servers
     stops = [threading.Thread(target=server.stop) for server in servers.servers]
@@ -242,8 +243,8 @@ TRAIN = [
     "rollout.engine=sglang",
     "rollout.workers=2",
     "rollout.group_size=4",
-    "env.num_tasks=4",
-    "env.outcome_delay_s=0.2",
+    "env.kwargs.num_tasks=4",
+    "env.kwargs.outcome_delay_s=0.2",
     "learner.min_batch_items=4",
     "learner.batch_wait_s=0.2",
     "algo.max_staleness=2",
@@ -274,7 +275,7 @@ def assert_invariants(lines: list[dict], max_staleness: int) -> None:
 def test_train_with_sglang_servers_and_distributed_sync(servers, tmp_path):
     # A shorter trap task (2 stages, no trap) so that learning shows within a CI-sized budget of 60 versions.
     run = train(tmp_path, servers, "run.max_versions=60", "rollout.sglang.weight_sync=distributed",
-                f"rollout.sglang.dist_master_port={free_port()}", "env.stages=2", "env.traps=0",
+                f"rollout.sglang.dist_master_port={free_port()}", "env.kwargs.stages=2", "env.kwargs.traps=0",
                 "rollout.group_size=8", "learner.min_batch_items=8", "run.eval_samples_per_task=0")
     out, err = run.communicate(timeout=400)
     assert run.returncode == 0, err[-3000:]

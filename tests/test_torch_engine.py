@@ -5,9 +5,10 @@ import torch
 
 from async_rl.config import load_config
 from async_rl.loss import token_logprobs
-from async_rl.model import ensure_model_dir, load_model, save_weights
+from async_rl.model import load_model, save_weights
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
+from rollout.prepare import prepare_model_dir
 
 PROMPTS = [[5, 9, 3, 11], [7], [4, 12, 6], [8, 8]]  # different lengths: rows are left-padded
 
@@ -15,7 +16,7 @@ PROMPTS = [[5, 9, 3, 11], [7], [4, 12, 6], [8, 8]]  # different lengths: rows ar
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     config = load_config(None, [f"run.dir={tmp_path_factory.mktemp('runs')}", "run.seed=1"])
-    return ensure_model_dir(config)
+    return prepare_model_dir(config)
 
 
 def recomputed_logprobs(model, prompt, generated, temperature):

@@ -162,7 +162,8 @@ def settings_from_kwargs(env_name: str, settings: type[S], kwargs: Mapping[str, 
             got = "" if "got" in detail else f", got {kwargs.get(key)!r}"
             raise EnvError(f"env.kwargs.{key}: {detail}{got}") from None
         # __post_init__ checks across fields say "key: why"
-        raise EnvError(f"env.kwargs.{detail}" if re.match(r"\w+: ", detail) else f"env {env_name!r}: {detail}") from None
+        across = f"env.kwargs.{detail}" if re.match(r"\w+: ", detail) else f"env {env_name!r}: {detail}"
+        raise EnvError(across) from None
 
 
 def env_call(env_name: str, method: str, fn: Callable[..., Any], *args: Any) -> Any:
