@@ -12,9 +12,8 @@ import time
 from dataclasses import dataclass
 
 import zmq
-from async_rl.vocab import symbol, vocabulary
 
-from async_rl.config import Config, EnvConfig
+from async_rl.config import Config
 from async_rl.protocol import (
     LOGPROB,
     TOKEN,
@@ -29,7 +28,9 @@ from async_rl.protocol import (
     pack,
 )
 from async_rl.transport import bind_router, connect_dealer, receive, send
-from rollout.envs.trap import TrapEnv
+from rollout.envs.base import Task
+from rollout.envs.trap import TrapFactory, symbol
+from rollout.envs.trap import factory as trap_factory
 
 LEARNER = b"learner-0"
 NOW = 0.0  # the replay clock stands still: no lease or stage-group timer fires while we measure
@@ -43,19 +44,20 @@ class Stage:
     terminal: bool
 
 
-def random_episode(env_config: EnvConfig, task_id: int, rng: random.Random, ids: dict[str, int]) -> tuple[
+def random_episode(factory: TrapFactory, task: Task, rng: random.Random, ids: dict[str, int]) -> tuple[
     list[Stage], float
 ]:
     """One trajectory of a uniformly random policy over the task's symbols; returns (stages, outcome)."""
-    env = TrapEnv(env_config)
-    text = env.reset(task_id)
+    env = factory.make()
+    text = env.reset(task)
     stages, done = [], False
     while not done:
-        action = symbol(rng.randrange(env_config.choices))
+        action = symbol(rng.randrange(factory.settings.choices))
         observation = [ids[word] for word in text.split()]
-        text, reward, done = env.step(action)
-        stages.append(Stage(observation, ids[action], reward, done))
-    return stages, env.outcome()
+        result = env.step(action)
+        text, done = result.observation or "", result.done
+        stages.append(Stage(observation, ids[action], result.reward, done))
+    return stages, env.judge().score
 
 
 class ReplayDriver:
@@ -63,7 +65,9 @@ class ReplayDriver:
 
     def __init__(self, service, config: Config, seed: int) -> None:  # noqa: ANN001 - replay.service.ReplayService
         self.service, self.config = service, config
-        self.ids = {word: i for i, word in enumerate(vocabulary(config.env))}
+        self.factory = trap_factory(**config.env.kwargs)
+        self.tasks = self.factory.tasks("train")
+        self.ids = {word: i + 3 for i, word in enumerate(self.factory.vocabulary())}  # after <pad> <eos> <unk>
         self.rng = random.Random(seed)
         self.msg_ids = itertools.count()
         self.handle_s = 0.0
@@ -83,28 +87,30 @@ class ReplayDriver:
         if not isinstance(grant, LeaseGrant):
             return False
         members = grant.group_size if members is None else members
-        episodes = [random_episode(self.config.env, grant.task_id, self.rng, self.ids) for _ in range(members)]
+        task = self.rng.choice(self.tasks)
+        episodes = [random_episode(self.factory, task, self.rng, self.ids) for _ in range(members)]
         version = pack([grant.policy_version], TOKEN)
         for k in range(max(len(stages) for stages, _ in episodes)):
             for member, (stages, _) in enumerate(episodes):
                 if k < len(stages):
-                    self.handle(worker_id.encode(), self._record(worker_id, grant, member, k, stages[k], version))
+                    record = self._record(worker_id, grant, task, member, k, stages[k], version)
+                    self.handle(worker_id.encode(), record)
         if outcomes:
             for member, (stages, outcome) in enumerate(episodes):
                 self.handle(worker_id.encode(), Outcome(
                     msg_id=next(self.msg_ids), worker_id=worker_id, group_id=grant.group_id,
                     trajectory_id=f"{grant.group_id}/{member}", member=member, num_stages=len(stages), outcome=outcome,
+                    success=outcome >= 1.0,
                 ))
         return True
 
-    def _record(self, worker_id: str, grant: LeaseGrant, member: int, k: int, stage: Stage, version: bytes) -> (
-        StageRecord
-    ):
+    def _record(self, worker_id: str, grant: LeaseGrant, task: Task, member: int, k: int, stage: Stage,
+                version: bytes) -> StageRecord:
         self.records += 1
         self.tokens += len(stage.observation) + 1
         return StageRecord(
             msg_id=next(self.msg_ids), worker_id=worker_id, group_id=grant.group_id,
-            trajectory_id=f"{grant.group_id}/{member}", member=member, task_id=grant.task_id, stage_index=k,
+            trajectory_id=f"{grant.group_id}/{member}", member=member, task_id=task.id, stage_index=k,
             observation_tokens=pack(stage.observation, TOKEN), action_tokens=pack([stage.action], TOKEN),
             behaviour_logprobs=pack([-1.79], LOGPROB), policy_versions=version, stage_reward=stage.reward,
             terminal=stage.terminal,

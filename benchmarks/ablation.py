@@ -162,7 +162,8 @@ def main() -> int:
             name = f"{variant}-seed{seed}"
             console.print(f"[bold]ablation[/] {name}: {budget:,} env steps")
             run = train(out_dir, name, [
-                *overrides, f"run.seed={seed}", f"env.seed={seed}", f"run.max_env_steps={budget}",
+                *overrides, f"run.seed={seed}", f"env.kwargs.seed={seed}", f"env.seed={seed}",
+                f"run.max_env_steps={budget}",
                 "run.target_success=null", "run.max_versions=1000000", f"replay.success_window={WINDOW}",
             ], timeout_s=900 if not args.quick else 240)
             console.print(f"  {run.summary} in {run.elapsed_s:.0f} s, "

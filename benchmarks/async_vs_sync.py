@@ -1,7 +1,8 @@
 """The system benchmark: asynchronous training versus the same system run synchronously, on a latency-bound workload.
 
 Both variants run the default config on an agent workload where environment time dominates, as with real tool
-calls and judges: every environment step sleeps `env.step_latency_s`, every outcome `env.outcome_delay_s`, and
+calls and judges: every environment step sleeps `env.kwargs.step_latency_s`, every outcome
+`env.kwargs.outcome_delay_s`, and
 several rollout workers run at once. They differ in one key:
   sync    algo.max_staleness=0   a group may start only while the learner is at the version that trains it
                                  (AReaL's eta = 0), meant to make generation and training alternate; the columns
@@ -49,8 +50,8 @@ STEP_LATENCY_S = 0.05
 OUTCOME_DELAY_S = 0.5
 WORKERS = 4
 WORKLOAD = [
-    f"env.step_latency_s={STEP_LATENCY_S}",
-    f"env.outcome_delay_s={OUTCOME_DELAY_S}",
+    f"env.kwargs.step_latency_s={STEP_LATENCY_S}",
+    f"env.kwargs.outcome_delay_s={OUTCOME_DELAY_S}",
     f"rollout.workers={WORKERS}",
     "run.max_versions=1000000",
     "run.eval_samples_per_task=0",  # the final evaluation is not part of what is timed
@@ -162,7 +163,8 @@ def main() -> int:
         for variant, overrides in VARIANTS.items():  # interleaved: a busy stretch of the machine hits both alike
             name = f"{variant}-rep{rep}"
             console.print(f"[bold]async_vs_sync[/] {name}: to success {target} or {max_wall_s:.0f} s")
-            run = train(out_dir, name, [*WORKLOAD, *overrides, f"run.seed={rep}", f"env.seed={rep}",
+            run = train(out_dir, name, [*WORKLOAD, *overrides, f"run.seed={rep}", f"env.kwargs.seed={rep}",
+                                        f"env.seed={rep}",
                                         f"run.target_success={target}", f"run.max_wall_s={max_wall_s}"],
                         timeout_s=max_wall_s + 120)
             measured[variant].append(measure(run))

@@ -1,8 +1,8 @@
 """Learning while the agent is still working: immediate updates against a slow judge.
 
 The ablation (`ablation.py`) judges outcomes instantly, so immediate updates have nothing to be early for. Here
-every outcome takes `env.outcome_delay_s` (a slow judge: hidden tests, a grader model) and every tool call
-`env.step_latency_s`. Two variants with the same final credit (`credit=outcome+step`) and the same seeds:
+every outcome takes `env.kwargs.outcome_delay_s` (a slow judge: hidden tests, a grader model) and every tool call
+`env.kwargs.step_latency_s`. Two variants with the same final credit (`credit=outcome+step`) and the same seeds:
   immediate+correction   this project: stage credit trained as soon as a stage group completes, corrected later
   outcome-only+step      the same final credit, trained only once the group's outcomes are in
 Both run until the success rate over the last `replay.long_success_window` (2,048) trajectories reaches
@@ -71,9 +71,10 @@ def main() -> int:
             name = f"{variant}-seed{seed}"
             console.print(f"[bold]slow_judge[/] {name}: outcome delay {args.outcome_delay} s")
             run = train(out_dir, name, [
-                *overrides, f"run.seed={seed}", f"env.seed={seed}", f"run.max_env_steps={budget}",
-                "run.max_versions=1000000", f"env.outcome_delay_s={args.outcome_delay}",
-                f"env.step_latency_s={args.step_latency}",
+                *overrides, f"run.seed={seed}", f"env.kwargs.seed={seed}", f"env.seed={seed}",
+                f"run.max_env_steps={budget}",
+                "run.max_versions=1000000", f"env.kwargs.outcome_delay_s={args.outcome_delay}",
+                f"env.kwargs.step_latency_s={args.step_latency}",
                 f"algo.max_correction_staleness={args.max_correction_staleness}",
                 *(["run.target_success=null"] if args.quick else []),
             ], timeout_s=300 if args.quick else 1500)

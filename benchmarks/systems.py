@@ -80,7 +80,7 @@ def stage_records(observation_tokens: int, action_tokens: int, count: int) -> li
     return [
         StageRecord(
             msg_id=n, worker_id="rollout-0", group_id=f"g{n // 64}", trajectory_id=f"g{n // 64}/{n % 16}",
-            member=n % 16, task_id=n % 16, stage_index=n % 4,
+            member=n % 16, task_id=str(n % 16), stage_index=n % 4,
             observation_tokens=pack([(n + t) % 30 for t in range(observation_tokens)], TOKEN),
             action_tokens=pack([n % 30] * action_tokens, TOKEN), behaviour_logprobs=pack([-1.5] * action_tokens,
             LOGPROB), policy_versions=pack([n // 1000] * action_tokens, TOKEN), stage_reward=1.0, terminal=False,
@@ -141,11 +141,12 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from async_rl.model import ensure_model_dir, load_model
+    from async_rl.model import load_model
     from learner.batch import collate
     from learner.engine import build_engine
     from learner.step import rank_share, train_on_batch
     from replay.service import ReplayService
+    from rollout.prepare import prepare_model_dir
 
     torch.set_num_threads(1)
     config = base_config("learner")
@@ -154,8 +155,9 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
     padded = sum(t.tokens.numel() for t in tensors)
     real = sum(int(t.attention_mask.sum()) for t in tensors)
 
+    model_dir = prepare_model_dir(config)  # the learner waits for the rollout side to build it
     engine, reference = build_engine(config)
-    bare = load_model(ensure_model_dir(config)).train()
+    bare = load_model(model_dir).train()
     optimizer = torch.optim.AdamW(bare.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
 
     def ours(version: int = 0) -> None:

@@ -9,8 +9,8 @@ learner's gradient clipping. What it adds is a probe: every `--probe-every` step
 probability of the code symbol and of the trap symbol at each stage along the code path, which shows the race
 between the two at a trap stage (docs/algorithm.md, "Entropy bonus").
 
-    python benchmarks/trap_dynamics.py env.seed=7 env.stages=5                       # ~3-5 min per 1,000 steps
-    python benchmarks/trap_dynamics.py env.seed=7 env.stages=5 algo.entropy_coef=0
+    python benchmarks/trap_dynamics.py env.kwargs.seed=7 env.kwargs.stages=5        # ~3-5 min per 1,000 steps
+    python benchmarks/trap_dynamics.py env.kwargs.seed=7 env.kwargs.stages=5 algo.entropy_coef=0
     python benchmarks/trap_dynamics.py --quick                                        # 40 steps
 
 Prints a line every 50 steps: success over the last `replay.long_success_window` trajectories and one letter per
@@ -35,13 +35,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_rl.vocab import OK, stage_word, symbol, task_word, vocabulary  # noqa: E402
-
 from async_rl.config import load_config  # noqa: E402
 from async_rl.ledger import GroupLedger  # noqa: E402
 from async_rl.loss import policy_loss, token_logprobs_and_entropy  # noqa: E402
 from async_rl.model import build_tiny_model, word_tokenizer  # noqa: E402
-from rollout.envs.trap import TrapEnv, make_task  # noqa: E402
+from rollout.envs.base import Task  # noqa: E402
+from rollout.envs.trap import OK, make_task, stage_word, symbol, task_word  # noqa: E402
+from rollout.envs.trap import factory as trap_factory  # noqa: E402
 
 OUT_DIR = REPO / "benchmarks" / "out" / "trap_dynamics"
 
@@ -49,7 +49,9 @@ OUT_DIR = REPO / "benchmarks" / "out" / "trap_dynamics"
 class Model:
     def __init__(self, config) -> None:
         self.config = config
-        self.tokenizer = word_tokenizer(vocabulary(config.env))
+        self.factory = trap_factory(**config.env.kwargs)
+        self.settings = self.factory.settings
+        self.tokenizer = word_tokenizer(self.factory.vocabulary())
         tok = self.tokenizer
         self.net = build_tiny_model(config, len(tok), tok.pad_token_id, tok.eos_token_id)
         self.optimizer = torch.optim.AdamW(
@@ -71,8 +73,9 @@ class Model:
         tok, temperature = self.tokenizer, self.config.rollout.temperature
         runs = []
         for task_id in task_ids:
-            env = TrapEnv(self.config.env)
-            runs.append({"task": task_id, "env": env, "tokens": tok(env.reset(task_id))["input_ids"],
+            env = self.factory.make()
+            first = env.reset(Task(str(task_id), {"task": task_id}))
+            runs.append({"task": task_id, "env": env, "tokens": tok(first)["input_ids"],
                          "actions": [], "rewards": []})
         live = list(range(len(runs)))
         while live:
@@ -85,14 +88,14 @@ class Model:
                 run, token = runs[i], int(sampled[row])
                 run["actions"].append((len(run["tokens"]), token, float(last[row, token])))
                 run["tokens"].append(token)
-                observation, reward, done = run["env"].step(tok.decode([token]))
-                run["rewards"].append(reward)
-                if not done:
-                    run["tokens"] += tok(observation, add_special_tokens=False)["input_ids"]
+                result = run["env"].step(tok.decode([token]))
+                run["rewards"].append(result.reward)
+                if not result.done:
+                    run["tokens"] += tok(result.observation, add_special_tokens=False)["input_ids"]
                     still.append(i)
             live = still
         for run in runs:
-            run["outcome"] = run["env"].outcome()
+            run["outcome"] = run["env"].judge().score
         return runs
 
     def train(self, items: list[tuple[list[int], list[tuple[int, int, float, float, int]]]]) -> None:
@@ -117,7 +120,7 @@ class Model:
     @torch.no_grad()
     def probe(self) -> list[list[list[float | None]]]:
         """Per task, per stage along the code path: [p(code), p(trap) or None]."""
-        tok, env = self.tokenizer, self.config.env
+        tok, env = self.tokenizer, self.settings
         out = []
         for task_id in range(env.num_tasks):
             task = make_task(env, task_id)
@@ -187,7 +190,7 @@ def main() -> int:
     sampler = torch.Generator().manual_seed(config.run.seed)
     task_rng = random.Random(config.run.seed)
     model = Model(config)
-    G, P, T = config.rollout.group_size, config.algo.groups_per_step, config.env.num_tasks
+    G, P, T = config.rollout.group_size, config.algo.groups_per_step, model.settings.num_tasks
     window = deque(maxlen=config.replay.long_success_window)
     per_task = {t: deque(maxlen=64) for t in range(T)}
     stage_reward_first = stage_reward_last = None

@@ -3,9 +3,10 @@
 The peer a user would pick instead is TRL's `GRPOTrainer` (synchronous, on-policy GRPO: generate a batch, score
 it, take a step). Both learn the same single-stage trap task from the same starting point:
 
-  task    env.stages=1 env.traps=0 env.retries=0: the prompt is `task7 stage1`, the completion is one token, and
+  task    env.kwargs.stages=1 env.kwargs.traps=0 env.kwargs.retries=0: the prompt is `task7 stage1`, the completion
+          is one token, and
           the reward is the trap environment's outcome (1.0 if the token is the task's code symbol, else 0);
-  model   the very directory `ensure_model_dir(config)` builds (word-level tokenizer + tiny Llama, random init,
+  model   the very directory `prepare_model_dir(config)` builds (word-level tokenizer + tiny Llama, random init,
           seeded by run.seed), loaded by both;
   update  group size 16 (TRL num_generations), learning rate 5e-4, AdamW without weight decay, gradient clip 1.0,
           constant schedule, no KL, temperature 1, 64 samples per TRL step (4 prompts x 16);
@@ -39,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "out" / "vs_trl"
-TASK = ["env.stages=1", "env.traps=0", "env.retries=0"]
+TASK = ["env.kwargs.stages=1", "env.kwargs.traps=0", "env.kwargs.retries=0"]
 TARGET = 0.8
 # Success over the last 512 finished samples (replay.long_success_window, async-rl's own stop rule), for both
 # systems: over 64 (a few groups of a few tasks) a lucky window touches the target long before the policy does.
@@ -60,10 +61,10 @@ def overrides(seed: int, run_dir: Path, model_dir: Path, max_wall_s: float) -> l
 def build_model(seed: int) -> Path:
     """One model directory per seed, shared by both systems (async-rl gets it as model.path)."""
     from async_rl.config import load_config
-    from async_rl.model import ensure_model_dir
+    from rollout.prepare import prepare_model_dir
 
     config = load_config(None, TASK + [f"run.seed={seed}", f"run.dir={OUT}", f"run.name=model-seed{seed}"])
-    return ensure_model_dir(config)
+    return prepare_model_dir(config)
 
 
 def child_env() -> dict[str, str]:
@@ -138,17 +139,19 @@ def trl_child(seed: int, model_dir: Path, max_wall_s: float, result_path: Path) 
     """One GRPOTrainer run; stops at the target (or the time limit) and writes its result as JSON."""
     launched = float(os.environ["BENCH_LAUNCH"])
     import torch
-    from async_rl.vocab import stage_word, task_word
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from async_rl.config import load_config
     from async_rl.model import load_model, load_tokenizer
-    from rollout.envs.trap import TrapEnv
+    from rollout.envs.base import Task
+    from rollout.envs.trap import factory as trap_factory
+    from rollout.envs.trap import stage_word, task_word
 
     torch.set_num_threads(1)
-    env_config = load_config(None, TASK + [f"run.seed={seed}"]).env
+    env_factory = trap_factory(**load_config(None, TASK + [f"run.seed={seed}"]).env.kwargs)
+    num_tasks = env_factory.settings.num_tasks
     recent: deque[float] = deque(maxlen=WINDOW)
     state = {"samples": 0, "steps": 0, "reached": None, "curve": []}
 
@@ -156,10 +159,10 @@ def trl_child(seed: int, model_dir: Path, max_wall_s: float, result_path: Path) 
         """The trap environment's outcome of a one-symbol answer (stages=1: the stage is the whole episode)."""
         rewards = []
         for completion, task in zip(completions, task_id, strict=True):
-            env = TrapEnv(env_config)
-            env.reset(task)
+            env = env_factory.make()
+            env.reset(Task(str(task), {"task": task}))
             env.step(completion)
-            rewards.append(env.outcome())
+            rewards.append(env.judge().score)
         recent.extend(rewards)
         state["samples"] += len(rewards)
         if len(recent) == WINDOW:
@@ -177,9 +180,9 @@ def trl_child(seed: int, model_dir: Path, max_wall_s: float, result_path: Path) 
                 control.should_training_stop = True
             return control
 
-    prompts = [f"{task_word(t)} {stage_word(0)}" for t in range(env_config.num_tasks)]
+    prompts = [f"{task_word(t)} {stage_word(0)}" for t in range(num_tasks)]
     repeats = 4000  # more prompts than any run reaches; the trainer shuffles them with `seed`
-    dataset = Dataset.from_dict({"prompt": prompts * repeats, "task_id": list(range(env_config.num_tasks)) * repeats})
+    dataset = Dataset.from_dict({"prompt": prompts * repeats, "task_id": list(range(num_tasks)) * repeats})
     config = GRPOConfig(
         output_dir=str(result_path.parent / f"trainer-seed{seed}"), use_cpu=True, bf16=False, use_vllm=False,
         seed=seed, data_seed=seed, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
