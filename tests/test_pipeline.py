@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -184,58 +183,37 @@ def test_the_documented_command_form_with_a_config_file_then_overrides(tmp_path)
     assert result["versions"] == 3 and result["run_dir"] == str(tmp_path / "mine")
 
 
-USER_ENV = """
-from rollout.envs.base import Judgement, StepResult, Task
-
-class Counter:
-    \"\"\"Say a word `target` times; a stage reward for each word said right.\"\"\"
-    def __init__(self, word, turns):
-        self.word, self.turns, self.said, self.right = word, turns, 0, 0
-    def reset(self, task):
-        self.said = self.right = 0
-        return "say " + self.word + " " + task.data["n"]
-    def step(self, action):
-        self.said += 1
-        self.right += action.strip() == self.word
-        return StepResult(observation="again", reward=float(action.strip() == self.word), done=self.said >= self.turns)
-    def judge(self):
-        return Judgement(score=self.right / self.turns, success=self.right == self.turns)
-
-class Factory:
-    def __init__(self, word, turns):
-        self.word, self.turns = word, turns
-    def tasks(self, split):
-        return [Task(id=f"{split}{i}", data={"n": str(i)}) for i in range(3 if split == "train" else 2)]
-    def make(self):
-        return Counter(self.word, self.turns)
-    def vocabulary(self):
-        return ["say", "again", self.word, "0", "1", "2", "apple", "pear"]
-
-def factory(word="plum", turns=2):
-    return Factory(word, int(turns))
-"""
+def docs_example() -> str:
+    """The complete example environment of docs/environments.md, exactly as printed there."""
+    text = (REPO / "docs" / "environments.md").read_text()
+    start = text.index("```python\n\"\"\"Guess a secret number") + len("```python\n")
+    return text[start : text.index("```", start)]
 
 
-def test_a_user_environment_outside_the_project_trains_and_is_evaluated(tmp_path):
+def test_the_docs_example_environment_trains_from_outside_the_project(tmp_path):
+    """`PYTHONPATH=. async-rl train env.name=guess_env:factory env.kwargs.max_turns=5` as docs/environments.md
+    prints it, in the directory holding the file, bounded by a few more overrides."""
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "counter_env.py").write_text(textwrap.dedent(USER_ENV))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=disabled",
-            "run.target_success=null", "run.max_versions=12", "rollout.group_size=4", "learner.min_batch_items=4",
-            "learner.batch_wait_s=0.2", "env.name=counter_env:factory", "env.kwargs.word=apple",
-            "env.kwargs.turns=3", "run.eval_every=4", "run.eval_samples_per_task=4"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    (plugins / "guess_env.py").write_text(docs_example())
+    script = shutil.which("async-rl")
+    command = [script] if script else [sys.executable, "-m", "async_rl.cli"]
+    args = [*command, "train", "env.name=guess_env:factory", "env.kwargs.max_turns=5", f"run.dir={tmp_path}",
+            "run.name=t", "wandb.mode=disabled", "run.target_success=null", "run.max_versions=12",
+            "rollout.group_size=4", "learner.min_batch_items=4", "learner.batch_wait_s=0.2", "run.eval_every=4",
+            "run.eval_samples_per_task=4"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=plugins)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = metrics(tmp_path / "t")
     assert lines[-1]["trajectories_finished"] > 0 and lines[-1]["env_steps"] > 0
-    assert max(m["stage_reward_mean"] for m in lines) > 0  # some "apple"s were said (1 word of 11)
+    assert max(m["stage_reward_mean"] for m in lines) > 0  # some guesses were right
     assert all(m["ledger_residual_max"] < 1e-6 for m in lines)
     evaluated = [m for m in lines if "eval_success_rate" in m]
-    assert evaluated and evaluated[-1]["eval_tasks"] == 2  # during training, on the eval split (2 tasks)
-    assert all(m["eval_version"] % 4 == 0 for m in evaluated)
+    assert evaluated and evaluated[-1]["eval_tasks"] == 1  # during training, on the eval split (1 task)
+    assert all(m["eval_version"] % 4 == 0 for m in evaluated) and "eval_turns" in evaluated[-1]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["eval_tasks"] == 2 and result["eval_version"] == 12 and len(result["eval_per_task"]) == 2
+    assert result["eval_tasks"] == 1 and result["eval_version"] == 12 and len(result["eval_per_task"]) == 1
 
 
 def test_the_hunt_trains_and_evaluates_blind(tmp_path):

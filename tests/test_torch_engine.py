@@ -102,3 +102,27 @@ def test_empty_batch_and_empty_prompt(model_dir):
     assert engine.generate([], SamplingParams()) == []
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[3], []], SamplingParams())
+
+
+def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tmp_path):
+    """Byte-level tiny model (no env vocabulary): stop strings are matched on the decoded text."""
+    from async_rl.model import ensure_model_dir, load_tokenizer
+
+    config = load_config(None, [f"run.dir={tmp_path}", "run.seed=3"])
+    model_dir = ensure_model_dir(config)  # no words: byte-level
+    tokenizer = load_tokenizer(model_dir)
+    engine = TorchEngine(model_dir, seed=0)
+    prompts = [tokenizer("def f(x):\n")["input_ids"], tokenizer("hello")["input_ids"]]
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=40))
+    texts = [tokenizer.decode(g.token_ids) for g in free]
+    # Stop at a character the unconstrained samples produced (a random byte model: pick one that occurs early).
+    stop = texts[0][5]
+    stopped = TorchEngine(model_dir, seed=0).generate(prompts, SamplingParams(max_new_tokens=40, stop=[stop]))
+    for before, after in zip(free, stopped, strict=True):
+        text = tokenizer.decode(after.token_ids)
+        assert after.token_ids == before.token_ids[: len(after.token_ids)]  # same seed: the same samples, cut short
+        if stop in tokenizer.decode(before.token_ids):
+            assert after.finish_reason == "stop" and text.endswith(stop) and stop not in text[: -len(stop)]
+        else:
+            assert after.finish_reason == "length" and len(after.token_ids) == 40
+    assert stopped[0].finish_reason == "stop" and len(stopped[0].token_ids) <= 6

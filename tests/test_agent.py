@@ -1,0 +1,70 @@
+"""Pieces of the episode runner: task draws, chat-template observations, the action budget near the limit."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from async_rl.config import load_config
+from async_rl.model import byte_tokenizer
+from rollout.agent import Prompter, TaskSampler, sampling_params
+from rollout.envs.base import Task
+from rollout.envs.hunt import factory as hunt_factory
+from rollout.envs.trap import factory as trap_factory
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_tasks_are_drawn_evenly_in_a_seeded_order():
+    tasks = [Task(str(i), {}) for i in range(5)]
+    sampler = TaskSampler(tasks, seed=1)
+    draws = [sampler.next().id for _ in range(20)]
+    assert Counter(draws) == {str(i): 4 for i in range(5)}  # each task once per pass of 5
+    assert all(sorted(draws[p * 5 : p * 5 + 5]) == [str(i) for i in range(5)] for p in range(4))
+    again = TaskSampler(tasks, seed=1)
+    assert [again.next().id for _ in range(20)] == draws
+    other = TaskSampler(tasks, seed=2)
+    assert [other.next().id for _ in range(20)] != draws
+
+
+def test_a_plain_tokenizer_appends_observations_as_they_are():
+    tokenizer = byte_tokenizer()
+    prompter = Prompter(tokenizer)
+    assert not prompter.chat
+    assert tokenizer.decode(prompter.first("Task: x\n")) == "Task: x\n"
+    assert tokenizer.decode(prompter.next("Tool: ok\n")) == "Tool: ok\n"
+    assert prompter.next("") == []
+
+
+def test_a_chat_template_wraps_observations_as_user_turns():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    prompter = Prompter(tokenizer)
+    assert prompter.chat
+    assert tokenizer.decode(prompter.first("solve it")) == "<|user|>solve it<|end|><|assistant|>"
+    # After the assistant's action, the next observation is the template's text for one more user turn.
+    assert tokenizer.decode(prompter.next("3 tests failed")) == "<|user|>3 tests failed<|end|><|assistant|>"
+
+
+def test_the_action_budget_comes_from_the_config_or_the_env():
+    config = load_config(None, [])
+    tokenizer = byte_tokenizer()
+    assert sampling_params(config.rollout, trap_factory(), tokenizer).max_new_tokens == 1
+    assert sampling_params(config.rollout, hunt_factory(), tokenizer).max_new_tokens == 2
+    assert sampling_params(config.rollout, object(), tokenizer).max_new_tokens == 256  # type: ignore[arg-type]
+    config = load_config(None, ["rollout.max_new_tokens=7", "rollout.stop=['</tool>']"])
+    params = sampling_params(config.rollout, hunt_factory(), tokenizer)
+    assert params.max_new_tokens == 7 and params.stop == ["</tool>"] and params.stop_token_ids == [1]
+
+
+def test_the_kernel_imports_no_environment():
+    """async_rl/ knows no environment: no module of the kernel names a built-in env or its words."""
+    from pathlib import Path
+
+    kernel = Path(__file__).resolve().parent.parent / "async_rl"
+    for path in kernel.glob("*.py"):
+        text = path.read_text()
+        for needle in ("rollout.envs.trap", "rollout.envs.hunt", "TrapEnv", "async_rl.vocab", "stage_word"):
+            assert needle not in text, f"{path.name} mentions {needle}"
