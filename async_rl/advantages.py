@@ -1,4 +1,4 @@
-"""Advantages of ALGORITHM.md §2 as pure functions. Symbols are named as in the text.
+"""Advantages of docs/algorithm.md, "Final credit and correction" as pure functions. Symbols are named as in the text.
 
 Members are indexed by their position in the group (`i`), stages by `k` (from 0 here). A reward of
 `None` is an absent stage reward: 0 in returns, not counted in stage statistics.

@@ -141,7 +141,7 @@ class AlgoConfig(_Section):
     aggregation: Literal["token-mean", "seq-mean-token-sum"] = "token-mean"
     seq_norm: PosFloat = 8.0  # fixed normalizer of seq-mean-token-sum (Dr. GRPO)
     kl_beta: NonNegFloat = 0.0  # KL to the initial policy (k3); 0 = off
-    entropy_coef: NonNegFloat = 0.0  # − coef · H(π) per action token (exploration bonus); 0 = off (ALGORITHM.md)
+    entropy_coef: NonNegFloat = 0.0  # − coef · H(π) per action token (exploration bonus); 0 = off (docs/algorithm.md)
 
 
 class WandbConfig(_Section):

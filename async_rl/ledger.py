@@ -1,4 +1,4 @@
-"""The per-group credit ledger of ALGORITHM.md §2 (pure: no I/O, no clock).
+"""The per-group credit ledger of docs/algorithm.md, "Final credit and correction" (pure: no I/O, no clock).
 
 For every stage (i, k) it keeps `issued[i,k]`, the immediate advantage already trained for those tokens,
 and `trained[i,k]`, everything trained for them (immediate + correction). Once the group is final,
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from async_rl.advantages import final_credit, immediate_advantages
 from async_rl.config import AlgoConfig, UpdateMode
 
-ZERO_CORRECTION = 1e-8  # a correction this small is not sent (ALGORITHM.md §2)
+ZERO_CORRECTION = 1e-8  # a correction this small is not sent (docs/algorithm.md, "Final credit and correction")
 
 Stage = tuple[int, int]  # (member i, stage k)
 

@@ -1,4 +1,4 @@
-"""The token loss of ALGORITHM.md §3, one form for immediate and correction items.
+"""The token loss of docs/algorithm.md, "Loss", one form for immediate and correction items.
 
     s_t = v − v_t
     ρ_t = exp(log π_θ(a_t) − log μ_t)
@@ -103,7 +103,7 @@ def policy_loss(
     """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1).
 
     With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to every action token's
-    loss (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in ALGORITHM.md §3)."""
+    loss (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss)."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:

@@ -53,7 +53,7 @@ class Message(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fie
 
 
 class LeaseRequest(Message, tag="lease_request"):
-    """A worker asks to start a new group (admission, ALGORITHM.md §4)."""
+    """A worker asks to start a new group (admission, docs/algorithm.md, "Staleness")."""
 
     worker_id: str
     msg_id: int

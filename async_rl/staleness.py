@@ -1,4 +1,4 @@
-"""Staleness control of ALGORITHM.md §4: admission, not discard."""
+"""Staleness control of docs/algorithm.md, "Staleness": admission, not discard."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The workloads `systems.py` times: trap-env traffic through the replay service, and a two-process socket pair.
 
-Traffic is what a random policy produces in the trap environment (ALGORITHM.md §5), played group by group in
+Traffic is what a random policy produces in the trap environment (docs/environments.md), played group by group in
 the order a rollout worker sends it: stage k of every member, then stage k+1, then the outcomes.
 """
 

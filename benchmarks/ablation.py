@@ -1,4 +1,4 @@
-"""The algorithm ablation of ALGORITHM.md §5 on the trap environment: which updates make the agent learn.
+"""The algorithm ablation on the trap environment: which updates make the agent learn.
 
 Variants (`algo.updates`, `algo.credit`):
   outcome-only          updates=outcome-only, credit=outcome       plain GRPO: the outcome reward, once per trajectory

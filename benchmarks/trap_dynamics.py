@@ -143,7 +143,7 @@ class Model:
 
 def group_items(config, runs: list[dict]):
     """Immediate items of one group now, its corrections for the next step, through the replay's own ledger
-    (`async_rl.ledger.GroupLedger`, ALGORITHM.md §2). A correction item carries every stage of its member."""
+    (`async_rl.ledger.GroupLedger`, docs/algorithm.md). A correction item carries every stage of its member."""
     algo = config.algo
     ledger = GroupLedger(len(runs))
     for i, run in enumerate(runs):

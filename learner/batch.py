@@ -27,7 +27,7 @@ class TrainBatch:
     is_correction: torch.Tensor  # (B,) bool: item kind
 
     def staleness(self, version: int) -> torch.Tensor:
-        """s_t = v − v_t (ALGORITHM.md §3); meaningful on the loss mask only."""
+        """s_t = v − v_t (docs/algorithm.md, "Loss"); meaningful on the loss mask only."""
         return version - self.versions
 
     def __len__(self) -> int:

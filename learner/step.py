@@ -1,4 +1,4 @@
-"""The optimizer step(s) on one batch: ALGORITHM.md §3 through `async_rl.loss`, on this rank's share of items."""
+"""The optimizer step(s) on one batch: docs/algorithm.md's loss through `async_rl.loss`, on this rank's items."""
 
 from __future__ import annotations
 

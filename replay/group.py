@@ -1,4 +1,4 @@
-"""One open group: its credit ledger, its tokens, and where its training items are (ALGORITHM.md §2).
+"""One open group: its credit ledger, its tokens, and where its training items are (docs/algorithm.md).
 
 A group lives from its lease until it closes:
   open       stage records and outcomes arrive; complete (or timed-out) stage groups yield immediate items

@@ -143,7 +143,7 @@ class ReplayService:
             self.worker_seen[worker_id] = now
 
     def _lease(self, request: LeaseRequest, now: float) -> LeaseGrant | LeaseDenied:
-        """Admission, not discard (ALGORITHM.md §4)."""
+        """Admission, not discard (docs/algorithm.md, "Staleness")."""
         previous = self.last_grant.get(request.worker_id)
         if previous is not None and previous.msg_id == request.msg_id and previous.group_id in self.groups:
             return previous  # a resend (the grant was lost): the group is already started
@@ -250,7 +250,7 @@ class ReplayService:
         log.info("evaluation at version %d from %s: %s", report.policy_version, report.worker_id, report.metrics)
         return Ack(msg_id=report.msg_id)
 
-    # --- a group's life (ALGORITHM.md §2) ------------------------------------------------------------
+    # --- a group's life (docs/algorithm.md, "Final credit and correction") ----------------------------
 
     def _advance(self, group: Group, now: float) -> None:
         """Move a group as far as its state allows: immediate items, finalization, closing."""

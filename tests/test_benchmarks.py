@@ -57,3 +57,11 @@ def test_slow_judge_quick():
     # With a 2 s judge, immediate items are trained before their trajectory's outcome is known; without them, none.
     assert result["immediate_before_outcome"]["immediate+correction"][0] > 0
     assert result["immediate_before_outcome"]["outcome-only+step"] == [0]
+
+
+@pytest.mark.slow
+def test_inflight_quick():
+    result = run_benchmark("inflight.py", timeout_s=120)
+    assert set(result["trajectories_per_s"]) == {"16", "64"}
+    # 50 ms tools: four groups in flight finish more trajectories per second than one (measured ~4x; a loose bound).
+    assert result["speedup_vs_16"]["64"] > 1.5

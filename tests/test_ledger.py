@@ -1,4 +1,4 @@
-"""The credit ledger (ALGORITHM.md §2): after finalization every stage's trained credit equals A_final."""
+"""The credit ledger (docs/algorithm.md): after finalization every stage's trained credit equals A_final."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ EPS = 1e-6
 
 
 def reference_final_credit(rewards, outcomes, credit, omega, gamma):
-    """An independent numpy transcription of ALGORITHM.md §2's final credit."""
+    """An independent numpy transcription of docs/algorithm.md, "Final credit and correction"'s final credit."""
     members = sorted(outcomes)
     if len(members) < 2:
         return {}

@@ -1,4 +1,4 @@
-"""The token loss (ALGORITHM.md §3) on a real tiny model, with autograd."""
+"""The token loss (docs/algorithm.md, "Loss") on a real tiny model, with autograd."""
 
 import copy
 import math

@@ -1,4 +1,4 @@
-"""The replay service (ALGORITHM.md §2 and §4): the core through `handle`/`tick` with an explicit clock, and the
+"""The replay service (docs/algorithm.md): the core through `handle`/`tick` with an explicit clock, and the
 ROUTER loop over real ZeroMQ sockets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one small interface every inference engine offers the agent loop (DESIGN.md, "Inference engines").
+"""The one small interface every inference engine offers the agent loop (docs/architecture.md).
 
 An engine turns token-id prompts into sampled continuations with the behaviour log-probability and the policy
 version of every generated token, and swaps in new weights when the learner publishes a version.

@@ -6,8 +6,8 @@ log-probs are the same as if it had been generated alone.
 
 Behaviour log-probs: log mu(a) = log_softmax(logits / temperature)[a] under the FULL distribution, even when
 top-p truncates what may be sampled. That is the quantity the learner recomputes
-(`async_rl.loss.token_logprobs(..., temperature)`), so the importance ratio of ALGORITHM.md §3 is exactly 1 for
-an on-policy token; top-p's truncation is treated as part of the sampler, not of the policy.
+(`async_rl.loss.token_logprobs(..., temperature)`), so the importance ratio of the loss (docs/algorithm.md) is exactly 1
+for an on-policy token; top-p's truncation is treated as part of the sampler, not of the policy.
 """
 
 from __future__ import annotations
