@@ -65,6 +65,8 @@ class Limits:
 
 @dataclass
 class Test:
+    __test__ = False  # not a pytest test class
+
     name: str
     source: str  # Python statements run in a copy of the solution's namespace; passes if it raises nothing
 
@@ -576,8 +578,9 @@ if root and uid is not None:
     if not namespaces and not traversable(os.path.dirname(os.__file__)):
         # The standard library is not readable by other uids and cannot be bind-mounted here: import the common
         # modules now; an agent's import of anything else fails once the uid is dropped.
-        for m in ("math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string", "random",
-                  "statistics", "fractions", "decimal", "copy", "typing", "hashlib", "operator", "datetime"):
+        for m in ("math", "cmath", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
+                  "random", "statistics", "fractions", "decimal", "copy", "typing", "hashlib", "operator", "datetime",
+                  "shutil", "struct", "array", "zlib", "textwrap", "unicodedata", "dataclasses", "enum", "pathlib"):
             try:
                 __import__(m)
             except ImportError:
