@@ -19,7 +19,10 @@ import pytest
 
 from rollout.envs.sandbox import ERROR, FAILED, NOT_RUN, PASSED, TIMEOUT, Limits, Sandbox, Test
 
-LIMITS = Limits(wall_s=4.0, test_s=1.5, cpu_s=3, memory_mb=256, nproc=8, output_chars=2000)
+# Generous times (the machine is shared: a 0.2 s test can take 2 s under load); the tests that expect a timeout
+# use FAST. nice 0: the child competes on equal terms with the load around it.
+LIMITS = Limits(wall_s=10.0, test_s=5.0, cpu_s=8, memory_mb=256, nproc=8, output_chars=2000, nice=0)
+FAST = Limits(wall_s=3.0, test_s=1.0, cpu_s=3, memory_mb=256, nproc=8, output_chars=2000, nice=0)
 UIDS = range(61000, 61000 + 512)  # Sandbox's default uid slots
 ROOT = os.geteuid() == 0
 
@@ -116,6 +119,7 @@ def test_stdlib_imports_work(sandbox):
 
 @pytest.mark.usefixtures("healthy")
 def test_infinite_loops(sandbox):
+    sandbox = Sandbox(FAST, isolation=sandbox.isolation)
     t0 = time.monotonic()
     r = sandbox.run("def f():\n    while True:\n        pass\n", [Test("spin", "f()"), Test("after", "assert True")])
     assert [t.status for t in r.tests] == [TIMEOUT, PASSED]  # SIGALRM interrupts bytecode: the next test runs
@@ -123,7 +127,7 @@ def test_infinite_loops(sandbox):
     assert r.status == "timeout" and r.tests[0].status == TIMEOUT and r.tests[1].status == NOT_RUN
     r = sandbox.run("while True:\n    pass\n", [Test("a", "assert True")])
     assert r.status == "load_error" and "Timeout" in r.load_error
-    assert time.monotonic() - t0 < 3 * LIMITS.wall_s + 3
+    assert time.monotonic() - t0 < 3 * FAST.wall_s + 3
 
 
 @pytest.mark.usefixtures("healthy")
@@ -145,9 +149,8 @@ def test_fork_bomb(sandbox, marker):
 
 @pytest.mark.usefixtures("healthy")
 def test_memory_bomb(sandbox):
-    r = sandbox.run(
-        "x = 1", [Test("big", "b = bytearray(10**10)"), Test("grow", "l = []\nwhile True: l.append(' ' * 10**6)")]
-    )
+    grow = "chunks = []\nwhile True:\n    chunks.append(bytearray(5 * 10**7))"
+    r = sandbox.run("x = 1", [Test("big", "b = bytearray(10**10)"), Test("grow", grow)])
     assert [t.status for t in r.tests] == [ERROR, ERROR]
     assert all("MemoryError" in t.detail for t in r.tests)
 
@@ -157,13 +160,13 @@ def test_huge_output(sandbox):
     tests = [
         Test("print", "print('x' * 10**7)"),
         Test("raw fd", "import os\nfor _ in range(200): os.write(1, b'y' * 10**5)"),
-        Test("flood", "while True: print('z' * 1000)"),
+        Test("flood", "for _ in range(10**5): print('z' * 1000)"),
         Test("file", "open('big.txt', 'w').write('w' * (64 << 20))"),
     ]
     r = sandbox.run("x = 1", tests)
-    assert [t.status for t in r.tests] == [PASSED, PASSED, TIMEOUT, ERROR]
+    assert [t.status for t in r.tests] == [PASSED, PASSED, PASSED, ERROR]
     assert "File too large" in r.tests[3].detail or "No space" in r.tests[3].detail
-    assert len(r.stdout) <= LIMITS.output_chars and r.output_dropped > 10**7
+    assert len(r.stdout) <= LIMITS.output_chars and r.output_dropped > 10**8
 
 
 @pytest.mark.usefixtures("healthy")
@@ -334,12 +337,13 @@ os._exit(0)
 
 
 def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):
+    sandbox = Sandbox(FAST, max_concurrent=2, isolation=sandbox.isolation)
     slow = threading.Thread(target=sandbox.run, args=("while True: pass", [Test("a", "pass")]))
     slow.start()
     t0 = time.monotonic()
     r = sandbox.run("x = 2", [Test("a", "assert x == 2")])
     quick_s = time.monotonic() - t0
-    assert r.passed == 1 and quick_s < LIMITS.test_s, quick_s  # ran beside the spinning one, not after it
+    assert r.passed == 1 and quick_s < FAST.wall_s - 0.5, quick_s  # ran beside the spinning one, not after it
     slow.join()
     running, peak, lock = [0], [0], threading.Lock()
     original = sandbox._run
