@@ -31,6 +31,10 @@ from rollout.envs.sandbox import ERROR, FAILED, PASSED, TIMEOUT, Limits, Sandbox
 
 MAX_CODE_CHARS = 20_000  # a longer code block is refused (an observation says so), not run
 MAX_VISIBLE_FROM_CHECK = 3  # HumanEval tasks without usable docstring examples: this many of check's asserts
+# Docstring examples in HumanEval that contradict the canonical solution and `check` (the median of
+# [-10, 4, 6, 1000, 10, 20] is 8.0, not 15.0): left out of the visible tests. `python benchmarks/sandbox.py`
+# checks that every canonical solution passes all its visible tests.
+WRONG_DOCSTRING_EXAMPLES = {"HumanEval/47": {"assert (median([-10, 4, 6, 1000, 10, 20])) == (15.0)"}}
 
 
 def factory(
@@ -161,7 +165,11 @@ def load_humaneval() -> list[Task]:
             "prompt": p["prompt"],
             "entry_point": entry,
             "setup": p["prompt"],  # a function with only a docstring is valid Python: helpers + a stub
-            "visible_tests": humaneval_visible_tests(p["prompt"], p["test"], entry),
+            "visible_tests": [
+                t
+                for t in humaneval_visible_tests(p["prompt"], p["test"], entry)
+                if t not in WRONG_DOCSTRING_EXAMPLES.get(task_id, ())
+            ],
             "hidden_tests": [p["test"] + f"\n\ncheck({entry})\n"],
             "canonical_solution": p["prompt"] + p["canonical_solution"],
         }
@@ -174,7 +182,11 @@ def humaneval_visible_tests(prompt: str, check_source: str, entry_point: str) ->
     without any, the first third (1 to 3) of `check`'s top-level asserts that use only `candidate` and builtins
     (renamed to the entry point); without those either (HumanEval/38 and /50), the whole check."""
     tests = []
-    for example in doctest.DocTestParser().get_examples(prompt):
+    try:
+        examples = doctest.DocTestParser().get_examples(_docstring(prompt, entry_point))
+    except ValueError:  # a malformed docstring (inconsistent indentation): no examples from it
+        examples = []
+    for example in examples:
         source, want = example.source.strip(), example.want.strip()
         if not want or not _is_expression(source) or not _is_expression(want):
             continue
@@ -198,6 +210,18 @@ def humaneval_visible_tests(prompt: str, check_source: str, entry_point: str) ->
     return [check_source + f"\n\ncheck({entry_point})\n"]
 
 
+def _docstring(source: str, function: str) -> str:
+    """The docstring of `function` in `source` (the whole source if it does not parse or has no such function)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return source
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == function:
+            return ast.get_docstring(node) or ""
+    return source
+
+
 class _Rename(ast.NodeTransformer):
     def __init__(self, entry_point: str) -> None:
         self.entry_point = entry_point
@@ -209,7 +233,7 @@ class _Rename(ast.NodeTransformer):
 def _is_expression(text: str) -> bool:
     try:
         ast.parse(text, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError):
         return False
     return True
 
@@ -268,7 +292,7 @@ def load_jsonl_tasks(path: str | Path) -> list[Task]:
 
 # -- actions
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S)
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
 _PYTHON_TAGS = {"python", "py", "python3", "py3", ""}
 _SUBMIT = re.compile(r"\bsubmit\b", re.I)
 _RUN_TESTS = re.compile(r"\brun[_ ]?tests?\b", re.I)
@@ -288,7 +312,7 @@ def parse_action(text: str) -> Action:
     and defines something; `submit` / `run_tests` are read from the text outside code blocks."""
     if not isinstance(text, str):
         text = "" if text is None else str(text)
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
+    blocks = [(m.group(1).lower(), m.group(2).rstrip("\n")) for m in _FENCE.finditer(text)]
     outside = _FENCE.sub(" ", text)
     code = None
     problem = ""
@@ -303,7 +327,7 @@ def parse_action(text: str) -> Action:
             candidate = text[start.start() :]
             try:
                 tree = ast.parse(candidate)
-            except SyntaxError:
+            except (SyntaxError, ValueError):  # ValueError: a NUL byte
                 problem = "it looks like code without a ```python fence, and it does not parse as Python"
             else:
                 if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) for n in tree.body):
