@@ -5,10 +5,12 @@ code and the tests on stdin, and reads back one JSON line per event on a separat
 agent's code runs, the runner (trusted, still privileged) applies, each where this machine allows it:
 
   rlimits           CPU seconds, address space, file size, processes (per uid), open files, no core files
-  namespaces        a new network namespace (no interface up: no connection anywhere, 127.0.0.1 included) and a
+  namespaces        a new network namespace (no interface up: no connection anywhere, 127.0.0.1 included); a
                     new mount namespace: the working directory, /tmp, /var/tmp, /dev/shm and /run/lock become
-                    private size-capped tmpfs that vanish with the execution; /root and /home are hidden (the
-                    interpreter's own prefix is bind-mounted back read-only). Root: plain unshare(2); not root:
+                    private size-capped tmpfs that vanish with the execution, /root and /home are hidden (the
+                    interpreter's own prefix is bind-mounted back read-only); a new pid namespace with its own
+                    /proc: the agent's code runs as its pid 1, sees and can signal only its own processes, and
+                    when it exits the kernel kills whatever it left behind. Root: plain unshare(2); not root:
                     inside a new user namespace (where the kernel allows unprivileged ones)
   uid               as root: setgroups([]), setgid/setuid to a uid of its own (`uid_base` + a slot claimed with a
                     machine-wide lock file), so it can write nowhere it was not given, cannot signal the worker,
@@ -495,8 +497,9 @@ def call(name, *args):
         raise OSError(err, name + ": " + os.strerror(err))
 
 
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x20000, 0x40000000, 0x10000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x40000000, 0x10000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 
 
 def mount(source, target, fstype, flags, data):
@@ -536,13 +539,18 @@ ISOLATION.append("rlimits")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing
 
 namespaces = False
+pidns = False
 if spec["namespaces"]:
+    base = CLONE_NEWNS | CLONE_NEWNET | (0 if root else CLONE_NEWUSER)
     try:
-        if root:
-            call("unshare", CLONE_NEWNS | CLONE_NEWNET)
-        else:
+        try:
+            call("unshare", base | CLONE_NEWPID)
+            pidns = True
+        except OSError:
+            call("unshare", base)
+            NOTES.append("no pid namespace: background processes are killed by the parent only")
+        if not root:
             gid = os.getgid()
-            call("unshare", CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET)
             with open("/proc/self/setgroups", "w") as f:
                 f.write("deny")
             with open("/proc/self/uid_map", "w") as f:
@@ -553,6 +561,23 @@ if spec["namespaces"]:
         ISOLATION += ["netns", "mountns"] + ([] if root else ["userns"])
     except OSError as exc:
         NOTES.append("namespaces unavailable (" + str(exc) + "): audit-hook fallback")
+
+if pidns:
+    # The agent runs as pid 1 of a new pid namespace: it cannot signal (or, with its own /proc, see) anything
+    # outside, and when it exits the kernel kills every process left in the namespace. This process only waits.
+    child = os.fork()
+    if child:
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        while True:
+            try:
+                _, status = os.waitpid(child, 0)
+                break
+            except ChildProcessError:
+                os._exit(1)
+            except InterruptedError:
+                continue
+        os._exit(os.waitstatus_to_exitcode(status) % 256)
+    ISOLATION.append("pidns")
 
 if namespaces:
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)
@@ -573,6 +598,12 @@ if namespaces:
     options = "size=%dm,mode=0700,uid=%d,gid=%d" % (L["disk_mb"], owner, owner if uid is not None else os.getgid())
     mount("tmpfs", WORK, "tmpfs", MS_NOSUID | MS_NODEV, options)
     ISOLATION.append("private-tmp")
+    if pidns:
+        try:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+            ISOLATION.append("own-proc")
+        except OSError as exc:
+            NOTES.append("/proc of the host stays visible (" + str(exc) + ")")
 
 if root and uid is not None:
     if not namespaces and not traversable(os.path.dirname(os.__file__)):
