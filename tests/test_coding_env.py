@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -173,6 +176,7 @@ def test_partial_hidden_score_and_binary_mode(tmp_path):
         env = f.make()
         env.reset(f.tasks("train")[0])
         env.step(fence("def add_clip(a, b, hi):\n    return min(a + b, hi)"))
+        env.close()  # the worker may close a trajectory before (or while) it is judged
         judgement = env.judge()
         assert judgement.score == pytest.approx(expected) and not judgement.success
 
@@ -281,3 +285,18 @@ def test_envs_run_concurrently_from_threads(clip_factory):
         results = list(pool.map(episode, codes))
     assert [r for r, _ in results] == [0.0, 0.5, 0.75, 1.0] * 2
     assert [s for _, s in results] == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0] * 2)
+
+
+@pytest.mark.slow  # a subprocess that imports torch (for the machine line): ~10 s
+def test_sandbox_benchmark_quick():
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "sandbox.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["judged_ok"] == headline["problems"] == 16 and headline["exec_per_s_serial_auto"] > 0

@@ -417,16 +417,16 @@ class CodingEnv:
         if self.task is None:
             raise EnvError("coding env: judge called before reset(task)")
         start = time.monotonic()
+        d, solution = self.task.data, self.solution
         if self.factory.judge_delay_s:
             time.sleep(self.factory.judge_delay_s)
-        d = self.task.data
         info: dict[str, float] = {"visible_fraction": self.visible_fraction, "turns": float(self.turn)}
-        if self.solution is None:
+        if solution is None:
             info.update(hidden_fraction=0.0, no_solution=1.0, judge_s=time.monotonic() - start)
             self._judgement = Judgement(0.0, False, info)
             return self._judgement
         tests = [Test(f"hidden {i + 1}", src) for i, src in enumerate(d["hidden_tests"])]
-        result = self.factory.sandbox.run(self.solution, tests, setup=d.get("setup", ""), explain=False)
+        result = self.factory.sandbox.run(solution, tests, setup=d.get("setup", ""), explain=False)
         success = bool(tests) and result.passed == len(tests)
         score = result.fraction if self.factory.score == "fraction" else float(success)
         info.update(
@@ -439,7 +439,9 @@ class CodingEnv:
         return self._judgement
 
     def close(self) -> None:
-        self.task = None  # nothing runs between calls: every execution finished inside its step or judge
+        # Nothing to release: every execution finished inside its step or judgement. The task is kept, so a
+        # judgement still running on another thread when the trajectory is closed is not disturbed.
+        self.done = True
 
 
 def report(result: Any, limit: int) -> str:
