@@ -338,6 +338,9 @@ os._exit(0)
     r = sandbox.run(code, [Test("a", "assert False")])
     assert r.status == "crash" and r.passed == 0
     assert r.tests[0].status == NOT_RUN
+    probe = "import sys, __main__\nassert __main__ is sys.modules['__main__'] and not hasattr(__main__, 'TOKEN')"
+    r = sandbox.run("x = 1", [Test("own __main__", probe)])
+    assert r.passed == 1, r.tests
 
 
 def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):

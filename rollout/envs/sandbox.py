@@ -752,7 +752,12 @@ def register(name, source):
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
 
 
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+# The agent's code gets a fresh __main__ module of its own (pickle, dataclasses and `import __main__` find it); the
+# runner's globals (its token among them) are then not one import away, though still reachable through frames.
+main = type(sys)("__main__")
+main.__builtins__ = __builtins__
+sys.modules["__main__"] = main
+namespace = main.__dict__
 load_error = None
 try:
     register("setup.py", spec["setup"])
