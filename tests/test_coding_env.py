@@ -57,7 +57,7 @@ def clip_factory(tmp_path):
 def test_factory_is_cheap_and_splits_are_seeded():
     t0 = time.perf_counter()
     f = factory()
-    assert time.perf_counter() - t0 < 0.05  # nothing loads until tasks() / make()
+    assert time.perf_counter() - t0 < 0.5  # nothing loads until tasks() / make() (microseconds; loose for load)
     train, evaluation = f.tasks("train"), f.tasks("eval")
     assert len(train) + len(evaluation) == 164 and len(evaluation) == round(164 * 0.2)
     assert not {t.id for t in train} & {t.id for t in evaluation}
