@@ -197,6 +197,9 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
         summary = _share_summary({
             "final_success_rate": stats.success_rate_long,
             "env_steps": stats.env_steps,
+            "trajectories_finished": stats.trajectories_finished,
+            "trajectories_abandoned": stats.trajectories_abandoned,
+            "env_errors": stats.env_errors,
             "versions": version,
             "wall_s": wall_s(),
             "run_dir": str(run_dir.resolve()),

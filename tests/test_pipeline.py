@@ -233,3 +233,34 @@ def test_evaluating_a_run_that_does_not_exist_is_an_error(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"no run at {tmp_path / 'nope'}" in done.stderr
+
+
+def _sandbox_processes() -> list[int]:
+    """Processes running as one of the sandbox's uids (rollout/envs/sandbox.py: 61000 + slot)."""
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+        if 61000 <= uid < 61512:
+            pids.append(int(status.parent.name))
+    return pids
+
+
+def test_the_coding_environment_trains_end_to_end_through_real_processes(tmp_path):
+    """HumanEval through the sandbox with the tiny byte-level model: stages and judged outcomes flow, the run
+    stops at its budget, the final weights are evaluated on the eval split, nothing is left running."""
+    args = [sys.executable, "-m", "async_rl.cli", "train", "env.name=coding", f"run.dir={tmp_path}", "run.name=t",
+            "wandb.mode=disabled", "model.max_seq_len=2048", "rollout.max_new_tokens=48", "env.kwargs.max_turns=2",
+            "run.max_env_steps=40", "rollout.group_size=4", "rollout.max_inflight=8", "learner.min_batch_items=4",
+            "run.eval_samples_per_task=1", "run.eval_max_tasks=2"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["stop_reason"] == "max_env_steps" and summary["env_steps"] >= 40
+    assert summary["trajectories_finished"] > 0 and summary["env_errors"] == 0  # judged through the sandbox
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["eval_tasks"] == 2 and result["eval_abandoned"] == 0 and "eval_hidden_fraction" in result
+    assert_children_gone(tmp_path / "t")
+    assert not _sandbox_processes()
