@@ -65,3 +65,11 @@ def test_inflight_quick():
     assert set(result["trajectories_per_s"]) == {"16", "64"}
     # 50 ms tools: four groups in flight finish more trajectories per second than one (measured ~4x; a loose bound).
     assert result["speedup_vs_16"]["64"] > 1.5
+
+
+@pytest.mark.slow
+def test_hunt_quick():
+    result = run_benchmark("hunt.py", timeout_s=400)
+    (run,) = result["runs"]
+    assert run["versions"] == 20 and not run["reached"]  # 20 versions: the shape of the output, no learning
+    assert 0.0 <= run["eval_blind"] <= 1.0 and run["eval_turns"] >= 1.0
