@@ -147,23 +147,22 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_bad_config_fails_before_anything_starts(tmp_path):
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("algo.max_staleness=-1", "algo.max_staleness: expected int >= 0, got -1"),
+        ("env.name=no_such_env_module:factory",
+         "env 'no_such_env_module:factory': cannot import module 'no_such_env_module'"),
+        ("env.kwargs.stages=0", "env.kwargs.stages: expected `int` >= 1, got 0"),
+    ],
+)
+def test_a_bad_config_or_environment_fails_before_anything_starts(tmp_path, override, expected):
     done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "algo.max_staleness=-1"],
+        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", override],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2
-    assert "algo.max_staleness: expected int >= 0, got -1" in done.stderr
-    assert not any(tmp_path.iterdir())
-
-
-def test_a_bad_environment_fails_before_anything_starts(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "env.name=no_such_env_module:factory"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 2
-    assert "env 'no_such_env_module:factory': cannot import module 'no_such_env_module'" in done.stderr
+    assert expected in done.stderr
     assert not any(tmp_path.iterdir())
 
 
