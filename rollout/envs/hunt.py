@@ -1,7 +1,9 @@
 """A long-horizon environment that needs its observations: a treasure hunt through a chain of rooms.
 
 Each task is a house of `rooms` rooms in a row. Entering a room, the agent's tool shows a sign, a colour drawn
-at random for this episode; the door to take is the task's cipher of that colour (a fixed permutation per task).
+at random for this episode; the door to take is the house's cipher of that colour (a fixed permutation; the
+houses share `ciphers` of them, one by default, so the skill is reading the sign and the per-house part is the
+traps).
 The agent answers with a two-word action, `go <door>`. The right door earns stage reward 1 and leads to the next
 room (and its sign); a wrong door earns 0 and the tool says `wall`, without showing the sign again: the agent
 must remember what the tool answered earlier. Anything else (`huh`) is a miss too. After `retries` misses in one
@@ -11,9 +13,9 @@ doors earn them) and can mislead (a trap earns them too, and needs no sign).
 
     task3 room1 sign red  →  go C  →  room2 sign blue  →  go A  →  wall  →  go D  →  room3 sign red  → …
 
-A policy that ignores the signs opens a room with probability about (1 + retries)/doors per room: with the
-defaults (8 rooms, 4 doors, 1 retry) its success rate is about 0.5⁸ ≈ 0.004. `async-rl evaluate --blind`
-replaces every tool answer by a fixed string to measure exactly that on a trained policy.
+A policy that ignores the signs opens a room with probability 1 − (1 − 1/doors)^(1 + retries): with the defaults
+(8 rooms, 4 doors, 2 retries) 0.58 per room and about 0.58⁸ ≈ 0.013 per episode. `async-rl evaluate --blind`
+replaces every tool answer by a fixed string to measure what a trained policy does without them.
 
 `env.name=hunt`, settings in `env.kwargs` (`HuntSettings`). Episodes are seeded (`seed` and a per-factory
 counter), so a run is reproducible; train and eval split are the same `num_tasks` houses, with fresh signs.
