@@ -108,6 +108,12 @@ class ReplayConfig(_Section):
     # within a group are strongly correlated, so the window's real sample size is its number of groups: 64 (4
     # groups) or even 512 (32 groups) touched 0.9 on lucky streaks while the policy evaluated at ~0.7.
     long_success_window: PosInt = 2048
+    # Versions in a message (a stage record's token versions, a BatchRequest's or BatchAck's) may be at most
+    # algo.ppo_epochs + this above the version the learner can honestly have (docs/architecture.md, "Validation
+    # at the edge"); the rest is refused as `version_ahead`.
+    max_version_lead: NonNegInt = 2
+    vocab_size: PosInt | None = None  # token ids >= this are refused when set (the replay does not load the model)
+    max_message_bytes: PosInt = 64 * 2**20  # ZMQ_MAXMSGSIZE of the replay's ROUTER: a bigger frame drops the peer
 
 
 class LearnerConfig(_Section):
