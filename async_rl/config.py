@@ -128,6 +128,8 @@ class LearnerConfig(_Section):
     publish_every: PosInt = 1  # write weights and announce a version every N steps
     checkpoint_every: NonNegInt = 0  # DeepSpeed checkpoint every N steps (0: only at the end)
     keep_weights: PosInt = 3  # published weight files kept on disk
+    # A BatchRequest with no Batch after this long is sent again (the replay may have restarted and lost it).
+    request_timeout_s: PosFloat = 30.0
 
 
 class AlgoConfig(_Section):
@@ -173,6 +175,17 @@ class Config(_Section):
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def configured_model_path(config: Config) -> Path | None:
+    """`model.path` checked (a Hugging Face model directory: it has config.json), or None when it is empty. Cheap:
+    `async-rl train` runs it before importing torch, so a wrong path is reported at once."""
+    if not config.model.path:
+        return None
+    path = Path(config.model.path)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    return path
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
