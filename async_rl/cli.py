@@ -88,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                       "(see configs/cluster.yaml)", file=sys.stderr)
                 return 2
     role = f"rollout-{args.index}" if args.role == "rollout" else args.role
+    if args.role == "train":
+        from async_rl.launcher import preflight
+
+        try:
+            preflight(config)  # before torch is imported: a wrong model.path or run.dir is reported at once
+        except AsyncRLError as exc:
+            print(f"async-rl train: {exc}", file=sys.stderr)
+            return 2
     configure_logging(role, config)
     try:
         import torch

@@ -108,6 +108,12 @@ class ReplayConfig(_Section):
     # within a group are strongly correlated, so the window's real sample size is its number of groups: 64 (4
     # groups) or even 512 (32 groups) touched 0.9 on lucky streaks while the policy evaluated at ~0.7.
     long_success_window: PosInt = 2048
+    # Versions in a message (a stage record's token versions, a BatchRequest's or BatchAck's) may be at most
+    # algo.ppo_epochs + this above the version the learner can honestly have (docs/architecture.md, "Validation
+    # at the edge"); the rest is refused as `version_ahead`.
+    max_version_lead: NonNegInt = 2
+    vocab_size: PosInt | None = None  # token ids >= this are refused when set (the replay does not load the model)
+    max_message_bytes: PosInt = 64 * 2**20  # ZMQ_MAXMSGSIZE of the replay's ROUTER: a bigger frame drops the peer
 
 
 class LearnerConfig(_Section):
@@ -122,6 +128,8 @@ class LearnerConfig(_Section):
     publish_every: PosInt = 1  # write weights and announce a version every N steps
     checkpoint_every: NonNegInt = 0  # DeepSpeed checkpoint every N steps (0: only at the end)
     keep_weights: PosInt = 3  # published weight files kept on disk
+    # A BatchRequest with no Batch after this long is sent again (the replay may have restarted and lost it).
+    request_timeout_s: PosFloat = 30.0
 
 
 class AlgoConfig(_Section):
@@ -167,6 +175,17 @@ class Config(_Section):
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def configured_model_path(config: Config) -> Path | None:
+    """`model.path` checked (a Hugging Face model directory: it has config.json), or None when it is empty. Cheap:
+    `async-rl train` runs it before importing torch, so a wrong path is reported at once."""
+    if not config.model.path:
+        return None
+    path = Path(config.model.path)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    return path
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

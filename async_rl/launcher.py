@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from async_rl.config import Config, dump_config
+from async_rl.config import Config, configured_model_path, dump_config
+from async_rl.errors import ConfigError
 
 log = logging.getLogger("async_rl.launcher")
 
@@ -87,6 +89,30 @@ def _fresh_run_dir(config: Config) -> Config:
     )
     run = msgspec.structs.replace(config.run, name=name)
     return msgspec.structs.replace(config, run=run, replay=replay, learner=learner)
+
+
+def _check_run_dir_creatable(run_dir: Path) -> None:
+    """Fail at once, naming the path, if the run directory cannot be created (before anything is started).
+    Probes the nearest existing ancestor by creating and removing a directory in it (os.access says yes to root
+    on a read-only mount)."""
+    existing = run_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run.dir: cannot create the run directory {run_dir}: {existing} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".async-rl-probe-", dir=existing))
+    except OSError as exc:
+        raise ConfigError(
+            f"run.dir: cannot create the run directory {run_dir}: {existing} is not writable ({exc.strerror})"
+        ) from None
+
+
+def preflight(config: Config) -> None:
+    """What `async-rl train` can refuse before importing torch (seconds on a busy machine) or creating anything:
+    a missing or invalid model.path, a run directory that cannot be created. Raises ConfigError naming the path."""
+    configured_model_path(config)
+    _check_run_dir_creatable(_fresh_run_dir(config).run_dir)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -207,10 +233,14 @@ def train(config: Config) -> int:
     # env.name or env.kwargs stops here, before the run directory or any process exists.
     from rollout.prepare import load_env, prepare_model_dir
 
+    preflight(config)
     factory = load_env(config)
     config = _fresh_run_dir(config)
     run_dir = config.run_dir
-    (run_dir / "logs").mkdir(parents=True)
+    try:
+        (run_dir / "logs").mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(f"run.dir: cannot create the run directory {run_dir}: {exc}") from None
     config_path = run_dir / "config.yaml"
     dump_config(config, config_path)
     prepare_model_dir(config, factory)  # once, before the roles race for it (its tokenizer depends on the env)

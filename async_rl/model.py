@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from async_rl.config import Config
+from async_rl.config import Config, configured_model_path
 from async_rl.errors import ConfigError
 
 log = logging.getLogger("async_rl.model")
@@ -77,12 +77,7 @@ def build_tiny_model(config: Config, vocab_size: int, pad_id: int, eos_id: int) 
 
 def configured_model_dir(config: Config) -> Path | None:
     """`model.path` checked, or None when the tiny model is built into the run directory."""
-    if not config.model.path:
-        return None
-    path = Path(config.model.path)
-    if not (path / "config.json").exists():
-        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
-    return path
+    return configured_model_path(config)
 
 
 def ensure_model_dir(config: Config, words: list[str] | None = None) -> Path:

@@ -11,10 +11,16 @@ Sockets (endpoints come from the config):
   learner         DEALER -> replay ROUTER   BatchRequest, BatchAck                         (replies: Batch, Ack)
   learner         PUB    -> rollout SUB     WeightsPublished
 Any peer may receive `Error` in reply to a message the replay service could not accept.
+
+Values are checked at the edge: `value_problem` names what is out of range in a message that decoded (a NaN
+reward, a positive log-prob, a negative member, ...) without needing any state; the replay service runs it on
+every message before anything is stored, and adds the checks that need its state (versions ahead of the learner,
+trajectories longer than `model.max_seq_len`). Every rejection is counted by reason in `ReplayStats.rejected`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -22,7 +28,9 @@ import numpy as np
 
 from async_rl.errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: tasks belong to the rollout side (string ids), outcomes carry success
+# 2: tasks belong to the rollout side (string ids), outcomes carry success
+# 3: ReplayStats.rejected (counts by reason); BatchAck.trained (False: the learner skipped a non-finite step)
+PROTOCOL_VERSION = 3
 
 TOKEN = np.dtype("<i4")  # token ids and policy versions
 LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
@@ -230,6 +238,7 @@ class ReplayStats(Message, tag="replay_stats"):
     immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
     immediate_before_outcome: int = 0  # in this batch: immediate items served before their trajectory's outcome
     eval_metrics: dict[str, float] = {}  # the latest EvalReport's metrics (eval_version among them); {} if none
+    rejected: dict[str, int] = {}  # messages refused, by reason (the metrics line has them as rejected_<reason>)
 
 
 class Batch(Message, tag="batch"):
@@ -240,12 +249,17 @@ class Batch(Message, tag="batch"):
 
 
 class BatchAck(Message, tag="batch_ack"):
-    """Sent after the optimizer step: the batch's credit is now trained (ledger `issued`)."""
+    """Sent after the optimizer step: the batch's credit is now trained (ledger `issued`).
+
+    `trained=False`: the learner refused the step (non-finite loss or gradient; the weights did not change), so
+    none of the batch's credit was trained: the replay handles its items as if never served and then skipped
+    (an immediate's credit goes to its correction; a correction's is dropped and counted, docs/algorithm.md)."""
 
     learner_id: str
     msg_id: int
     batch_id: int
     policy_version: int  # the version after the step
+    trained: bool = True
 
 
 # --- learner -> rollout --------------------------------------------------------------------------
@@ -280,6 +294,67 @@ AnyMessage = (
     | WeightsPublished
     | Error
 )
+
+# --- values at the edge ---------------------------------------------------------------------------
+
+MAX_VERSION = 2**31 - 1  # versions travel as int32 (TOKEN)
+LOGPROB_SLACK = 1e-4  # a log-probability is <= 0; float error may leave it a hair above
+MAX_WAIT_S = 3600.0  # a BatchRequest's max_wait_s above this is not a wait, it is a stall
+MAX_MIN_ITEMS = 1_000_000
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
+def value_problem(message: Message) -> tuple[str, str] | None:
+    """(reason, detail) for a value out of its range in a message that decoded, or None.
+
+    Only what needs no state: the replay service adds the checks that need its state (replay/service.py).
+    Reasons are short snake_case names; they key `ReplayStats.rejected`.
+    """
+    match message:
+        case StageRecord():
+            if not _finite(message.stage_reward):
+                return "nonfinite_reward", f"stage_reward {message.stage_reward} is not finite"
+            logprobs = message.logprobs()
+            if not np.isfinite(logprobs).all():
+                return "bad_logprob", "behaviour_logprobs: not finite"
+            if logprobs.max() > LOGPROB_SLACK:
+                return "bad_logprob", f"behaviour_logprobs: {float(logprobs.max())} > 0 is not a log-probability"
+            versions = message.versions()
+            if versions.min() < 0:
+                return "bad_version", f"policy_versions: {int(versions.min())} < 0"
+            for name, ids in (("action_tokens", message.action_ids()), ("observation_tokens",
+                                                                          message.observation_ids())):
+                if len(ids) and ids.min() < 0:
+                    return "bad_token", f"{name}: token id {int(ids.min())} < 0"
+        case Outcome():
+            if message.member < 0:
+                return "bad_member", f"member {message.member} < 0"
+            if not _finite(message.outcome):
+                return "nonfinite_outcome", f"outcome {message.outcome} is not finite"
+            if message.num_stages < 0 or (not message.abandoned and message.num_stages == 0):
+                return "bad_num_stages", f"num_stages {message.num_stages}: a finished trajectory has >= 1 stage"
+        case EvalReport():
+            if not 0 <= message.policy_version <= MAX_VERSION:
+                return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"
+            if not all(math.isfinite(value) for value in message.metrics.values()):
+                return "nonfinite_metric", "metrics: a value is not finite"
+        case BatchRequest():
+            if not 0 <= message.policy_version <= MAX_VERSION:
+                return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"
+            if message.max_tokens < 1:
+                return "bad_request", f"max_tokens {message.max_tokens} < 1"
+            if not 0 <= message.min_items <= MAX_MIN_ITEMS:
+                return "bad_request", f"min_items {message.min_items} out of [0, {MAX_MIN_ITEMS}]"
+            if not 0.0 <= message.max_wait_s <= MAX_WAIT_S:  # NaN fails too
+                return "bad_request", f"max_wait_s {message.max_wait_s} out of [0, {MAX_WAIT_S}]"
+        case BatchAck():
+            if not 0 <= message.policy_version <= MAX_VERSION:
+                return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"
+    return None
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

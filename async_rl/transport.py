@@ -29,9 +29,13 @@ def bind_address(endpoint: str) -> str:
     return endpoint
 
 
-def bind_router(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def bind_router(context: zmq.Context, endpoint: str, max_message_bytes: int | None = None) -> zmq.Socket:
+    """A ROUTER bound at `endpoint`. With `max_message_bytes` (ZMQ_MAXMSGSIZE), a peer that sends a bigger frame
+    is disconnected by ZeroMQ before the frame is buffered (a DEALER reconnects on its own)."""
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
+    if max_message_bytes is not None:
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished peer are dropped, never raise
     socket.bind(bind_address(endpoint))
     return socket

@@ -42,19 +42,24 @@ def batch_metrics(batch: TrainBatch, version: int) -> dict[str, Any]:
 
 def step_metrics(
     version: int, stats: ReplayStats, batch_line: dict[str, Any], losses: list[tuple[float, LossStats]],
-    step_s: float, wall_s: float, learner_bad_messages: int,
+    step_s: float, wall_s: float, learner_bad_messages: int, steps_skipped_nonfinite: int = 0,
 ) -> dict[str, Any]:
     """The full line. With ppo_epochs > 1 one line covers the batch's epochs: loss is their mean, ρ the first's."""
     first = losses[0][1]
     replay_side = {
-        name: getattr(stats, name) for name in stats.__struct_fields__ if name not in ("protocol", "eval_metrics")
+        name: getattr(stats, name) for name in stats.__struct_fields__
+        if name not in ("protocol", "eval_metrics", "rejected")
     }
     replay_side.update(stats.eval_metrics)  # the latest evaluation (run.eval_every), flat: eval_success_rate, ...
+    # messages the replay refused, by reason, flat: rejected_nonfinite_reward, ... (and their total)
+    replay_side.update({f"rejected_{reason}": count for reason, count in sorted(stats.rejected.items())})
+    replay_side["rejected"] = sum(stats.rejected.values())
     return {
         "version": version,
         **replay_side,
         **batch_line,
         "learner_bad_messages": learner_bad_messages,
+        "steps_skipped_nonfinite": steps_skipped_nonfinite,
         "loss": sum(loss for loss, _ in losses) / len(losses),
         "is_ratio_mean": first.is_ratio_mean,
         "is_ratio_max": first.is_ratio_max,

@@ -1,7 +1,11 @@
 """The learner's side of the replay conversation: ask for a batch, wait for it, ack it after the optimizer step.
 
-The replay service may hold a request until it has items, so a request is sent once and waited for in short
-slices (stop signals stay responsive); it is re-sent only after the service rejected it with `Error`.
+The replay service may hold a request until it has items, so a request is waited for in short slices (stop
+signals stay responsive). It is sent again after the service rejected it with `Error`, and after
+`learner.request_timeout_s` without an answer: a replay that restarted lost it, and would never answer. A re-sent
+request has a new msg_id and replaces the parked one at the replay (one per learner identity); a `Batch` that
+answers any request still open is taken, so a batch the replay served just before the re-send is trained, not
+left to time out.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -22,38 +27,53 @@ log = logging.getLogger("async_rl.learner")
 POLL_SLICE_S = 0.1
 RETRY_AFTER_ERROR_S = 0.5
 ACK_TIMEOUT_S = 5.0
+OPEN_REQUESTS = 8  # msg_ids of requests not yet answered that a Batch may still answer
+RESEND_LOG_EVERY_S = 300.0  # a long wait for items re-sends every request_timeout_s: warn this often at most
 
 
 class ReplayClient:
-    def __init__(self, context: zmq.Context, endpoint: str, learner_id: str) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, learner_id: str, request_timeout_s: float = 30.0) -> None:
         self.learner_id = learner_id
+        self.request_timeout_s = request_timeout_s
         self.bad_messages = 0
+        self.resent_requests = 0
         self._socket = connect_dealer(context, endpoint, learner_id)
         self._msg_ids = itertools.count(1)
+        self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
+        self._resend_logged_at = float("-inf")
+        self._resends_unlogged = 0
 
     def next_batch(
         self, version: int, learner: LearnerConfig, should_stop: Callable[[], bool], while_idle: Callable[[], None],
     ) -> Batch | None:
         """The next batch to train at `version`, or None once `should_stop()` says so."""
         msg_id = self._request(version, learner)
+        sent_at = time.monotonic()
         while not should_stop():
             while_idle()
             reply = self._receive(POLL_SLICE_S)
-            if isinstance(reply, Batch) and reply.msg_id == msg_id:
+            if isinstance(reply, Batch) and reply.msg_id in self._open:
+                self._open.remove(reply.msg_id)
                 return reply
-            if isinstance(reply, Error) and reply.msg_id == msg_id:
-                log.warning("replay rejected batch request %d (%s): %s", msg_id, reply.code, reply.detail)
-                time.sleep(RETRY_AFTER_ERROR_S)
-                msg_id = self._request(version, learner)
+            if isinstance(reply, Error) and reply.msg_id in self._open:
+                self._open.remove(reply.msg_id)
+                log.warning("replay rejected batch request %d (%s): %s", reply.msg_id, reply.code, reply.detail)
+                if reply.msg_id == msg_id:
+                    time.sleep(RETRY_AFTER_ERROR_S)
+                    msg_id, sent_at = self._request(version, learner), time.monotonic()
             elif reply is not None:
                 log.warning("ignoring unexpected %s while waiting for batch request %d", type(reply).__name__, msg_id)
+            elif time.monotonic() - sent_at >= self.request_timeout_s:
+                self._log_resend(msg_id)
+                msg_id, sent_at = self._request(version, learner), time.monotonic()
         return None
 
-    def ack(self, batch: Batch, version: int) -> bool:
-        """Tell the replay the batch is trained (its credit is now `issued`); wait briefly for the Ack."""
+    def ack(self, batch: Batch, version: int, trained: bool = True) -> bool:
+        """Tell the replay the batch is trained (its credit is now `issued`), or with `trained=False` that its step
+        was refused; wait briefly for the Ack."""
         msg_id = next(self._msg_ids)
         send(self._socket, BatchAck(learner_id=self.learner_id, msg_id=msg_id, batch_id=batch.batch_id,
-                                    policy_version=version))
+                                    policy_version=version, trained=trained))
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while time.monotonic() < deadline:
             reply = self._receive(POLL_SLICE_S)
@@ -74,7 +94,19 @@ class ReplayClient:
             learner_id=self.learner_id, msg_id=msg_id, policy_version=version, max_tokens=learner.batch_tokens,
             min_items=learner.min_batch_items, max_wait_s=learner.batch_wait_s,
         ))
+        self._open.append(msg_id)
         return msg_id
+
+    def _log_resend(self, msg_id: int) -> None:
+        self.resent_requests += 1
+        now = time.monotonic()
+        if now - self._resend_logged_at < RESEND_LOG_EVERY_S:
+            self._resends_unlogged += 1
+            return
+        more = f" ({self._resends_unlogged} more re-sends since the last warning)" if self._resends_unlogged else ""
+        log.warning("no batch for request %d after %.0f s: sending it again (a restarted replay loses parked "
+                    "requests)%s", msg_id, self.request_timeout_s, more)
+        self._resend_logged_at, self._resends_unlogged = now, 0
 
     def _receive(self, timeout_s: float) -> object | None:
         if not poll(self._socket, timeout_s):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -10,6 +12,8 @@ from async_rl.config import Config
 from async_rl.loss import LossStats, policy_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate
+
+log = logging.getLogger("async_rl.learner")
 
 
 def rank_share(items: list[TrainItem], rank: int, world_size: int, aggregation: str) -> tuple[TrainBatch, float]:
@@ -42,6 +46,24 @@ def _whole_batch_loss(scaled_share_loss: torch.Tensor) -> float:
     return float(scaled_share_loss)
 
 
+def _on_any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is True on any (ranks must agree on skipping a step: the step is collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = torch.tensor([float(flag)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item())
+    return flag
+
+
+def _gradients_finite(engine: deepspeed.DeepSpeedEngine) -> bool:
+    """Every gradient finite. Checked at ZeRO-0, where the gradients sit on the parameters after backward; at ZeRO
+    >= 1 they live in DeepSpeed's partitioned buffers and only the loss is checked (docs/algorithm.md, "Loss")."""
+    if engine.zero_optimization_stage() != 0:
+        return True
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all())
+
+
 def _logp(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,6 +80,10 @@ def train_on_batch(
 
     One epoch uses the TIS form; more use decoupled PPO with π_prox = the policy when the batch arrived.
     The loss is the whole batch's; the ratio statistics are this rank's share.
+
+    A non-finite loss (checked before backward) or gradient (after it) refuses the step: the gradients are zeroed,
+    the optimizer does not step, the weights stay exactly as they were, and the batch's remaining epochs are not
+    run. Fewer results than algo.ppo_epochs say so (none: nothing of the batch was trained).
     """
     algo, temperature = config.algo, config.rollout.temperature
     ref_logp = prox_logp = None
@@ -74,7 +100,15 @@ def train_on_batch(
             logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
             prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
         )
-        engine.backward(loss * loss_scale)
+        scaled = loss * loss_scale
+        if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all())):
+            log.warning("non-finite loss at version %d: the step is skipped", version)
+            break
+        engine.backward(scaled)
+        if _on_any_rank(not _gradients_finite(engine)):
+            log.warning("non-finite gradient at version %d: the step is skipped", version)
+            engine.zero_grad()
+            break
         engine.step()
         version += 1
         results.append((_whole_batch_loss(loss.detach() * loss_scale), stats))

@@ -133,7 +133,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     context = zmq.Context()
     client = publisher = metrics = None
     if leader:
-        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID)
+        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s)
         # SGLang servers: learner/sglang_sync.py
         publisher = make_publisher(context, config, wait_for_model_dir(config))
         metrics = MetricsLog(config, run_dir)
@@ -141,6 +141,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     version, stats, reason = 0, ReplayStats(), None
     checkpointed = published = -1  # the same on every rank: the final gather must be collective or skipped by all
     bad_items = 0
+    skipped_nonfinite = 0  # optimizer steps refused for a non-finite loss or gradient
 
     def wall_s() -> float:
         return time.time() - started
@@ -167,7 +168,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                             batch.batch_id, dropped)
             if not items:
                 if leader:
-                    client.ack(batch, version)
+                    client.ack(batch, version, trained=False)  # nothing of it was trained
                     stats = batch.stats
                 continue
             step_started = time.monotonic()
@@ -175,9 +176,13 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
             local, scale = rank_share(items, rank(), world_size(), config.algo.aggregation)
             version, losses = train_on_batch(engine, reference, local, version, config, scale)
             step_s = time.monotonic() - step_started
+            skipped_nonfinite += len(losses) < config.algo.ppo_epochs
             if leader:
-                client.ack(batch, version)
+                # Honest acks: a batch with no step taken says so, and the replay counts none of its credit trained.
+                client.ack(batch, version, trained=bool(losses))
                 stats = batch.stats
+            if not losses:
+                continue  # the weights did not change: nothing to publish, checkpoint or log as a step
             if version % config.learner.publish_every == 0:
                 _publish(engine, publisher, version)
                 published = version
@@ -186,7 +191,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 checkpointed = version
             if leader:
                 line = step_metrics(version, stats, batch_metrics(collate(items), trained_at), losses, step_s,
-                                    wall_s(), client.bad_messages + bad_items)
+                                    wall_s(), client.bad_messages + bad_items, skipped_nonfinite)
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
                          stats.env_steps)
@@ -200,6 +205,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
             "trajectories_finished": stats.trajectories_finished,
             "trajectories_abandoned": stats.trajectories_abandoned,
             "env_errors": stats.env_errors,
+            "steps_skipped_nonfinite": skipped_nonfinite,
             "versions": version,
             "wall_s": wall_s(),
             "run_dir": str(run_dir.resolve()),

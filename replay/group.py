@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from async_rl.config import AlgoConfig, ReplayConfig
 from async_rl.ledger import GroupLedger, Stage
 from async_rl.protocol import Outcome, StageRecord
@@ -45,8 +47,8 @@ class Group:
 
     def member_problem(self, member: int, trajectory_id: str) -> str | None:
         """Why a message about `member` cannot belong to this group, or None."""
-        if member >= self.group_size:
-            return f"member {member} >= group_size {self.group_size}"
+        if not 0 <= member < self.group_size:
+            return f"member {member} out of [0, group_size {self.group_size})"
         trajectory = self.trajectories.get(member)
         if trajectory is not None and trajectory.trajectory_id != trajectory_id:
             return (
@@ -172,4 +174,5 @@ class Group:
         if ledger.a_final is None:
             return 0.0
         residuals = zip(ledger.a_final, ledger.residuals(), strict=True)
-        return max((r for stage, r in residuals if stage not in self.dropped_stages), default=0.0)
+        kept = [r for stage, r in residuals if stage not in self.dropped_stages]
+        return float(np.max(kept)) if kept else 0.0  # np.max, not max: a NaN residual propagates

@@ -9,6 +9,14 @@ not acked within `replay.batch_ack_timeout_s` is put back at the front of the qu
 refused (`Error bad_state`), so the ledger never counts an item twice. The price: if that learner did train the
 batch before vanishing, those tokens are trained again when the items are re-served; the ledger then records
 what was acknowledged, not everything the optimizer saw.
+
+Validation at the edge (docs/architecture.md): every message is checked before anything is stored, first by
+`protocol.value_problem` (finite rewards and outcomes, log-probs <= 0, members and versions >= 0, sane batch
+requests), then against the service's state (versions ahead of what the learner can have, token ids past
+`replay.vocab_size`, trajectories longer than `model.max_seq_len`). A refusal is an `Error` naming the reason,
+counted by reason in `ReplayStats.rejected` and logged at most once per reason every `REJECT_LOG_EVERY_S`. A
+stage record or outcome refused for its values abandons its trajectory (when the group and member are real), so
+its group still closes over the other members.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import zmq
 from async_rl.config import Config
 from async_rl.ledger import GroupLedger, corrections_on, immediate_updates_on
 from async_rl.protocol import (
+    TOKEN,
     Ack,
     AnyMessage,
     Batch,
@@ -41,6 +50,7 @@ from async_rl.protocol import (
     Outcome,
     ReplayStats,
     StageRecord,
+    value_problem,
 )
 from async_rl.staleness import admission_allowed, correction_trainable, immediate_trainable
 from async_rl.transport import BadFrame, bind_router, poll, receive, send
@@ -56,6 +66,27 @@ STALENESS_RETRY_S = 0.05  # admission reopens as soon as the learner steps; ask 
 BUDGET_RETRY_S = 1.0  # the env-step budget never reopens; the worker is told to wind down
 POLL_S = 0.02
 MAX_MESSAGES_PER_TICK = 1000  # timers still run under a flood of messages
+REJECT_LOG_EVERY_S = 10.0  # at most one warning per rejection reason this often (a flood must not fill the log)
+
+
+class RejectLog:
+    """Rate-limited warnings: at most one per reason every `every_s` seconds; the next one says how many it hid."""
+
+    def __init__(self, every_s: float = REJECT_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self.last: dict[str, float] = {}
+        self.suppressed: dict[str, int] = {}
+
+    def warn(self, reason: str, text: str) -> None:
+        now = time.monotonic()
+        last = self.last.get(reason)
+        if last is not None and now - last < self.every_s:
+            self.suppressed[reason] = self.suppressed.get(reason, 0) + 1
+            return
+        self.last[reason] = now
+        hidden = self.suppressed.pop(reason, 0)
+        more = f" (and {hidden} more '{reason}' since the last warning)" if hidden else ""
+        log.warning("%s%s", text, more)
 
 
 class ReplayService:
@@ -63,6 +94,12 @@ class ReplayService:
         self.config = config
         self.algo = config.algo
         self.policy_version = 0  # the learner's latest version (BatchRequest / BatchAck)
+        # What the learner's version can honestly be, as the replay saw it happen: the first version a learner told
+        # us (a fresh or restarted replay trusts it), then + ppo_epochs per batch served or acked. Versions above
+        # it + ppo_epochs + replay.max_version_lead are refused (`version_ahead`): a forged BatchRequest cannot
+        # move the learner's version (and so the staleness of every item) to 2**40, and cannot ratchet it either.
+        self.version_ceiling: int | None = None
+        self.reject_log = RejectLog()
         self.counters = ReplayStats()  # cumulative counters; the windowed fields are filled by stats_snapshot
         self.groups: dict[str, Group] = {}
         self.leases: dict[str, set[str]] = {}  # worker id -> its groups still waiting for outcomes
@@ -86,6 +123,9 @@ class ReplayService:
 
     def handle(self, identity: bytes, message: AnyMessage, now: float) -> list[Reply]:
         """Answer one decoded message from peer `identity`; also answers parked batch requests it unblocks."""
+        problem = value_problem(message)
+        if problem is not None:
+            return self._refuse(identity, message, "malformed", *problem, now)
         if isinstance(message, LeaseRequest | StageRecord | Outcome | Heartbeat):
             self._renew(message.worker_id, now)
         match message:
@@ -118,7 +158,7 @@ class ReplayService:
     def reject_frame(self, identity: bytes | None, detail: str) -> list[Reply]:
         """A frame that did not decode: count it, log it, answer `Error` when the sender is known."""
         self.counters.bad_messages += 1
-        log.warning("bad frame from %r: %s", identity, detail)
+        self._reject(-1, "malformed", "undecodable", f"bad frame from {identity!r}: {detail}")
         if identity is None:
             return []
         return [(identity, Error(msg_id=-1, code="malformed", detail=detail))]
@@ -134,6 +174,7 @@ class ReplayService:
             success_rate_long=self.successes_long / len(self.finished_long) if self.finished_long else 0.0,
             stage_reward_mean=reward_sum / stages if stages else 0.0,
             items_queued=len(self.queue),
+            rejected=dict(self.counters.rejected),
         )
 
     # --- rollout workers --------------------------------------------------------------------------
@@ -173,13 +214,22 @@ class ReplayService:
     def _stage_record(self, record: StageRecord, now: float) -> Ack | Error:
         group = self.groups.get(record.group_id)
         if group is None:
-            return self._error(record.msg_id, "unknown_group", f"stage record for unknown group {record.group_id!r}")
+            return self._reject(
+                record.msg_id, "unknown_group", "unknown_group", f"stage record for unknown group {record.group_id!r}"
+            )
         problem = group.member_problem(record.member, record.trajectory_id)
         if problem is None and group.is_duplicate(record.member, record.stage_index):
             return Ack(msg_id=record.msg_id, duplicate=True)
-        problem = problem or group.stage_problem(record)
         if problem is not None:
-            return self._error(record.msg_id, "bad_state", problem)
+            return self._reject(record.msg_id, "bad_state", "bad_member", problem)
+        refused = self._record_problem(group, record)
+        if refused is not None:
+            error = self._reject(record.msg_id, "bad_state", *refused)
+            self._abandon_refused(group, record.member, refused[0], now)
+            return error
+        problem = group.stage_problem(record)
+        if problem is not None:
+            return self._reject(record.msg_id, "bad_state", "bad_stage", problem)
         if group.add_stage(record, now, track_stage_group=immediate_updates_on(self.algo.updates)):
             deadline = now + self.config.replay.stage_group_timeout_s
             self.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
@@ -190,10 +240,12 @@ class ReplayService:
     def _outcome(self, message: Outcome, now: float) -> Ack | Error:
         group = self.groups.get(message.group_id)
         if group is None:
-            return self._error(message.msg_id, "unknown_group", f"outcome for unknown group {message.group_id!r}")
+            return self._reject(
+                message.msg_id, "unknown_group", "unknown_group", f"outcome for unknown group {message.group_id!r}"
+            )
         problem = group.member_problem(message.member, message.trajectory_id)
         if problem is not None:
-            return self._error(message.msg_id, "bad_state", problem)
+            return self._reject(message.msg_id, "bad_state", "bad_member", problem)
         i, ledger = message.member, group.ledger
         if i in ledger.outcomes or i in ledger.abandoned:
             # A resend, or the outcome of a member already abandoned (its lease expired): nothing changes.
@@ -203,7 +255,7 @@ class ReplayService:
         else:
             problem = group.outcome_problem(message)
             if problem is not None:
-                return self._error(message.msg_id, "bad_state", problem)
+                return self._reject(message.msg_id, "bad_state", "bad_outcome", problem)
             ledger.add_outcome(i, message.outcome, message.num_stages)
             self.counters.trajectories_finished += 1
             rewards = sum(r for r in ledger.rewards[i].values() if r is not None)
@@ -272,7 +324,9 @@ class ReplayService:
                 self.queue.append(item)
                 self._tally(group.group_id)[0] += 1
         if group.closable():
-            self.counters.ledger_residual_max = max(self.counters.ledger_residual_max, group.residual())
+            residual = group.residual()
+            if not residual <= self.counters.ledger_residual_max:  # NaN-aware: a NaN residual must show, not vanish
+                self.counters.ledger_residual_max = residual
             self.counters.groups_closed += 1
             self._end_lease(group)
             del self.groups[group.group_id]
@@ -305,10 +359,53 @@ class ReplayService:
     # --- learners -----------------------------------------------------------------------------------
 
     def _park(self, identity: bytes, request: BatchRequest, now: float) -> Error | None:
-        if request.max_tokens < 1:
-            return self._error(request.msg_id, "bad_state", f"max_tokens {request.max_tokens} < 1")
-        self.policy_version = max(self.policy_version, request.policy_version)
-        self.parked[identity] = (request, now)  # a newer request from the same learner replaces its older one
+        refused = self._learner_version(request.msg_id, request.policy_version)
+        if refused is not None:
+            return refused
+        # A newer request from the same learner replaces its older one (among them a request re-sent after
+        # learner.request_timeout_s: the learner takes a Batch that answers any request it sent).
+        self.parked[identity] = (request, now)
+        return None
+
+    def _version_limit(self) -> int | None:
+        """The highest version a message may carry (None: no learner has spoken since this replay started)."""
+        if self.version_ceiling is None:
+            return None
+        return self.version_ceiling + self.algo.ppo_epochs + self.config.replay.max_version_lead
+
+    def _learner_version(self, msg_id: int, version: int, acked: bool = False) -> Error | None:
+        """Refuse a learner's version above what it can honestly have; else take it as the latest."""
+        limit = self._version_limit()
+        if limit is not None and version > limit:
+            return self._reject(
+                msg_id, "bad_state", "version_ahead",
+                f"policy_version {version} is above {limit}, the most the learner can have "
+                f"({self.version_ceiling} + algo.ppo_epochs + replay.max_version_lead)",
+            )
+        self.policy_version = max(self.policy_version, version)
+        if self.version_ceiling is None:
+            self.version_ceiling = version  # a learner's first word: trusted (the replay may have restarted)
+        elif acked:  # one batch trained: at most ppo_epochs further
+            self.version_ceiling = max(self.version_ceiling, min(version, self.version_ceiling + self.algo.ppo_epochs))
+        return None
+
+    def _record_problem(self, group: Group, record: StageRecord) -> tuple[str, str] | None:
+        """(reason, detail) for a new stage record whose values the service's state refuses, or None."""
+        limit = self._version_limit()
+        newest = int(record.versions().max())
+        if limit is not None and newest > limit:
+            return "version_ahead", f"policy version {newest} is above {limit}, the most the learner can have"
+        vocab_size = self.config.replay.vocab_size
+        if vocab_size is not None:
+            for name, ids in (("action", record.action_ids()), ("observation", record.observation_ids())):
+                if len(ids) and ids.max() >= vocab_size:
+                    return "bad_token", f"{name} token id {int(ids.max())} >= replay.vocab_size {vocab_size}"
+        trajectory = group.trajectories.get(record.member)
+        stored = trajectory.num_tokens if trajectory is not None else 0
+        length = stored + (len(record.observation_tokens) + len(record.action_tokens)) // TOKEN.itemsize
+        max_seq_len = self.config.model.max_seq_len
+        if length > max_seq_len:
+            return "too_long", f"trajectory {record.trajectory_id} would be {length} tokens > model.max_seq_len"
         return None
 
     def _answer_parked(self, now: float) -> list[Reply]:
@@ -362,6 +459,10 @@ class ReplayService:
             return None
         batch_id = next(self.batch_ids)
         self.in_flight[batch_id] = InFlightBatch(served, now)
+        # The learner may train this batch (ppo_epochs steps) even if its ack never arrives.
+        if self.version_ceiling is not None:
+            self.version_ceiling = max(self.version_ceiling, min(request.policy_version, self.version_ceiling)
+                                       + algo.ppo_epochs)
         stats = self.stats_snapshot()
         stats.immediate_before_outcome = sum(self._before_outcome(queued) for queued in served)
         self.counters.ledger_residual_max = 0.0  # reported once: the max since the previous batch
@@ -387,11 +488,18 @@ class ReplayService:
         self._advance(group, now)
 
     def _batch_ack(self, ack: BatchAck, now: float) -> Ack | Error:
-        batch = self.in_flight.pop(ack.batch_id, None)
-        if batch is None:
-            log.warning("ack for batch %d, which is not in flight (requeued after a timeout?): refused", ack.batch_id)
-            return self._error(ack.msg_id, "bad_state", f"batch {ack.batch_id} is not in flight")
-        self.policy_version = max(self.policy_version, ack.policy_version)
+        if ack.batch_id not in self.in_flight:
+            return self._reject(
+                ack.msg_id, "bad_state", "batch_not_in_flight",
+                f"batch {ack.batch_id} is not in flight (requeued after a timeout?): its ack is refused",
+            )
+        refused = self._learner_version(ack.msg_id, ack.policy_version, acked=True)
+        if refused is not None:
+            return refused
+        batch = self.in_flight.pop(ack.batch_id)
+        if not ack.trained:
+            self._untrained(batch, now)
+            return Ack(msg_id=ack.msg_id)
         touched: dict[str, Group] = {}
         for queued in batch.items:
             tally = self._tally(queued.group_id)
@@ -406,6 +514,25 @@ class ReplayService:
         for group in touched.values():
             self._advance(group, now)
         return Ack(msg_id=ack.msg_id)
+
+    def _untrained(self, batch: InFlightBatch, now: float) -> None:
+        """The learner refused the step (BatchAck.trained=False): no credit was trained. An immediate's credit goes
+        to its correction (as for a stale one); a correction's credit is dropped and counted (docs/algorithm.md)."""
+        if batch.items:
+            log.warning("the learner did not train a batch of %d items: none of its credit counts", len(batch.items))
+        touched: dict[str, Group] = {}
+        for queued in batch.items:
+            group = self.groups.get(queued.group_id)
+            if queued.kind == "correction":
+                self._drop_correction(group, queued, now)
+                continue
+            if group is not None:
+                group.in_flight_immediates.discard(queued.item_id)
+                touched[group.group_id] = group
+            self._item_done(queued.group_id, trained=False)
+        for group in touched.values():
+            if group.group_id in self.groups:
+                self._advance(group, now)
 
     def _requeue_unacked(self, now: float) -> None:
         timeout_s = self.config.replay.batch_ack_timeout_s
@@ -426,30 +553,57 @@ class ReplayService:
 
     # --- errors ---------------------------------------------------------------------------------------
 
-    def _error(self, msg_id: int, code: str, detail: str) -> Error:
-        log.warning("rejected message %d: %s: %s", msg_id, code, detail)
-        return Error(msg_id=msg_id, code=code, detail=detail)
+    def _reject(self, msg_id: int, code: str, reason: str, detail: str) -> Error:
+        """Count a refusal under `reason`, log it (rate-limited), and build the `Error` that answers it."""
+        rejected = self.counters.rejected
+        rejected[reason] = rejected.get(reason, 0) + 1
+        self.reject_log.warn(reason, f"rejected message {msg_id}: {reason}: {detail}")
+        return Error(msg_id=msg_id, code=code, detail=f"{reason}: {detail}")
+
+    def _refuse(
+        self, identity: bytes, message: AnyMessage, code: str, reason: str, detail: str, now: float
+    ) -> list[Reply]:
+        """A message with a value out of range: nothing of it is stored, and its trajectory (if real) is abandoned."""
+        error = self._reject(getattr(message, "msg_id", -1), code, reason, detail)
+        if isinstance(message, StageRecord | Outcome):
+            group = self.groups.get(message.group_id)
+            if group is not None and message.member >= 0 and (
+                group.member_problem(message.member, message.trajectory_id) is None
+            ):
+                self._abandon_refused(group, message.member, reason, now)
+        return [(identity, error)] + self._answer_parked(now)
+
+    def _abandon_refused(self, group: Group, member: int, reason: str, now: float) -> None:
+        if member in group.unfinished_members():
+            self._abandon(group, member, f"a message of it was refused ({reason})")
+            self._renew(group.worker_id, now)
+            if not group.unfinished_members():
+                self._end_lease(group)
+            self._advance(group, now)
 
     def _unexpected(self, message: AnyMessage) -> Error | None:
         """A message type the replay service never receives: count and log it, answer `bad_state`."""
         self.counters.bad_messages += 1
         name = type(message).__name__
         if isinstance(message, Error):
-            log.warning("a peer sent an Error to the replay service: %s", message)
+            self._reject(message.msg_id, "bad_state", "unexpected_error", f"a peer sent an Error: {message}")
             return None  # never answer an Error with an Error: two confused peers would ping-pong forever
-        return self._error(getattr(message, "msg_id", -1), "bad_state", f"the replay service does not accept {name}")
+        return self._reject(
+            getattr(message, "msg_id", -1), "bad_state", "unexpected_type", f"the replay service does not accept {name}"
+        )
 
 
 # --- the socket loop ------------------------------------------------------------------------------------
 
 
-def run(config: Config, stop: threading.Event | None = None) -> None:
-    """Serve the replay ROUTER at `config.replay.endpoint` until `stop` is set (or SIGTERM / SIGINT)."""
+def run(config: Config, stop: threading.Event | None = None, service: ReplayService | None = None) -> None:
+    """Serve the replay ROUTER at `config.replay.endpoint` until `stop` is set (or SIGTERM / SIGINT).
+    `service`: the core to serve (a test reads its counters afterwards); a fresh one by default."""
     stop = stop if stop is not None else threading.Event()
-    service = ReplayService(config)
+    service = service if service is not None else ReplayService(config)
     previous_handlers = _stop_on_signals(stop)
     context = zmq.Context()
-    socket = bind_router(context, config.replay.endpoint)
+    socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes)
     log.info("replay service listening on %s", config.replay.endpoint)
     try:
         while not stop.is_set():
@@ -479,6 +633,7 @@ def _receive_one(service: ReplayService, socket: zmq.Socket) -> list[Reply]:
     except Exception:  # a bug of ours must not take the service down for every other peer
         log.exception("internal error handling %s from %r", type(message).__name__, identity)
         service.counters.bad_messages += 1
+        service.counters.rejected["internal_error"] = service.counters.rejected.get("internal_error", 0) + 1
         detail = "internal error in the replay service (see its log)"
         return [(identity, Error(msg_id=getattr(message, "msg_id", -1), code="bad_state", detail=detail))]
 

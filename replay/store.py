@@ -41,9 +41,11 @@ class Trajectory:
     member: int
     stages: dict[int, StageTokens] = field(default_factory=dict)
     prefix_length: int = 0  # stages 0..prefix_length-1 are all stored (resends may arrive out of order)
+    num_tokens: int = 0  # observation + action tokens of the stored stages (bounded by model.max_seq_len)
 
     def add(self, k: int, stage: StageTokens) -> None:
         self.stages[k] = stage
+        self.num_tokens += (len(stage.observation) + len(stage.action)) // TOKEN.itemsize
         while self.prefix_length in self.stages:
             self.prefix_length += 1
 

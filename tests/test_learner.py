@@ -7,6 +7,7 @@ good, `B` bad) and acks every BatchAck; the tests then read what the learner lef
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -40,7 +42,9 @@ from async_rl.protocol import (
 )
 from async_rl.transport import bind_router, connect_subscriber, poll, receive, send
 from learner.batch import collate
-from learner.step import rank_share
+from learner.engine import build_engine
+from learner.replay_client import ReplayClient
+from learner.step import rank_share, train_on_batch
 from learner.trainer import StopRequest, run, stop_reason
 from rollout.prepare import prepare_model_dir
 
@@ -52,7 +56,7 @@ REQUIRED_KEYS = {
     "staleness_max_correction", "immediate_skipped_stale", "is_ratio_mean", "is_capped_frac", "items_immediate",
     "items_correction", "credit_dropped", "ledger_residual_max", "wall_s", "loss", "is_ratio_max", "kl",
     "adv_abs_immediate", "adv_abs_correction", "staleness_hist", "tokens", "padding_frac", "step_s",
-    "trajectories_finished", "groups_closed", "bad_messages",
+    "trajectories_finished", "groups_closed", "bad_messages", "steps_skipped_nonfinite", "rejected",
 }
 
 
@@ -125,11 +129,12 @@ class FakeReplay(threading.Thread):
     """A real ROUTER socket that plays the replay service's part of the learner conversation."""
 
     def __init__(self, endpoint: str, items: list[TrainItem], reject_first: bool = False, serve: bool = True,
-                 delay_s: float = 0.0, garbage_first: bool = False):
+                 delay_s: float = 0.0, garbage_first: bool = False, poison_first: bool = False):
         super().__init__(daemon=True)
         self.endpoint, self.items, self.reject_first, self.serve = endpoint, items, reject_first, serve
         self.delay_s = delay_s  # like a replay waiting for items; gives a subscriber time to connect
         self.garbage_first = garbage_first  # one undecodable frame before the first batch
+        self.poison_first = poison_first  # the first batch's advantages are NaN (its loss is not finite)
         self.requests: list[BatchRequest] = []
         self.acks: list[BatchAck] = []
         self.done = threading.Event()
@@ -153,7 +158,8 @@ class FakeReplay(threading.Thread):
                         router.send_multipart([identity, b"\xc1 not msgpack"])
                     time.sleep(self.delay_s)
                     batch_id += 1
-                    send(router, Batch(msg_id=message.msg_id, batch_id=batch_id, items=self.items,
+                    items = poisoned(self.items) if self.poison_first and batch_id == 1 else self.items
+                    send(router, Batch(msg_id=message.msg_id, batch_id=batch_id, items=items,
                                        stats=stats_for(batch_id)), identity)
             elif isinstance(message, BatchAck):
                 self.acks.append(message)
@@ -521,3 +527,85 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
     one_rank_losses = [line["loss"] for line in trained.metrics()]
     assert [line["loss"] for line in json_lines(config.run_dir / "metrics.jsonl")] == pytest.approx(one_rank_losses,
                                                                                                      rel=1e-4)
+
+
+# --- a non-finite step is refused; a lost request is sent again ---------------------------------------------------
+
+
+def poisoned(items: list[TrainItem]) -> list[TrainItem]:
+    """The same items with NaN advantages on their trained tokens (what once made the loss NaN)."""
+    return [msgspec.structs.replace(item, advantages=pack(
+        [float("nan") if m else 0.0 for m in item.mask()], ADVANTAGE)) for item in items]
+
+
+def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights_exactly_as_they_were(tmp_path):
+    config = make_config(tmp_path)
+    items = Sequences(config).items(config)
+    engine, _ = build_engine(config)
+    try:
+        before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        version, results = train_on_batch(engine, None, collate(poisoned(items)), 0, config)
+        assert (version, results) == (0, []), "no step, no version"
+        after = engine.module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "the weights did not move"
+        assert all(p.grad is None or not p.grad.any() for p in engine.module.parameters())
+        version, results = train_on_batch(engine, None, collate(items), 0, config)
+        assert version == 1 and len(results) == 1 and math.isfinite(results[0][0]), "the next good batch trains"
+        assert any(not torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    finally:
+        engine.destroy()
+
+
+def test_a_skipped_step_is_acked_untrained_counted_and_the_run_goes_on(tmp_path):
+    config = make_config(tmp_path, run={"max_versions": 2}, learner={"checkpoint_every": 0})
+    learner_run = LearnerRun(config, poison_first=True)
+    done = learner_run.start().finish()
+    assert [(a.policy_version, a.trained) for a in done.replay.acks] == [(0, False), (1, True), (2, True)]
+    assert [r.policy_version for r in done.replay.requests] == [0, 0, 1]
+    assert [(line["version"], line["steps_skipped_nonfinite"]) for line in done.metrics()] == [(1, 1), (2, 1)]
+    assert all(math.isfinite(line["loss"]) for line in done.metrics())
+    assert done.summary["steps_skipped_nonfinite"] == 1 and done.summary["versions"] == 2
+
+
+class DropFirstRequest(threading.Thread):
+    """A ROUTER that loses the first BatchRequest (as a replay that restarted would) and answers the rest."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.endpoint, self.requests, self.done, self.ready = endpoint, [], threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        context = zmq.Context()
+        router = bind_router(context, self.endpoint)
+        self.ready.set()
+        while not self.done.is_set():
+            if poll(router, 0.05):
+                identity, message = receive(router)
+                self.requests.append(message)
+                if len(self.requests) > 1:
+                    send(router, Batch(msg_id=message.msg_id, batch_id=7, items=[], stats=ReplayStats()), identity)
+        router.close(linger=0)
+        context.term()
+
+
+def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path):
+    config = make_config(tmp_path, learner={"request_timeout_s": 0.3})
+    replay = DropFirstRequest(config.replay.endpoint)
+    replay.start()
+    replay.ready.wait(5)
+    context = zmq.Context()
+    client = ReplayClient(context, config.replay.endpoint, "learner-0", config.learner.request_timeout_s)
+    try:
+        started = time.monotonic()
+        batch = client.next_batch(3, config.learner, lambda: time.monotonic() - started > 10, lambda: None)
+        waited = time.monotonic() - started
+    finally:
+        client.close()
+        replay.done.set()
+        replay.join(5)
+        context.term()
+    assert isinstance(batch, Batch) and batch.batch_id == 7, "no permanent stall"
+    assert 0.3 <= waited < 3
+    first, second = replay.requests
+    assert (first.policy_version, second.policy_version) == (3, 3) and second.msg_id != first.msg_id
+    assert batch.msg_id == second.msg_id and client.resent_requests == 1

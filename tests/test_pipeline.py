@@ -63,6 +63,7 @@ def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
     assert sum(m["immediate_before_outcome"] for m in lines) > 0
     assert sum(m["items_immediate"] for m in lines) > 0 and sum(m["items_correction"] for m in lines) > 0
     assert lines[-1]["groups_closed"] > 0
+    assert lines[-1]["rejected"] == 0 and lines[-1]["steps_skipped_nonfinite"] == 0, "honest traffic is never refused"
     assert_children_gone(run_dir)
 
 

@@ -31,6 +31,7 @@ from async_rl.protocol import (
     decode,
     encode,
     pack,
+    value_problem,
 )
 
 
@@ -69,6 +70,8 @@ ALL_MESSAGES = [
     BatchRequest(learner_id="learner-0", msg_id=4, policy_version=5, max_tokens=4096, min_items=8, max_wait_s=0.5),
     Batch(msg_id=4, batch_id=11, items=[train_item()], stats=ReplayStats(env_steps=100, success_rate=0.5)),
     BatchAck(learner_id="learner-0", msg_id=5, batch_id=11, policy_version=6),
+    BatchAck(learner_id="learner-0", msg_id=5, batch_id=11, policy_version=6, trained=False),
+    Batch(msg_id=4, batch_id=12, items=[], stats=ReplayStats(rejected={"nonfinite_reward": 3, "too_long": 1})),
     WeightsPublished(version=6, path="/runs/x/weights/v6.safetensors"),
     Error(msg_id=-1, code="malformed", detail="truncated"),
 ]
@@ -156,3 +159,59 @@ def test_ten_thousand_fuzzed_messages_raise_only_protocol_errors():
             rejected += 1
     assert decoded + rejected == 10_000
     assert rejected > 5_000  # most mutations must be caught, and caught as ProtocolError
+
+
+# --- values at the edge (protocol.value_problem) -----------------------------------------------------------
+
+
+def outcome(**changes) -> Outcome:
+    fields = dict(msg_id=2, worker_id="rollout-0", group_id="g0", trajectory_id="g0/0", member=0, num_stages=3,
+                  outcome=1.0)
+    fields.update(changes)
+    return Outcome(**fields)
+
+
+def batch_request(**changes) -> BatchRequest:
+    fields = dict(learner_id="learner-0", msg_id=4, policy_version=5, max_tokens=4096, min_items=8, max_wait_s=0.5)
+    fields.update(changes)
+    return BatchRequest(**fields)
+
+
+NAN, INF = float("nan"), float("inf")
+HOSTILE = [
+    (stage_record(stage_reward=NAN), "nonfinite_reward"),
+    (stage_record(stage_reward=-INF), "nonfinite_reward"),
+    (stage_record(behaviour_logprobs=pack([-0.5, NAN], LOGPROB)), "bad_logprob"),
+    (stage_record(behaviour_logprobs=pack([-0.5, 0.5], LOGPROB)), "bad_logprob"),
+    (stage_record(behaviour_logprobs=pack([-0.5, -INF], LOGPROB)), "bad_logprob"),
+    (stage_record(policy_versions=pack([-1, 4], TOKEN)), "bad_version"),
+    (stage_record(action_tokens=pack([20, -3], TOKEN)), "bad_token"),
+    (stage_record(observation_tokens=pack([-1], TOKEN)), "bad_token"),
+    (outcome(outcome=NAN), "nonfinite_outcome"),
+    (outcome(outcome=INF), "nonfinite_outcome"),
+    (outcome(member=-1), "bad_member"),
+    (outcome(num_stages=0), "bad_num_stages"),
+    (outcome(num_stages=-2, outcome=None, abandoned=True), "bad_num_stages"),
+    (batch_request(policy_version=2**40), "bad_version"),
+    (batch_request(policy_version=-1), "bad_version"),
+    (batch_request(max_tokens=0), "bad_request"),
+    (batch_request(min_items=-1), "bad_request"),
+    (batch_request(max_wait_s=NAN), "bad_request"),
+    (batch_request(max_wait_s=1e9), "bad_request"),
+    (BatchAck(learner_id="learner-0", msg_id=5, batch_id=1, policy_version=2**40), "bad_version"),
+    (EvalReport(worker_id="w", msg_id=6, policy_version=3, metrics={"eval_success_rate": NAN}), "nonfinite_metric"),
+]
+
+
+@pytest.mark.parametrize(("message", "reason"), HOSTILE, ids=[reason for _, reason in HOSTILE])
+def test_hostile_values_are_named_by_value_problem(message, reason):
+    assert decode(encode(message)) is not None  # well-formed on the wire: the values are what is wrong
+    problem = value_problem(message)
+    assert problem is not None and problem[0] == reason, problem
+
+
+def test_ordinary_values_pass_value_problem():
+    for message in ALL_MESSAGES:
+        assert value_problem(message) is None, message
+    assert value_problem(stage_record(behaviour_logprobs=pack([-0.5, 5e-5], LOGPROB))) is None, "float error"
+    assert value_problem(outcome(num_stages=0, outcome=None, abandoned=True)) is None, "abandoned before a stage"

@@ -13,6 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -28,6 +29,7 @@ from async_rl.protocol import (
     BatchAck,
     BatchRequest,
     Error,
+    EvalReport,
     Heartbeat,
     LeaseDenied,
     LeaseGrant,
@@ -665,3 +667,281 @@ def test_sigterm_stops_a_replay_process(tmp_path: Path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# --- validation at the edge ------------------------------------------------------------------------------------
+
+
+def assert_ledgers_finite(service: ReplayService) -> None:
+    """Nothing non-finite reached a ledger (so `ledger_residual_max` cannot be blinded by a NaN)."""
+    for group in service.groups.values():
+        ledger = group.ledger
+        assert all(r is None or math.isfinite(r) for stages in ledger.rewards.values() for r in stages.values())
+        assert all(math.isfinite(o) for o in ledger.outcomes.values())
+    assert math.isfinite(service.counters.ledger_residual_max)
+
+
+def learner_speaks(service: ReplayService, version: int = 0) -> None:
+    """A learner's first BatchRequest: the replay now knows the version it is at (nothing to serve yet)."""
+    assert request_batch(service, version, max_wait_s=60.0) is None
+
+
+def replaced(record: StageRecord, **changes) -> StageRecord:
+    return msgspec.structs.replace(record, **changes)
+
+
+NAN, INF = float("nan"), float("inf")
+HOSTILE_RECORDS = {  # name -> (how to spoil member 0's first stage record, the reason it is refused)
+    "nan_reward": (lambda r: replaced(r, stage_reward=NAN), "nonfinite_reward"),
+    "inf_reward": (lambda r: replaced(r, stage_reward=INF), "nonfinite_reward"),
+    "positive_logprob": (lambda r: replaced(r, behaviour_logprobs=pack([0.7] * len(r.logprobs()), LOGPROB)),
+                         "bad_logprob"),
+    "nan_logprob": (lambda r: replaced(r, behaviour_logprobs=pack([NAN] * len(r.logprobs()), LOGPROB)),
+                    "bad_logprob"),
+    "negative_version": (lambda r: replaced(r, policy_versions=pack([-1] * len(r.versions()), TOKEN)), "bad_version"),
+    "huge_version": (lambda r: replaced(r, policy_versions=pack([2**30] * len(r.versions()), TOKEN)),
+                     "version_ahead"),
+    "negative_token": (lambda r: replaced(r, action_tokens=pack([-7] * len(r.action_ids()), TOKEN)), "bad_token"),
+    "over_long": (lambda r: replaced(r, observation_tokens=pack([5] * 8000, TOKEN)), "too_long"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_RECORDS)
+def test_a_hostile_stage_record_is_refused_counted_and_stores_nothing(name):
+    spoil, reason = HOSTILE_RECORDS[name]
+    service, worker = ReplayService(make_config()), Worker()
+    learner_speaks(service)
+    grant = lease(service, worker)
+    error = only_reply(service.handle(WORKER, spoil(worker.stage(grant, 0, 0, 1.0)), 0.0))
+    assert isinstance(error, Error) and error.detail.startswith(f"{reason}: "), error
+    assert service.stats_snapshot().rejected == {reason: 1}
+    group = service.groups[grant.group_id]
+    assert 0 not in group.trajectories and group.ledger.rewards[0] == {} and service.counters.env_steps == 0
+    assert group.ledger.abandoned == {0}, "its trajectory is abandoned, so the group can still close"
+    send_all(service, [worker.stage(grant, 1, 0, 1.0)])  # still serving, the other members unaffected
+    assert_ledgers_finite(service)
+
+
+def test_a_group_with_a_refused_member_still_closes_with_a_finite_residual():
+    service, worker = ReplayService(make_config()), Worker()
+    learner_speaks(service)
+    grant = lease(service, worker)
+    bad = replaced(worker.stage(grant, 0, 0, 1.0, terminal=True), stage_reward=NAN)
+    assert isinstance(only_reply(service.handle(WORKER, bad, 0.0)), Error)
+    records = [worker.stage(grant, i, 0, float(i % 2), terminal=True) for i in (1, 2, 3)]
+    version = 0
+    for batch in send_all(service, records + [worker.outcome(grant, i, 1, float(i % 2)) for i in (1, 2, 3)]):
+        version += 1  # the learner's first request was parked until these items came
+        assert isinstance(ack_batch(service, batch, version), Ack)
+    while (batch := request_batch(service, version)) is not None:
+        version += 1
+        assert isinstance(ack_batch(service, batch, version), Ack)
+    stats = service.stats_snapshot()
+    assert stats.groups_closed == 1 and stats.trajectories_abandoned == 1 and stats.ledger_residual_max < 1e-9
+    outcome = only_reply(service.handle(WORKER, worker.outcome(grant, 0, 1, 1.0), 0.0))
+    assert isinstance(outcome, Error) and outcome.code == "unknown_group", "the group is gone; nothing revives it"
+
+
+HOSTILE_OUTCOMES = {
+    "nan_outcome": (dict(outcome=NAN), "nonfinite_outcome"),
+    "inf_outcome": (dict(outcome=-INF), "nonfinite_outcome"),
+    "negative_member": (dict(member=-1), "bad_member"),
+    "zero_stages": (dict(num_stages=0), "bad_num_stages"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_OUTCOMES)
+def test_a_hostile_outcome_is_refused_counted_and_stores_nothing(name):
+    changes, reason = HOSTILE_OUTCOMES[name]
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, 0, 0, 1.0, terminal=True)])
+    message = msgspec.structs.replace(worker.outcome(grant, 0, 1, 1.0), **changes)
+    error = only_reply(service.handle(WORKER, message, 0.0))  # before: a KeyError inside for member=-1
+    assert isinstance(error, Error) and error.detail.startswith(f"{reason}: "), error
+    assert service.stats_snapshot().rejected == {reason: 1}
+    ledger = service.groups[grant.group_id].ledger
+    assert ledger.outcomes == {} and service.counters.trajectories_finished == 0
+    assert_ledgers_finite(service)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseGrant), "still serving"
+
+
+def test_an_absurd_batch_request_version_is_refused_and_does_not_move_the_version():
+    service, worker = ReplayService(make_config()), Worker()
+    learner_speaks(service, version=3)
+    for version in (2**40, 3 + 1 + 2 + 1):  # out of int32; above 3 + algo.ppo_epochs + replay.max_version_lead
+        request = BatchRequest(learner_id="x", msg_id=70, policy_version=version, max_tokens=4096, min_items=1,
+                               max_wait_s=0.0)
+        error = only_reply(service.handle(b"forger", request, 0.0), b"forger")
+        assert isinstance(error, Error) and error.msg_id == 70, error
+    assert service.policy_version == 3 and b"forger" not in service.parked
+    assert service.stats_snapshot().rejected == {"bad_version": 1, "version_ahead": 1}
+    learner_speaks(service, version=3 + 1 + 2)  # within the lead: an honest learner is never refused
+    assert service.policy_version == 6
+    ack = BatchAck(learner_id="x", msg_id=71, batch_id=0, policy_version=2**30)
+    assert isinstance(only_reply(service.handle(LEARNER, ack, 0.0), LEARNER), Error)
+    grant = lease(service, worker)
+    send_all(service, [worker.stage(grant, i, 0, float(i % 2), terminal=True, version=6) for i in range(4)])
+
+
+def test_an_honest_learner_stays_within_the_version_bound_even_when_its_acks_are_lost():
+    config = make_config(algo={"ppo_epochs": 2})
+    service, worker = ReplayService(config), Worker()
+    version = 0
+    for _ in range(6):  # each batch served, trained (+2) and never acked: the next request is 2 further on
+        grant = lease(service, worker)
+        send_all(service, [worker.stage(grant, i, 0, float(i % 2), terminal=True, version=version) for i in range(4)])
+        batch = request_batch(service, version)
+        assert isinstance(batch, Batch), batch
+        version += 2
+    assert service.policy_version == version - 2 and not service.counters.rejected
+
+
+def test_bad_batch_requests_are_refused_by_reason():
+    service = ReplayService(make_config())
+    for changes in (dict(max_tokens=0), dict(min_items=-1), dict(max_wait_s=NAN), dict(max_wait_s=-1.0)):
+        fields = dict(learner_id="l", msg_id=3, policy_version=0, max_tokens=4096, min_items=1, max_wait_s=0.0)
+        error = only_reply(service.handle(LEARNER, BatchRequest(**{**fields, **changes}), 0.0), LEARNER)
+        assert isinstance(error, Error) and error.detail.startswith("bad_request: ")
+    assert service.stats_snapshot().rejected == {"bad_request": 4} and not service.parked
+
+
+def test_rejections_are_logged_at_most_once_per_reason_per_interval(caplog):
+    service, worker = ReplayService(make_config()), Worker()
+    grant = lease(service, worker)
+    with caplog.at_level("WARNING", logger="async_rl.replay"):
+        for _ in range(200):
+            service.handle(WORKER, replaced(worker.stage(grant, 1, 0, 1.0), stage_reward=NAN), 0.0)
+            service.handle(WORKER, worker.stage(LeaseGrant(msg_id=0, group_id="nope", group_size=4,
+                                                           policy_version=0), 0, 0, 1.0), 0.0)
+    assert service.stats_snapshot().rejected == {"nonfinite_reward": 200, "unknown_group": 200}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # one per reason
+
+
+def test_an_untrained_batch_ack_counts_no_credit_and_the_correction_carries_it():
+    config = make_config()
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    immediates = request_batch(service, 0)
+    assert immediates is not None and {item.kind for item in immediates.items} == {"immediate"}
+    ack = BatchAck(learner_id="l", msg_id=9, batch_id=immediates.batch_id, policy_version=0, trained=False)
+    assert only_reply(service.handle(LEARNER, ack, 0.0), LEARNER) == Ack(msg_id=9)
+    assert all(not service.groups[grant.group_id].ledger.issued.get(stage) for stage in expected_final_credit(config))
+    send_all(service, outcome_messages(worker, grant))
+    corrections = request_batch(service, 0)
+    credit = {(int(item.trajectory_id.split("/")[1]), k): c for item in corrections.items
+              for k, c in stage_credit(item).items()}
+    expected = expected_final_credit(config)
+    assert credit.keys() == {s for s, a in expected.items() if abs(a) > 1e-8}
+    assert all(credit[s] == pytest.approx(expected[s]) for s in credit), "C = A_final: nothing was issued"
+    ack = BatchAck(learner_id="l", msg_id=10, batch_id=corrections.batch_id, policy_version=0, trained=False)
+    service.handle(LEARNER, ack, 0.0)
+    stats = service.stats_snapshot()
+    assert stats.groups_closed == 1 and stats.credit_dropped == len(credit) and stats.ledger_residual_max == 0.0
+
+
+# --- a wire fuzz against the live socket loop --------------------------------------------------------------------
+
+KNOWN_REASONS = {
+    "nonfinite_reward", "nonfinite_outcome", "nonfinite_metric", "bad_logprob", "bad_version", "bad_token",
+    "bad_member", "bad_num_stages", "bad_request", "version_ahead", "too_long", "unknown_group", "bad_stage",
+    "bad_outcome", "batch_not_in_flight", "unexpected_type", "unexpected_error", "undecodable",
+}
+
+
+def hostile_messages(rng: random.Random, grants: list[LeaseGrant], count: int):
+    """A seeded mix of well-formed messages with hostile values (and some garbage and ordinary ones)."""
+    floats = [0.0, 1.0, -0.5, NAN, INF, -INF, 1e300, -1e300]
+    ints = [0, 1, 3, -1, -(2**31), 2**31 - 1, 2**40, 2**62]
+    worker = Worker("fuzz")
+    for n in range(count):
+        kind = rng.randrange(10)
+        grant = rng.choice(grants) if grants and rng.random() < 0.8 else LeaseGrant(
+            msg_id=0, group_id=f"g{rng.randrange(10**6)}", group_size=2, policy_version=0)
+        member = rng.choice([0, 1, 1, -1, 2, 7, -(2**40)])
+        if kind == 0:
+            yield worker.lease()
+        elif kind in (1, 2, 3):
+            record = worker.stage(grant, max(member, 0), rng.randrange(3), rng.choice(floats + [None]),
+                                  terminal=rng.random() < 0.5, version=rng.choice([0, 0, 1, 5, -1, 2**30]))
+            n_act = len(record.action_ids())
+            changes = rng.choice([
+                {}, {"behaviour_logprobs": pack([rng.choice([-0.5, 0.5, NAN, INF, -INF])] * n_act, LOGPROB)},
+                {"action_tokens": pack([rng.choice([-5, 3, 2**31 - 1])] * n_act, TOKEN)},
+                {"observation_tokens": pack([7] * rng.choice([0, 100, 400, 9000]), TOKEN)},
+                {"trajectory_id": "someone-else"}, {"task_id": "other-task"},
+            ])
+            yield msgspec.structs.replace(record, **changes)
+        elif kind in (4, 5):
+            yield msgspec.structs.replace(
+                worker.outcome(grant, 0, 1, 1.0), member=member, num_stages=rng.choice([0, 1, 2, 3, -1, 2**40]),
+                outcome=rng.choice(floats + [None]), abandoned=rng.random() < 0.2, success=rng.random() < 0.5,
+            )
+        elif kind == 6:
+            yield BatchRequest(learner_id="spoof", msg_id=n, policy_version=rng.choice(ints),
+                               max_tokens=rng.choice([4096, 0, -1, 2**40]), min_items=rng.choice([1, 0, -1, 10**9]),
+                               max_wait_s=rng.choice(floats))
+        elif kind == 7:
+            yield BatchAck(learner_id="spoof", msg_id=n, batch_id=rng.choice([0, 1, 2, -1, 2**40]),
+                           policy_version=rng.choice(ints), trained=rng.random() < 0.5)
+        elif kind == 8:
+            yield rng.choice([
+                Heartbeat(worker_id="fuzz", group_ids=[grant.group_id]),
+                EvalReport(worker_id="fuzz", msg_id=n, policy_version=rng.choice(ints),
+                           metrics={"eval_success_rate": rng.choice(floats)}),
+                Error(msg_id=n, code="bad_state", detail="forged"),
+                Batch(msg_id=n, batch_id=0, items=[], stats=ReplayStats()),
+            ])
+        else:
+            yield bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40)))
+
+
+def test_a_wire_fuzz_of_hostile_values_is_refused_by_reason_and_the_service_keeps_serving(tmp_path):
+    config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2})
+    service, stop = ReplayService(config), threading.Event()
+    thread = threading.Thread(target=run, args=(config, stop, service), daemon=True)
+    thread.start()
+    context = zmq.Context()
+    try:
+        fuzzer = connect_dealer(context, config.replay.endpoint, "fuzz")
+        learner = connect_dealer(context, config.replay.endpoint, "learner-0")
+        first = BatchRequest(learner_id="l", msg_id=1, policy_version=0, max_tokens=4096, min_items=1, max_wait_s=0.5)
+        send(learner, first)  # the learner speaks first: the replay knows its version before the forgeries
+        rng, grants, errors, sent_errors = random.Random(11), [], 0, 0
+        messages = list(hostile_messages(rng, grants, 10_000))
+
+        def drain(wait_s: float) -> None:
+            nonlocal errors
+            while fuzzer.poll(int(wait_s * 1000)):
+                reply = receive(fuzzer)[1]
+                errors += isinstance(reply, Error)
+                if isinstance(reply, LeaseGrant):
+                    grants.append(reply)
+
+        for start in range(0, len(messages), 250):
+            for message in messages[start:start + 250]:
+                if isinstance(message, bytes):
+                    fuzzer.send(message)
+                else:
+                    sent_errors += isinstance(message, Error)
+                    send(fuzzer, message)
+            drain(0.05)
+        probe = exchange(fuzzer, Worker("probe").lease())  # replies come in order: every earlier one is in
+        while not isinstance(probe, LeaseGrant | LeaseDenied):
+            errors += isinstance(probe, Error)
+            assert fuzzer.poll(5000)
+            probe = receive(fuzzer)[1]
+        drain(0.05)
+    finally:
+        context.destroy(linger=0)
+        stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    rejected = service.counters.rejected
+    assert set(rejected) <= KNOWN_REASONS, rejected  # no internal_error: nothing crashed
+    assert len(rejected) >= 12, rejected
+    assert sum(rejected.values()) == errors + sent_errors, "every refusal counted once, by reason"
+    assert errors > 5_000
+    assert_ledgers_finite(service)

@@ -1,0 +1,74 @@
+"""`async-rl train` refuses what it can before importing torch or creating anything: exit 2, one line naming the
+path, nothing on disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "async_rl.cli", "train", "wandb.mode=disabled", *overrides],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_a_missing_model_path_is_reported_at_once_and_creates_nothing(tmp_path):
+    runs = tmp_path / "runs"
+    done = train(tmp_path, f"run.dir={runs}", f"model.path={tmp_path / 'no-such-model'}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"async-rl train: model.path: {tmp_path / 'no-such-model'} is not a Hugging Face model directory "
+        "(no config.json)"
+    )
+    assert not runs.exists() and sorted(tmp_path.iterdir()) == []
+
+
+def test_a_run_dir_under_a_file_is_reported_at_once_and_creates_nothing(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = train(tmp_path, f"run.dir={tmp_path / 'file' / 'runs'}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"async-rl train: run.dir: cannot create the run directory {tmp_path / 'file' / 'runs' / 'local'}: "
+        f"{tmp_path / 'file'} is not a directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_an_unwritable_run_dir_is_reported_at_once_and_creates_nothing(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        done = train(tmp_path, f"run.dir={locked / 'runs'}")
+    finally:
+        locked.chmod(0o700)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"async-rl train: run.dir: cannot create the run directory {locked / 'runs'}")
+    assert f"{locked} is not writable" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert list(locked.iterdir()) == []
+
+
+def test_the_writability_probe_names_the_path_when_the_filesystem_refuses(tmp_path, monkeypatch):
+    """The same refusal in-process, for hosts where the tests run as root (which may write anywhere)."""
+    from async_rl import launcher
+    from async_rl.config import config_from_dict
+    from async_rl.errors import ConfigError
+
+    def refuse(**_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(launcher.tempfile, "mkdtemp", refuse)
+    config = config_from_dict({"run": {"dir": str(tmp_path / "runs")}})
+    with pytest.raises(ConfigError, match=f"cannot create the run directory {tmp_path / 'runs' / 'local'}: "
+                                          f"{tmp_path} is not writable"):
+        launcher.preflight(config)
+    assert list(tmp_path.iterdir()) == []
