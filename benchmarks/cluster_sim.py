@@ -591,6 +591,8 @@ class Simulation:
             "trajectories_per_s_whole_rounds": per_round if self.mode == "lockstep" else None,
             "round_end_s": [round(x, 1) for x in self.round_ends],
             "trajectories_per_hour": t.trajectories / d * 3600,
+            # corrections trained: trajectories whose final credit reached the learner (one correction per member)
+            "corrections_trained_per_hour": (t.items - t.items_immediate) / d * 3600,
             "learner_tokens_per_s": t.trained_tokens / d,
             "learner_padded_tokens_per_s": t.padded_tokens / d,
             "generated_tokens_per_s": t.generated_tokens / d,
@@ -679,14 +681,16 @@ def _f(value: float | int | None, spec: str) -> str:
 
 
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    columns = ["mode", "traj/h", "learner tok/s", "learner idle", "engine idle / paused", "decode batch",
+    columns = ["mode", "traj/h", "corrections trained/h", "learner tok/s", "learner idle", "engine idle / paused",
+               "decode batch",
                "staleness p50/p90/p99/max (imm. max)", "lease waits (worker-h)", "credit dropped",
                "imm. skipped stale", "versions", "wall s"]
     rows = []
     for name, m in result["modes"].items():
         s, si = m["staleness"], m["staleness_immediate"]
         rows.append([
-            name, f"{m['trajectories_per_hour']:,.0f}", f"{m['learner_tokens_per_s']:,.0f}", f"{m['learner_idle']:.3f}",
+            name, f"{m['trajectories_per_hour']:,.0f}", f"{m['corrections_trained_per_hour']:,.0f}",
+            f"{m['learner_tokens_per_s']:,.0f}", f"{m['learner_idle']:.3f}",
             f"{m['engine_idle']:.3f} / {m['engine_paused']:.3f}", f"{m['engine_mean_decode_batch']:.1f}",
             f"{_f(s['p50'], 'd')}/{_f(s['p90'], 'd')}/{_f(s['p99'], 'd')}/{_f(s['max'], 'd')} ({_f(si['max'], 'd')})",
             f"{m['lease_waits']:,} ({m['lease_wait_worker_s'] / 3600:,.1f})", f"{m['credit_dropped']:,}",
