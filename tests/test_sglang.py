@@ -28,7 +28,7 @@ from async_rl.config import SGLangConfig, load_config
 from async_rl.loss import token_logprobs
 from async_rl.model import ensure_model_dir, load_model
 from learner.sglang_sync import DistributedWeightSync, write_hf_dir
-from rollout.engines import EngineUnavailable, SamplingParams
+from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -340,6 +340,28 @@ def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
     engine.close()
     with pytest.raises(EngineUnavailable, match="no SGLang server left"):
         engine_for(servers.urls[1:], unavailable_timeout_s=1.0)
+
+
+def test_a_waiting_engine_stops_promptly_when_told(servers):
+    """Waiting for a server (none answers) ends at once when the stop event is set; a generate blocked on a paused
+    server ends at once on close(). Both raise EngineStopped, not EngineUnavailable."""
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(EngineStopped):
+        SGLangEngine(SGLangConfig(urls=[f"http://127.0.0.1:{free_port()}"], unavailable_timeout_s=60), stop)
+    assert time.monotonic() - started < 3
+    engine = engine_for(servers.urls[:1])
+    url = servers.urls[0]
+    httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30).raise_for_status()
+    try:
+        threading.Timer(0.5, engine.close).start()
+        started = time.monotonic()
+        with pytest.raises(EngineStopped):
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+        assert time.monotonic() - started < 2
+    finally:
+        httpx.post(url + "/continue_generation", json={}, timeout=30).raise_for_status()
 
 
 TRAIN = [
