@@ -399,7 +399,11 @@ class SGLangEngine:
     def _request(self, server: Server, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self.http.request(method, server.url + path, **kwargs)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client was closed under the request
+            if self.closed.is_set():  # closed while it ran: nobody waits for it, and the server is fine
+                raise ServerFailed(f"{server.url}{path}: the engine was closed") from exc
+            if not isinstance(exc, httpx.HTTPError):
+                raise
             self._mark_dead(server, f"{path}: {type(exc).__name__}: {exc}")
             raise ServerFailed(f"{server.url}{path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
