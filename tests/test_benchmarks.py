@@ -57,3 +57,13 @@ def test_slow_judge_quick():
     # With a 2 s judge, immediate items are trained before their trajectory's outcome is known; without them, none.
     assert result["immediate_before_outcome"]["immediate+correction"][0] > 0
     assert result["immediate_before_outcome"]["outcome-only+step"] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sglang_interrupt_quick():
+    result = run_benchmark("sglang_interrupt.py", timeout_s=400)
+    partial, discard = result["variants"]["partial"], result["variants"]["discard"]
+    assert partial["updates"] > 0 and discard["updates"] > 0
+    assert partial["wasted_tokens"] == 0 and discard["kept_tokens"] == 0  # partial keeps, discard throws away
+    assert partial["actions"] > 0 and "throughput_ratio" in result
