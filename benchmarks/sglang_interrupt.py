@@ -15,11 +15,11 @@ Reported per variant, summed over its repeats:
   staleness  per token of a finished action: the newest version loaded when its batch returned minus the
              token's version (mean, max); "mixed" = actions whose tokens span more than one version
   preempted  rows sent again after an abort
-A batch still unfinished 60 s after a repeat's deadline is given up (counted; discarding can livelock when
-updates come faster than an action takes).
+A batch still unfinished at twice a row's time is given up (counted: discarding livelocks when updates come
+faster than a batch of actions takes). `throughput_ratio` = useful tokens/s partial / discard per interval.
 
-    python benchmarks/sglang_interrupt.py            # 2 repeats x 60 s per variant (~5 min with start-up)
-    python benchmarks/sglang_interrupt.py --quick    # 1 repeat x 15 s per variant (~1.5 min)
+    python benchmarks/sglang_interrupt.py            # updates every 1 s and every 3 s, 45 s per row (~4 min)
+    python benchmarks/sglang_interrupt.py --quick    # the same rows, 10 s each (~1.5 min)
 """
 
 from __future__ import annotations
@@ -101,20 +101,21 @@ class Updater:
                     http.post(self.url + "/continue_generation", json={}).raise_for_status()
 
 
-def measure(url: str, paths: list[Path], partial: bool, seconds: float, args: argparse.Namespace) -> dict:
+def measure(url: str, paths: list[Path], partial: bool, every_s: float, seconds: float,
+            args: argparse.Namespace) -> dict:
     # Start every variant from model A at version 0, so that both see the same schedule.
     httpx.post(url + "/update_weights_from_disk", timeout=120,
                json={"model_path": str(paths[0]), "weight_version": "0"}).raise_for_status()
-    stop = threading.Event()  # a batch still unfinished 60 s after the deadline (discard can livelock) is given up
+    stop = threading.Event()  # a batch unfinished at twice the deadline (discard can livelock) is given up
     engine = SGLangEngine(SGLangConfig(urls=[url], request_timeout_s=120.0, partial_rollouts=partial), stop)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
-    updater = Updater(url, paths, args.update_every)
+    updater = Updater(url, paths, every_s)
     useful = actions = mixed = batches = given_up = 0
     behind: list[int] = []
     updater.thread.start()
     started = time.monotonic()
-    threading.Timer(seconds + 60, stop.set).start()
+    threading.Timer(2 * seconds, stop.set).start()
     while time.monotonic() - started < seconds:
         try:
             generations = engine.generate(prompts, params)
@@ -150,15 +151,16 @@ def merge(runs: list[dict]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 repeat x 15 s per variant")
-    parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per variant (default 2)")
-    parser.add_argument("--seconds", type=float, default=None, help="generation time per repeat (default 60)")
-    parser.add_argument("--update-every", type=float, default=1.0, help="seconds between aborting updates")
+    parser.add_argument("--quick", action="store_true", help="10 s per row")
+    parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per row (default 1)")
+    parser.add_argument("--seconds", type=float, default=None, help="generation time per row (default 45)")
+    parser.add_argument("--update-every", default="1,3", help="seconds between aborting updates; a list is a row each")
     parser.add_argument("--batch", type=int, default=16, help="prompts per generate call")
     parser.add_argument("--tokens", type=int, default=200, help="new tokens per action (max_new_tokens)")
     args = parser.parse_args()
-    repeats = args.repeats or (1 if args.quick else 2)
-    seconds = args.seconds or (15.0 if args.quick else 60.0)
+    repeats = args.repeats or 1
+    seconds = args.seconds or (10.0 if args.quick else 45.0)
+    intervals = [float(x) for x in args.update_every.split(",")]
     torch.set_num_threads(1)
     out = OUT_DIR / "sglang_interrupt"
     out.mkdir(parents=True, exist_ok=True)
@@ -171,41 +173,48 @@ def main() -> int:
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     path_b = write_hf_dir({k: v.detach().clone() for k, v in model_b.state_dict().items()}, model_dir, out / "hf-b")
     url, pgid = start_server(model_dir, out)
-    results: dict[str, list[dict]] = {"partial": [], "discard": []}
+    results: dict[tuple[float, str], list[dict]] = {(e, n): [] for e in intervals for n in ("partial", "discard")}
     try:
         for repeat in range(repeats):
-            for name in ("partial", "discard"):
-                run = measure(url, [model_dir, path_b], name == "partial", seconds, args)
-                results[name].append(run)
-                print(f"repeat {repeat + 1}/{repeats} {name}: {json.dumps(run)}", file=sys.stderr, flush=True)
+            for every_s, name in results:
+                run = measure(url, [model_dir, path_b], name == "partial", every_s, seconds, args)
+                results[every_s, name].append(run)
+                print(f"repeat {repeat + 1}/{repeats} update every {every_s:g} s {name}: {json.dumps(run)}",
+                      file=sys.stderr, flush=True)
     finally:
         os.killpg(pgid, signal.SIGTERM)
-    columns = ["variant", "updates", "actions (batches given up)", "preempted rows", "tokens wasted (% of generated)",
-               "useful tokens/s", "staleness mean / max", "mixed-version actions"]
+    columns = ["update every", "variant", "updates", "actions (batches given up)", "preempted rows",
+               "tokens wasted (% of generated)", "useful tokens/s", "staleness mean / max", "mixed-version actions"]
     rows, headline = [], {}
-    for name, runs in results.items():
+    for (every_s, name), runs in results.items():
         t = merge(runs)
         generated = t["useful_tokens"] + t["wasted_tokens"]
         throughput = t["useful_tokens"] / t["wall_s"]
         staleness = t["staleness_sum"] / max(1, t["tokens"])
-        rows.append([name, str(t["updates"]), f"{t['actions']} ({t['batches_given_up']})", str(t["preempted"]),
-                     f"{t['wasted_tokens']:,} ({100 * t['wasted_tokens'] / max(1, generated):.1f}%)",
-                     f"{throughput:,.0f}", f"{staleness:.2f} / {t['staleness_max']}",
-                     f"{t['mixed']} ({100 * t['mixed'] / max(1, t['actions']):.0f}%)"])
-        headline[name] = {"useful_tokens_per_s": round(throughput, 1), "wasted_tokens": t["wasted_tokens"],
-                          "wasted_fraction": round(t["wasted_tokens"] / max(1, generated), 4),
-                          "kept_tokens": t["kept_tokens"], "staleness_mean": round(staleness, 3),
-                          "staleness_max": t["staleness_max"], "mixed_actions": t["mixed"], "actions": t["actions"],
-                          "preempted": t["preempted"], "updates": t["updates"],
-                          "batches_given_up": t["batches_given_up"]}
+        rows.append([
+            f"{every_s:g} s", name, str(t["updates"]), f"{t['actions']} ({t['batches_given_up']})",
+            str(t["preempted"]), f"{t['wasted_tokens']:,} ({100 * t['wasted_tokens'] / max(1, generated):.1f}%)",
+            f"{throughput:,.0f}", f"{staleness:.2f} / {t['staleness_max']}",
+            f"{t['mixed']} ({100 * t['mixed'] / max(1, t['actions']):.0f}%)",
+        ])
+        headline[f"{name}@{every_s:g}s"] = {
+            "useful_tokens_per_s": round(throughput, 1), "wasted_tokens": t["wasted_tokens"],
+            "wasted_fraction": round(t["wasted_tokens"] / max(1, generated), 4), "kept_tokens": t["kept_tokens"],
+            "staleness_mean": round(staleness, 3), "staleness_max": t["staleness_max"], "mixed_actions": t["mixed"],
+            "actions": t["actions"], "preempted": t["preempted"], "updates": t["updates"],
+            "batches_given_up": t["batches_given_up"],
+        }
     command = "python benchmarks/sglang_interrupt.py" + (" --quick" if args.quick else "")
-    caption = (f"{repeats} x {seconds:g} s per variant, an aborting update every {args.update_every:g} s, "
-               f"{args.batch} x {args.tokens} tokens per batch")
+    caption = (f"{repeats} x {seconds:g} s per row, {args.batch} x {args.tokens} tokens per batch, "
+               f"load average {info['load_avg_1m_at_start']} at the start")
     print_table("partial rollouts vs discard under aborting weight updates", columns, rows, caption)
     (out / "table.md").write_text(markdown_table(columns, rows, command) + f"\n{caption}\n")
-    emit({"variants": headline, "throughput_ratio": round(headline["partial"]["useful_tokens_per_s"]
-                                                          / max(1e-9, headline["discard"]["useful_tokens_per_s"]), 3),
-          "machine": info})
+    ratios = {}
+    for every_s in intervals:
+        kept, discarded = headline[f"partial@{every_s:g}s"], headline[f"discard@{every_s:g}s"]
+        ratios[f"{every_s:g}s"] = (round(kept["useful_tokens_per_s"] / discarded["useful_tokens_per_s"], 3)
+                                   if discarded["useful_tokens_per_s"] else None)  # None: discard finished nothing
+    emit({"variants": headline, "throughput_ratio": ratios, "machine": info})
     return 0
 
 
