@@ -51,7 +51,7 @@ from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, S
 log = logging.getLogger("async_rl.rollout")
 
 HEALTH_TIMEOUT_S = 30.0  # /health_generate runs a real one-token generation
-PROBE_TIMEOUT_S = 5.0  # GET /health: answers even while generation is paused
+PROBE_TIMEOUT_S = 5.0  # GET /health: answers during a short pause too (not after ~20 s paused: sglang-notes)
 REPROBE_DEAD_EVERY_S = 10.0  # while other servers are live, a dead one is asked again at most this often
 PREEMPT_BACKOFF_S = (0.05, 1.0)  # first and largest wait before preempted rows are sent again (doubling)
 UNAVAILABLE_BACKOFF_S = (0.5, 5.0)  # first and largest wait between probes while no server answers (doubling)
