@@ -73,7 +73,14 @@ class SGLangConfig(_Section):
     weight_sync: Literal["disk", "distributed"] = "disk"
     pause_mode: Literal["in_place", "abort"] = "in_place"
     request_timeout_s: PosFloat = 60.0
-    max_retries: NonNegInt = 2
+    max_retries: NonNegInt = 2  # a prompt is sent again at most this often after a server *failed* it
+    # A request a weight update aborted is not a failure: it is sent again until it completes. With
+    # partial_rollouts the tokens generated before the abort are kept (with their log-probs and versions) and the
+    # same action continues from them on the new weights; without, they are discarded and the action restarts.
+    partial_rollouts: bool = True
+    # When no server answers (all restarting or unreachable), generation waits this long, probing them, before the
+    # worker gives up with "no SGLang server left" (EngineUnavailable); start-up waits the same way.
+    unavailable_timeout_s: PosFloat = 300.0
     dist_backend: Literal["gloo", "nccl"] = "gloo"
     dist_master_addr: str = "127.0.0.1"
     dist_master_port: PosInt = 29620

@@ -127,7 +127,9 @@ class DistributedWeightSync:
         response = self.http.post(url + "/update_weights_from_distributed", json=body)
         if response.status_code == 400 and CACHE_NOT_FLUSHED in response.text:
             # The weights and the tokens' version did change; /get_model_info keeps the old label until told.
-            self._call(url, "POST", "/update_weight_version", {"new_version": body["weight_version"]})
+            # abort_all_requests defaults to true there: it would abort the very requests frozen in place.
+            self._call(url, "POST", "/update_weight_version",
+                       {"new_version": body["weight_version"], "abort_all_requests": False})
             log.info("%s: updated while requests ran in place; cache flush deferred", url)
         elif response.status_code != 200:
             raise RuntimeError(f"{url}/update_weights_from_distributed: HTTP {response.status_code}: "

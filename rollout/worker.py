@@ -40,7 +40,7 @@ from async_rl.protocol import (
 )
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
-from rollout.engines import EngineUnavailable, Generation, InferenceEngine
+from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.torch_engine import TorchEngine
 from rollout.envs.base import Judgement, checked_tasks
 from rollout.evaluate import evaluate_policy
@@ -97,11 +97,11 @@ class ReplaySink:
         )
 
 
-def make_engine(config: Config, model_dir: Path, seed: int) -> InferenceEngine:
+def make_engine(config: Config, model_dir: Path, seed: int, stop: threading.Event | None = None) -> InferenceEngine:
     if config.rollout.engine == "sglang":
         from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
 
-        return SGLangEngine(config.rollout.sglang)
+        return SGLangEngine(config.rollout.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
     return TorchEngine(model_dir, seed=seed)
 
 
@@ -163,7 +163,7 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     train_tasks = TaskSampler(tasks, seed=config.env.seed * 1000 + worker_index)
     model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
-    engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index)
+    engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index, stop=stop)
     context = zmq.Context()
     dealer = connect_dealer(context, config.replay.endpoint, worker_id)
     subscriber = connect_subscriber(context, config.learner.publish_endpoint)
@@ -210,6 +210,8 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
         log.error("%s stops: %s", worker_id, exc)
         _deliver_unacked(link, config.rollout.ack_timeout_s)
         raise
+    except EngineStopped:  # stopped while the engine waited on its servers: as below
+        _deliver_unacked(link, STOP_DRAIN_S)
     else:  # stopped: what was sent should still reach the replay service (it is stopped after the workers)
         _deliver_unacked(link, STOP_DRAIN_S)
     finally:

@@ -73,3 +73,15 @@ def test_hunt_quick():
     (run,) = result["runs"]
     assert run["versions"] == 20 and not run["reached"]  # 20 versions: the shape of the output, no learning
     assert 0.0 <= run["eval_blind"] <= 1.0 and run["eval_turns"] >= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sglang_interrupt_quick():
+    result = run_benchmark("sglang_interrupt.py", timeout_s=400)
+    assert set(result["variants"]) == {"partial@1s", "discard@1s", "partial@3s", "discard@3s"}
+    for every in ("1s", "3s"):
+        partial, discard = result["variants"][f"partial@{every}"], result["variants"][f"discard@{every}"]
+        assert partial["updates"] > 0 and discard["updates"] > 0
+        assert partial["wasted_tokens"] == 0 and discard["kept_tokens"] == 0  # partial keeps, discard throws away
+        assert partial["actions"] > 0

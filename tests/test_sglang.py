@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from sglang_server import build_venv, start_servers
@@ -27,7 +28,7 @@ from async_rl.config import SGLangConfig, load_config
 from async_rl.loss import token_logprobs
 from async_rl.model import load_model
 from learner.sglang_sync import DistributedWeightSync, write_hf_dir
-from rollout.engines import EngineUnavailable, SamplingParams
+from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
 from rollout.prepare import prepare_model_dir
 
@@ -201,9 +202,11 @@ def test_distributed_sync_pushes_the_learners_tensors_to_every_server(servers):
         sync.close()
 
 
-def test_an_aborted_request_is_sent_again_and_carries_the_new_version(servers, tmp_path):
-    """pause_mode=abort: an update by another worker aborts our in-flight request; it is retried on the new weights."""
-    engine = engine_for(servers.urls[:1], pause_mode="abort")
+@pytest.mark.parametrize("partial", [True, False], ids=["partial", "discard"])
+def test_an_aborted_request_is_sent_again_and_carries_the_new_version(servers, tmp_path, partial):
+    """pause_mode=abort: an update by another worker aborts our in-flight request; it is sent again on the new
+    weights: continuing from the tokens it had (partial rollouts), or from scratch."""
+    engine = engine_for(servers.urls[:1], pause_mode="abort", partial_rollouts=partial)
     updater = engine_for(servers.urls[:1], pause_mode="abort")
     path = write_hf_dir(learner_step(load_model(servers.model_dir), 5, steps=2), servers.model_dir,
                         tmp_path / "hf-v1")
@@ -214,10 +217,113 @@ def test_an_aborted_request_is_sent_again_and_carries_the_new_version(servers, t
     time.sleep(0.3)
     updater.update_weights(1, str(path))
     generating.join(60)
-    assert engine.stages_retried > 0
-    assert all(len(g.token_ids) == 200 and set(g.versions) == {1} for g in result["g"])
+    assert engine.stages_retried > 0 and engine.preemptions > 0
+    assert all(len(g.token_ids) == 200 and g.versions == sorted(g.versions) and g.versions[-1] == 1
+               for g in result["g"])
+    if partial:  # the tokens sampled before the update keep version 0; the rest of the action is version 1
+        assert engine.tokens_kept > 0 and engine.tokens_discarded == 0
+        assert any(set(g.versions) == {0, 1} for g in result["g"])
+    else:
+        assert engine.tokens_kept == 0 and engine.tokens_discarded > 0
+        assert all(set(g.versions) == {1} for g in result["g"])
     engine.close()
     updater.close()
+
+
+class Hammer:
+    """Aborts every request on `urls` again and again. With `paths` (one loader only): /pause_generation
+    {"mode": "abort"}, a weight load labelled with the next version, /continue_generation. Without:
+    /abort_request {"abort_all": true}, which pauses nothing (a paused server loads without its update lock, and
+    the workers' own concurrent loads would then crash it)."""
+
+    def __init__(self, urls: list[str], paths: list[Path] | None = None, every_s: float = 0.15) -> None:
+        self.urls, self.paths, self.every_s = urls, paths, every_s
+        self.errors: list[str] = []
+        self.version = 0
+        self.rounds = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Hammer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not self.stop.wait(self.every_s):
+                try:
+                    if not self.paths:
+                        for url in self.urls:
+                            http.post(url + "/abort_request", json={"abort_all": True}).raise_for_status()
+                    else:
+                        self.version += 1
+                        path = self.paths[self.version % len(self.paths)]
+                        for url in self.urls:
+                            http.post(url + "/pause_generation", json={"mode": "abort"}).raise_for_status()
+                            try:
+                                http.post(url + "/update_weights_from_disk", json={
+                                    "model_path": str(path), "weight_version": str(self.version)}).raise_for_status()
+                            finally:
+                                http.post(url + "/continue_generation", json={}).raise_for_status()
+                    self.rounds += 1
+                except httpx.HTTPError as exc:  # reported by the test; never leave a server paused
+                    self.errors.append(repr(exc))
+
+
+def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprobs(servers, tmp_path):
+    """A thread aborts the server's requests over and over, loading model A (even versions) or B (odd) each time,
+    while long actions are generated. Every row completes; what a row had when it was aborted is kept as is (the
+    tokens, the log-probs the server reported then, their versions) and the action goes on from there; versions
+    never go back inside an action; and each token's log-prob is that of the weights its version names."""
+    model_a = load_model(servers.model_dir).eval()
+    model_b = load_model(servers.model_dir).eval()
+    path_b = write_hf_dir(learner_step(model_b, 5, steps=2), servers.model_dir, tmp_path / "hf-b")
+    engine = engine_for(servers.urls[:1], pause_mode="abort")
+    seen = []  # (request input_ids, piece) of every aborted reply that kept tokens
+    send = engine._generate_on
+
+    def recording(server, requests, params):
+        pieces = send(server, requests, params)
+        seen.extend((ids, p) for (ids, _), p in zip(requests, pieces, strict=True)
+                    if p.finish == "preempted" and p.token_ids)
+        return pieces
+
+    engine._generate_on = recording
+    prompts = PROMPTS * 8
+    with Hammer(servers.urls[:1], paths=[servers.model_dir, path_b], every_s=0.4) as hammer:
+        generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=200))
+    print(f"{hammer.rounds} aborting updates; {engine.preemptions} rows preempted, {engine.tokens_kept} tokens kept")
+    assert not hammer.errors and hammer.rounds >= 2 and engine.preemptions >= 2 and seen
+    assert all(len(g.token_ids) == 200 and g.finish_reason == "length" for g in generations)
+    assert all(g.versions == sorted(g.versions) for g in generations)
+    assert any(len(set(g.versions)) > 1 for g in generations)
+    # The prefix an abort left is in the final action unchanged: tokens, the log-probs reported then, versions.
+    finished = {tuple(p + g.token_ids): (p, g) for p, g in zip(prompts, generations, strict=True)}
+    for ids, piece in seen:
+        whole = ids + piece.token_ids
+        matches = [(p, g) for key, (p, g) in finished.items() if key[: len(whole)] == tuple(whole)]
+        assert matches, "an aborted prefix is missing from the finished actions"
+        for prompt, g in matches:
+            start = len(ids) - len(prompt)
+            assert g.logprobs[start : start + len(piece.token_ids)] == piece.logprobs
+            assert g.versions[start : start + len(piece.token_ids)] == piece.versions
+    # Each token's behaviour log-prob is that of the weights its version names (A even, B odd), on both sides of
+    # every switch: the per-token importance ratio is exact for a mixed action.
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, g in zip(prompts, generations, strict=True):
+            ids = torch.tensor([prompt + g.token_ids])
+            by_version = {parity: token_logprobs(model(input_ids=ids).logits, ids, 1.0)[0, len(prompt) - 1 :]
+                          for parity, model in ((0, model_a), (1, model_b))}
+            for t, (logprob, version) in enumerate(zip(g.logprobs, g.versions, strict=True)):
+                worst = max(worst, abs(by_version[version % 2][t].item() - logprob))
+    print(f"max |sglang - learner| log-prob diff, each token against its own version: {worst:.2e}")
+    assert worst < LOGPROB_TOL
+    engine.close()
 
 
 def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
@@ -234,7 +340,29 @@ def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
     assert [s.alive for s in engine.servers] == [True, False]
     engine.close()
     with pytest.raises(EngineUnavailable, match="no SGLang server left"):
-        engine_for(servers.urls[1:])
+        engine_for(servers.urls[1:], unavailable_timeout_s=1.0)
+
+
+def test_a_waiting_engine_stops_promptly_when_told(servers):
+    """Waiting for a server (none answers) ends at once when the stop event is set; a generate blocked on a paused
+    server ends at once on close(). Both raise EngineStopped, not EngineUnavailable."""
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(EngineStopped):
+        SGLangEngine(SGLangConfig(urls=[f"http://127.0.0.1:{free_port()}"], unavailable_timeout_s=60), stop)
+    assert time.monotonic() - started < 3
+    engine = engine_for(servers.urls[:1])
+    url = servers.urls[0]
+    httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30).raise_for_status()
+    try:
+        threading.Timer(0.5, engine.close).start()
+        started = time.monotonic()
+        with pytest.raises(EngineStopped):
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+        assert time.monotonic() - started < 2
+    finally:
+        httpx.post(url + "/continue_generation", json={}, timeout=30).raise_for_status()
 
 
 TRAIN = [
@@ -287,11 +415,13 @@ def test_train_with_sglang_servers_and_distributed_sync(servers, tmp_path):
     success = [m["success_rate"] for m in lines]
     print("stage reward by version:", [round(r, 2) for r in reward])
     print("success rate by version:", [round(x, 2) for x in success])
-    # Learning through SGLang-generated tokens: the stage reward climbs from the random policy's level, and
-    # successes appear that the first versions did not have.
-    # (Measured once: stage reward 0.00 -> 0.12, success 0.00 -> 0.05 over the 60 versions.)
-    assert sum(reward[-10:]) / 10 >= sum(reward[:5]) / 5 + 0.05
-    assert max(success[-20:]) > max(success[:5])
+    # Learning through SGLang-generated tokens: the stage reward climbs from the random policy's level.
+    # The random policy's stage reward is about 0.06: the first versions show 0.00-0.03 only when the learner
+    # starts early (40-120 env steps behind v1-v2); on a loaded machine it started late and v1-v5 averaged 0.058
+    # over ~900 random-policy steps, against 0.09-0.12 over the last 10 versions (three runs). Whole successes
+    # are too rare this early to assert on: one run had a single success in 60 versions (success_rate 1/64
+    # once), another none at all with the same stage-reward climb.
+    assert sum(reward[-10:]) / 10 >= sum(reward[:5]) / 5 + 0.02
 
 
 def test_a_server_killed_mid_run_loses_no_stage(servers, tmp_path):
@@ -317,12 +447,41 @@ def test_a_server_killed_mid_run_loses_no_stage(servers, tmp_path):
     assert "rejected message" not in replay_log and "bad_messages=0" in replay_log
 
 
+def test_train_through_aborting_weight_updates_loses_nothing(servers, tmp_path):
+    """Disk sync in abort mode (each worker's update aborts the other's requests), actions of several tokens, and
+    a thread aborting every request on both servers over and over (/abort_request): no worker dies, every row is
+    finished, and the ledger balances on every step."""
+    run = train(tmp_path, servers, "run.max_versions=12", "rollout.sglang.weight_sync=disk",
+                "rollout.sglang.pause_mode=abort", "rollout.max_new_tokens=6", "run.eval_samples_per_task=0")
+    run_dir = tmp_path / "t"
+    deadline = time.monotonic() + 180
+    while len(metrics(run_dir)) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() else ""
+        time.sleep(0.2)
+    with Hammer(servers.urls, every_s=0.3) as hammer:
+        out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert "died" not in err
+    lines = metrics(run_dir)
+    assert_invariants(lines, max_staleness=2)
+    assert len(lines) == 12
+    rollout_logs = "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
+    print(f"{hammer.rounds} aborting pauses; preemption lines: {rollout_logs.count('preempted by weight updates')}")
+    assert not hammer.errors and hammer.rounds > 0 and "preempted by weight updates" in rollout_logs
+    assert "stops:" not in rollout_logs and "still failing" not in rollout_logs
+    assert rollout_logs.count("(0 records unacked") == 2
+
+
 def test_a_worker_with_no_server_left_stops_the_run_with_a_clear_message(tmp_path):
+    """No server answers: the worker waits rollout.sglang.unavailable_timeout_s, saying so, then gives up."""
     dead = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *TRAIN,
-         "rollout.workers=1", f"rollout.sglang.urls=[{dead}]"],
+         "rollout.workers=1", f"rollout.sglang.urls=[{dead}]", "rollout.sglang.unavailable_timeout_s=3"],
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 1
     assert "rollout-0 died" in done.stderr and f"no SGLang server left of ['{dead}']" in done.stderr
+    assert "no SGLang server answers" in done.stderr and "none answered for 3 s" in done.stderr
+    assert time.monotonic() - started >= 3

@@ -1,5 +1,5 @@
 """Inference engines: the interface (`base`), the built-in PyTorch engine (`torch_engine`), SGLang (`sglang`)."""
 
-from rollout.engines.base import EngineUnavailable, Generation, InferenceEngine, SamplingParams
+from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
 
-__all__ = ["EngineUnavailable", "Generation", "InferenceEngine", "SamplingParams"]
+__all__ = ["EngineStopped", "EngineUnavailable", "Generation", "InferenceEngine", "SamplingParams"]

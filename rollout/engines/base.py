@@ -16,6 +16,11 @@ class EngineUnavailable(AsyncRLError):
     """The engine cannot generate at all (e.g. every SGLang server is gone); nothing of the call was produced."""
 
 
+class EngineStopped(AsyncRLError):
+    """The engine was told to stop (its stop event set, or `close()`) while a `generate` was still waiting on its
+    servers; nothing of the call was returned. Not a failure: the caller is stopping anyway."""
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0

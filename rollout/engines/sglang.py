@@ -6,36 +6,57 @@ behaviour log-prob SGLang sampled it with (log_softmax(logits / temperature), th
 top-p: the same quantity `async_rl.loss.token_logprobs` recomputes) and the server's `weight_version` for that
 token position (`meta_info.weight_versions` splits a request that lived across an update).
 
-Failures lose no accounting: a server that fails a request (connection refused, timeout, 5xx) is marked dead
-and its share of the batch is sent again, whole, to a live server, at most `max_retries` times. Only a finished
-batch is returned, so a stage is streamed once or not at all; when no server is left, `generate` raises
-`EngineUnavailable` and the agent reports the affected trajectories abandoned. A request a server aborted (a
-weight update in `abort` pause mode) is sent again the same way.
+Three kinds of trouble, kept apart:
+
+* **Preemption** (a weight update aborted the request: `finish_reason` "abort" with no status code) is not a
+  failure. The row is sent again, after a short backoff, until it completes; only the run stopping ends that
+  (`stop` event or `close()`: a waiting `generate` raises `EngineStopped` within POLL_S). With
+  `partial_rollouts` (the default) the tokens generated before the abort are kept with their log-probs and
+  versions and the same action continues from them on the new weights (AReaL's interruptible generation): the
+  request is prompt + kept tokens, `max_new_tokens` reduced by what was kept, the stop rules unchanged. Without
+  it, they are discarded and the action starts over.
+* **Failure** (connection refused, timeout, 5xx; or a row aborted *with* a status code, i.e. the server refused
+  it): a server that fails a call is marked dead, and the rows are sent again to a live server. Each row may be
+  sent again after a failure at most `max_retries` times; past that no server can serve it.
+* **Unavailability** (no live server: all restarting or unreachable): `generate` (and start-up) waits, probing
+  the servers with backoff and logging at most once per LOG_EVERY_S, for up to `unavailable_timeout_s`; a dead
+  server rejoins as soon as it answers `/health`.
+
+`EngineUnavailable` is raised only when no server can serve: none answered for `unavailable_timeout_s`, or a row
+failed on `max_retries` + 1 attempts. Only a finished batch is returned, so a stage is streamed once or not at
+all; on `EngineUnavailable` the agent reports the affected trajectories abandoned.
 
 Weight sync: with `weight_sync: disk` the engine loads each published HF directory into every server with
-`/update_weights_from_disk` (pause_mode abort: after /pause_generation, then /continue_generation; in_place:
-running requests finish on the old weights first); servers already at that version (another worker sharing them
-got there first) are skipped. With `weight_sync: distributed` the learner pushes the weights
-itself and the engine only reads the servers' new version.
+`/update_weights_from_disk` (pause_mode abort: with `abort_all_requests`, so the running requests are preempted;
+in_place: they finish on the old weights first); servers already at that version (another worker sharing them
+got there first) are skipped, and a server that rejoins behind the latest version loads it. With
+`weight_sync: distributed` the learner pushes the weights itself and the engine only reads the servers' new
+version.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import httpx
 
 from async_rl.config import SGLangConfig
-from rollout.engines.base import EngineUnavailable, Generation, SamplingParams
+from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
 
 HEALTH_TIMEOUT_S = 30.0  # /health_generate runs a real one-token generation
-REPROBE_DEAD_EVERY_S = 10.0  # a dead server is asked again (GET /health) at most this often
+PROBE_TIMEOUT_S = 5.0  # GET /health: answers during a short pause too (not after ~20 s paused: sglang-notes)
+REPROBE_DEAD_EVERY_S = 10.0  # while other servers are live, a dead one is asked again at most this often
+PREEMPT_BACKOFF_S = (0.05, 1.0)  # first and largest wait before preempted rows are sent again (doubling)
+UNAVAILABLE_BACKOFF_S = (0.5, 5.0)  # first and largest wait between probes while no server answers (doubling)
+LOG_EVERY_S = 10.0  # preemption and waiting lines: at most one per kind this often
+POLL_S = 0.1  # a waiting generate looks at its stop event at least this often
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the worker's log
 
@@ -59,23 +80,79 @@ class Server:
     dead_since: float = 0.0
 
 
+@dataclass
+class Piece:
+    """What one /generate reply produced for one row."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: Literal["stop", "length", "preempted", "refused"]
+    message: str = ""
+
+
+@dataclass
+class Row:
+    """One prompt of a `generate` call: what it has produced so far (kept across preemptions) and its failures."""
+
+    prompt: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    failures: int = 0
+
+    def add(self, piece: Piece) -> None:
+        self.token_ids += piece.token_ids
+        self.logprobs += piece.logprobs
+        self.versions += piece.versions
+
+    def generation(self, finish: Literal["stop", "length"]) -> Generation:
+        return Generation(list(self.token_ids), list(self.logprobs), list(self.versions), finish)
+
+
+class RateLimitedLog:
+    """At most one line per key every `every_s`; the first one at once."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.last: dict[str, float] = {}
+
+    def __call__(self, key: str, level: int, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if key in self.last and now - self.last[key] < self.every_s:
+            return
+        self.last[key] = now
+        log.log(level, message, *args)
+
+
 class SGLangEngine:
-    def __init__(self, config: SGLangConfig) -> None:
+    def __init__(self, config: SGLangConfig, stop: threading.Event | None = None) -> None:
+        """`stop`: when set (e.g. the worker's SIGTERM event), a `generate` that is waiting raises EngineStopped."""
         if not config.urls:
             raise EngineUnavailable("rollout.sglang.urls: no SGLang server configured")
         self.config = config
+        self.stop = stop
+        self.closed = threading.Event()
         self.servers = [Server(url.rstrip("/")) for url in config.urls]
         self.http = httpx.Client(timeout=config.request_timeout_s)
-        self.pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang")
-        self.stages_retried = 0  # server shares sent again after a failure or an abort
+        # Several calls per server can be in flight: a server's re-sent rows need not wait for another's share.
+        self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix="sglang")
+        self.ratelog = RateLimitedLog(LOG_EVERY_S)
+        self.latest_disk: tuple[int, str] | None = None  # (version, path) last asked for with disk sync
+        # Counters (cumulative over the engine's life; the benchmark and the logs read them):
+        self.stages_retried = 0  # rows sent again after a failure or a preemption
+        self.preemptions = 0  # rows a server aborted (weight update) and that were sent again
+        self.tokens_kept = 0  # tokens of preempted rows kept as the prefix of their continuation
+        self.tokens_discarded = 0  # tokens of preempted rows thrown away (partial_rollouts: false)
+        self.failures = 0  # rows a server failed (or refused) and that were sent elsewhere
         for server in self.servers:
             try:
                 self._get(server, "/health_generate", timeout=min(HEALTH_TIMEOUT_S, config.request_timeout_s))
             except ServerFailed as exc:
                 self._mark_dead(server, f"health check failed: {exc}")
-        self.version = min(self._live_versions())
-        log.info("SGLang engine: %d/%d server(s) healthy at version %d", len(self._live()), len(self.servers),
-                 self.version)
+        self.version = min(self._live_versions(wait=True))
+        log.info("SGLang engine: %d/%d server(s) healthy at version %d (partial rollouts %s)", len(self._live()),
+                 len(self.servers), self.version, "on" if config.partial_rollouts else "off")
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -84,97 +161,204 @@ class SGLangEngine:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("SGLangEngine.generate: every prompt needs at least one token")
+        rows = [Row(list(p)) for p in prompts]
         results: list[Generation | None] = [None] * len(prompts)
-        pending = list(range(len(prompts)))
-        for attempt in range(self.config.max_retries + 1):
-            live = self._live()
-            if not live:
-                raise EngineUnavailable(f"no SGLang server left of {[s.url for s in self.servers]}")
-            shares = [pending[i :: len(live)] for i in range(len(live))]
-            jobs = [
-                (server, rows, self.pool.submit(self._generate_on, server, [prompts[r] for r in rows], params))
-                for server, rows in zip(live, shares, strict=True)
-                if rows
-            ]
-            pending = []
-            for server, rows, job in jobs:
+        queue = list(range(len(prompts)))  # rows to send (again)
+        in_flight: dict[Future, tuple[Server, list[int]]] = {}
+        send_at, backoff = 0.0, PREEMPT_BACKOFF_S[0]
+        while queue or in_flight:
+            self._check_stop()
+            if queue and time.monotonic() >= send_at:
+                live = self._live()
+                if not live and not in_flight:
+                    self._wait_for_a_server()
+                    live = self._live()
+                if live:
+                    self._send(live, rows, queue, params, in_flight)
+                    queue = []
+            if not in_flight:
+                self._sleep(min(POLL_S, max(0.0, send_at - time.monotonic())))
+                continue
+            done, _ = wait(in_flight, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            preempted = []
+            for job in done:
+                server, share = in_flight.pop(job)
                 try:
-                    generations = job.result()
+                    pieces = job.result()
                 except ServerFailed as exc:
                     self._mark_dead(server, str(exc))
-                    pending += rows
+                    queue += self._failed(rows, share, f"{server.url}: {exc}")
                     continue
-                for row, generation in zip(rows, generations, strict=True):
-                    if generation is None:  # aborted by the server (an update in abort mode): ask again
-                        pending.append(row)
+                for row, piece in zip(share, pieces, strict=True):
+                    if piece.finish == "refused":
+                        queue += self._failed(rows, [row], f"{server.url} refused it: {piece.message}")
+                    elif piece.finish == "preempted":
+                        generation = self._preempted(rows[row], piece, params)
+                        if generation is None:
+                            preempted.append(row)
+                        else:
+                            results[row] = generation
                     else:
-                        results[row] = generation
-            if not pending:
-                return results  # type: ignore[return-value]
-            pending.sort()
-            self.stages_retried += len(pending)
-            log.warning("%d prompt(s) to send again (attempt %d of %d)", len(pending), attempt + 1,
-                        self.config.max_retries)
-        raise EngineUnavailable(f"{len(pending)} prompt(s) still failing after {self.config.max_retries} retries")
+                        rows[row].add(piece)
+                        results[row] = rows[row].generation(piece.finish)
+            if preempted:
+                queue += preempted
+                self.stages_retried += len(preempted)
+                send_at, backoff = time.monotonic() + backoff, min(2 * backoff, PREEMPT_BACKOFF_S[1])
+                self.ratelog("preempted", logging.INFO,
+                             "preempted by weight updates: %d row(s) now, %d so far (%d tokens kept, %d discarded);"
+                             " sending them again", len(preempted), self.preemptions, self.tokens_kept,
+                             self.tokens_discarded)
+            elif done:
+                backoff = PREEMPT_BACKOFF_S[0]
+            queue.sort()
+        return results  # type: ignore[return-value]
 
-    def _generate_on(self, server: Server, prompts: list[list[int]], params: SamplingParams) -> list[Generation | None]:
-        """One batched /generate on one server; an aborted row comes back as None."""
+    def _send(self, live: list[Server], rows: list[Row], queue: list[int], params: SamplingParams,
+              in_flight: dict[Future, tuple[Server, list[int]]]) -> None:
+        """Split `queue` over the live servers; each row continues from what it kept (prompt + kept tokens)."""
+        for index, server in enumerate(live):
+            share = queue[index :: len(live)]
+            if share:
+                requests = [(rows[r].prompt + rows[r].token_ids, params.max_new_tokens - len(rows[r].token_ids))
+                            for r in share]
+                in_flight[self.pool.submit(self._generate_on, server, requests, params)] = (server, share)
+
+    def _preempted(self, row: Row, piece: Piece, params: SamplingParams) -> Generation | None:
+        """Take a preempted row's partial output; the finished Generation if the kept tokens already end it."""
+        self.preemptions += 1
+        if not self.config.partial_rollouts:
+            self.tokens_discarded += len(piece.token_ids)
+            return None
+        row.add(piece)
+        self.tokens_kept += len(piece.token_ids)
+        if row.token_ids and row.token_ids[-1] in params.stop_token_ids:
+            return row.generation("stop")
+        if len(row.token_ids) >= params.max_new_tokens:
+            return row.generation("length")
+        return None
+
+    def _failed(self, rows: list[Row], share: list[int], reason: str) -> list[int]:
+        """Rows a server failed go back to the queue, each at most `max_retries` times."""
+        self.failures += len(share)
+        for r in share:
+            rows[r].failures += 1
+        if max(rows[r].failures for r in share) > self.config.max_retries:
+            raise EngineUnavailable(f"{len(share)} prompt(s) failed {self.config.max_retries + 1} times, last: "
+                                    f"{reason}")
+        self.stages_retried += len(share)
+        log.warning("%d prompt(s) to send again after a failure (%s)", len(share), reason[:300])
+        return share
+
+    def _generate_on(self, server: Server, requests: list[tuple[list[int], int]],
+                     params: SamplingParams) -> list[Piece]:
+        """One batched /generate on one server: (input_ids, max_new_tokens) per row."""
         body = {
-            "input_ids": prompts,
-            "sampling_params": {
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "max_new_tokens": params.max_new_tokens,
-                "stop_token_ids": params.stop_token_ids,
-                # SGLang stops at the model's EOS unless ignore_eos, which also disables stop_token_ids: so EOS
-                # ends a row here only when stop tokens are asked for (the agent always lists EOS among them).
-                "ignore_eos": not params.stop_token_ids,
-            },
+            "input_ids": [ids for ids, _ in requests],
+            "sampling_params": [
+                {
+                    "temperature": params.temperature,
+                    "top_p": params.top_p,
+                    "max_new_tokens": max_new_tokens,
+                    "stop_token_ids": params.stop_token_ids,
+                    # SGLang stops at the model's EOS unless ignore_eos, which also disables stop_token_ids: so EOS
+                    # ends a row here only when stop tokens are asked for (the agent always lists EOS among them).
+                    "ignore_eos": not params.stop_token_ids,
+                }
+                for _, max_new_tokens in requests
+            ],
             "return_logprob": True,
         }
         replies = self._post(server, "/generate", body)
-        if not isinstance(replies, list) or len(replies) != len(prompts):
-            raise ServerFailed(f"{server.url}/generate: expected {len(prompts)} results, got {replies!r:.200}")
-        return [_generation(reply) for reply in replies]
+        if not isinstance(replies, list) or len(replies) != len(requests):
+            raise ServerFailed(f"{server.url}/generate: expected {len(requests)} results, got {replies!r:.200}")
+        return [_piece(reply) for reply in replies]
+
+    # --- waiting and stopping ---------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self.closed.is_set() or (self.stop is not None and self.stop.is_set())
+
+    def _check_stop(self) -> None:
+        if self._stopping():
+            raise EngineStopped("the SGLang engine was told to stop while generating")
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, looking at the stop event every POLL_S (it may be set by a signal handler on this thread)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self._check_stop()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.closed.wait(min(POLL_S, left))
+
+    def _wait_for_a_server(self) -> None:
+        """No server is live: probe them all with backoff until one answers, for up to unavailable_timeout_s."""
+        started = time.monotonic()
+        delay = UNAVAILABLE_BACKOFF_S[0]
+        while True:
+            for server in self.servers:
+                if self._probe(server):
+                    log.warning("SGLang server %s answers after %.1f s without any; going on", server.url,
+                                time.monotonic() - started)
+                    return
+            waited = time.monotonic() - started
+            if waited >= self.config.unavailable_timeout_s:
+                raise EngineUnavailable(f"no SGLang server left of {[s.url for s in self.servers]} (none answered "
+                                        f"for {waited:.0f} s, rollout.sglang.unavailable_timeout_s="
+                                        f"{self.config.unavailable_timeout_s:g})")
+            self.ratelog("unavailable", logging.WARNING,
+                         "no SGLang server answers (of %d); waiting, %.0f s so far, giving up after %.0f s",
+                         len(self.servers), waited, self.config.unavailable_timeout_s)
+            self._sleep(min(delay, self.config.unavailable_timeout_s - waited))
+            delay = min(2 * delay, UNAVAILABLE_BACKOFF_S[1])
 
     # --- weights ----------------------------------------------------------------------------------
 
     def update_weights(self, version: int, path: str) -> None:
         """Bring every live server to `version`: load the HF directory `path` (disk sync), or, when the learner
-        pushes the weights itself (distributed sync), just take note of the servers' version."""
+        pushes the weights itself (distributed sync), just take note of the servers' version. With no server
+        live, nothing happens now (the next `generate` waits for one; a server that rejoins catches up)."""
+        if self.config.weight_sync == "disk":
+            self.latest_disk = (version, path)
         for server in self._live():
             try:
                 if self.config.weight_sync == "disk" and self._server_version(server) < version:
                     self._load_from_disk(server, version, path)  # servers already there are skipped: idempotent
             except ServerFailed:
                 continue  # marked dead; later batches go to the others
-        self.version = min(self._live_versions())
+        versions = self._live_versions(wait=False)
+        if not versions:
+            log.warning("policy version %d: no SGLang server answers now; generation waits for one", version)
+            return
+        self.version = min(versions)
         log.info("policy version %d on %d server(s)", self.version, len(self._live()))
 
     def _load_from_disk(self, server: Server, version: int, path: str) -> None:
         """in_place: SGLang's update waits for the running requests to finish on the old weights, then loads.
-        abort: pause with abort first; the aborted requests come back and their owners send them again.
-        (An in_place *pause* is not used here: another worker's update would wait forever on requests it froze.)"""
-        abort = self.config.pause_mode == "abort"
-        if abort:
-            self._post(server, "/pause_generation", {"mode": "abort"})
-        try:
-            self._post(server, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
-        finally:
-            if abort:
-                self._post(server, "/continue_generation", {})
+        abort: the same call with `abort_all_requests`: the running requests come back aborted (their owners
+        continue them on the new weights) and the load follows at once.
+        No pause is used: a *paused* server loads without its update lock, and two loads at once (workers sharing
+        a server) then crash it (InvalidStateError in SGLang's tokenizer manager, docs/sglang-notes.md); an
+        in_place pause would also make another worker's update wait forever on the requests it froze."""
+        body = {"model_path": path, "weight_version": str(version)}
+        if self.config.pause_mode == "abort":
+            body["abort_all_requests"] = True
+        self._post(server, "/update_weights_from_disk", body)
         log.info("%s: policy version %d loaded from %s", server.url, version, path)
 
-    def _live_versions(self) -> list[int]:
-        versions = []
-        for server in self._live():
-            try:
-                versions.append(self._server_version(server))
-            except ServerFailed:
-                continue
-        if not versions:
-            raise EngineUnavailable(f"no SGLang server left of {[s.url for s in self.servers]}")
-        return versions
+    def _live_versions(self, wait: bool) -> list[int]:
+        while True:
+            versions = []
+            for server in self._live():
+                try:
+                    versions.append(self._server_version(server))
+                except ServerFailed:
+                    continue
+            if versions or not wait:
+                return versions
+            self._wait_for_a_server()
 
     def _server_version(self, server: Server) -> int:
         return parse_version(self._get(server, "/get_model_info").get("weight_version"))
@@ -186,14 +370,26 @@ class SGLangEngine:
         now = time.monotonic()
         for server in self.servers:
             if not server.alive and now - server.dead_since >= REPROBE_DEAD_EVERY_S:
-                server.dead_since = now
-                try:
-                    self._get(server, "/health", timeout=5.0)
-                except ServerFailed:
-                    continue
-                server.alive = True
-                log.warning("SGLang server %s answers again; using it", server.url)
+                self._probe(server)
         return [s for s in self.servers if s.alive]
+
+    def _probe(self, server: Server) -> bool:
+        """Ask a dead server GET /health; if it answers it rejoins (and, with disk sync, loads the latest weights)."""
+        server.dead_since = time.monotonic()
+        try:
+            self._get(server, "/health", timeout=PROBE_TIMEOUT_S)
+        except ServerFailed:
+            return False
+        server.alive = True
+        log.warning("SGLang server %s answers again; using it", server.url)
+        if self.latest_disk is not None:
+            version, path = self.latest_disk
+            try:
+                if self._server_version(server) < version:
+                    self._load_from_disk(server, version, path)
+            except (ServerFailed, RuntimeError) as exc:  # e.g. pruned meanwhile; its tokens carry its own version
+                log.warning("%s rejoined behind version %d and could not load it: %s", server.url, version, exc)
+        return server.alive
 
     def _mark_dead(self, server: Server, reason: str) -> None:
         if server.alive:
@@ -203,7 +399,11 @@ class SGLangEngine:
     def _request(self, server: Server, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self.http.request(method, server.url + path, **kwargs)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client was closed under the request
+            if self.closed.is_set():  # closed while it ran: nobody waits for it, and the server is fine
+                raise ServerFailed(f"{server.url}{path}: the engine was closed") from exc
+            if not isinstance(exc, httpx.HTTPError):
+                raise
             self._mark_dead(server, f"{path}: {type(exc).__name__}: {exc}")
             raise ServerFailed(f"{server.url}{path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
@@ -226,25 +426,31 @@ class SGLangEngine:
         return response.json() if response.content else {}
 
     def close(self) -> None:
+        """Stop: a `generate` waiting in another thread raises EngineStopped within POLL_S."""
+        self.closed.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
 
 
-def _generation(reply: dict) -> Generation | None:
-    """One /generate result as a Generation, or None when the server aborted it."""
+def _piece(reply: dict) -> Piece:
+    """One /generate result. An abort without a status code is a preemption (a weight update, /abort_request):
+    its partial output comes back with log-probs (docs/sglang-notes.md). One with a status code is the server
+    refusing or failing that request (out of memory, a bad request, a timeout)."""
     meta = reply["meta_info"]
-    finish = meta["finish_reason"]["type"]
-    if finish == "abort":
-        return None
-    entries = meta["output_token_logprobs"]
+    finish = meta["finish_reason"] or {}
+    entries = meta.get("output_token_logprobs") or []
     versions = [parse_version(meta.get("weight_version"))] * len(entries)
     for segment in meta.get("weight_versions") or []:
         version = parse_version(segment["version"])
         for position in range(segment["start"], min(segment["end"], len(entries))):
             versions[position] = version
-    return Generation(
+    piece = Piece(
         token_ids=[int(token) for _, token, _ in entries],
         logprobs=[float(logprob) for logprob, _, _ in entries],
         versions=versions,
-        finish_reason="stop" if finish == "stop" else "length",
+        finish="stop" if finish.get("type") == "stop" else "length",
     )
+    if finish.get("type") == "abort":
+        piece.finish = "preempted" if finish.get("status_code") is None else "refused"
+        piece.message = str(finish.get("message"))
+    return piece
