@@ -13,7 +13,8 @@ Three kinds of trouble, kept apart:
   (`stop` event or `close()`: a waiting `generate` raises `EngineStopped` within POLL_S). With
   `partial_rollouts` (the default) the tokens generated before the abort are kept with their log-probs and
   versions and the same action continues from them on the new weights (AReaL's interruptible generation): the
-  request is prompt + kept tokens, `max_new_tokens` reduced by what was kept, the stop rules unchanged. Without
+  request is prompt + kept tokens, `max_new_tokens` reduced by what was kept, the stop rules unchanged (a stop
+  string split across the cut is not seen by the server; the agent still cuts the action's text at it). Without
   it, they are discarded and the action starts over.
 * **Failure** (connection refused, timeout, 5xx; or a row aborted *with* a status code, i.e. the server refused
   it): a server that fails a call is marked dead, and the rows are sent again to a live server. Each row may be
@@ -264,6 +265,8 @@ class SGLangEngine:
                     # SGLang stops at the model's EOS unless ignore_eos, which also disables stop_token_ids: so EOS
                     # ends a row here only when stop tokens are asked for (the agent always lists EOS among them).
                     "ignore_eos": not params.stop_token_ids,
+                    # Stop strings end the row at the token completing one, kept in the output (as the torch engine).
+                    **({"stop": params.stop, "no_stop_trim": True} if params.stop else {}),
                 }
                 for _, max_new_tokens in requests
             ],
