@@ -30,11 +30,14 @@ log = logging.getLogger("async_rl.rollout")
 
 
 def latest_weights(run_dir: Path) -> tuple[int, Path | None]:
+    """The newest published version and its safetensors file (an SGLang disk-sync run publishes HF directories:
+    their model.safetensors)."""
     latest = run_dir / "weights" / "latest.json"
     if not latest.exists():
         return 0, None
     notice = json.loads(latest.read_text())
-    return notice["version"], Path(notice["path"])
+    path = Path(notice["path"])
+    return notice["version"], path / "model.safetensors" if path.is_dir() else path
 
 
 class TallySink:

@@ -48,3 +48,13 @@ def test_blind_evaluation_replaces_every_tool_answer(tmp_path):
     prepare_model_dir(config)
     result = evaluate(config, samples_per_task=8, blind=True)
     assert result["eval_blind"] is True and result["eval_tasks"] == 2
+
+
+def test_evaluation_reads_an_hf_directory_published_for_sglang(tmp_path):
+    config = trap(tmp_path, "num_tasks=2", "stages=1", "traps=0")
+    model_dir = prepare_model_dir(config)
+    published = config.run_dir / "weights" / "hf-v3"
+    published.mkdir(parents=True)
+    (published / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    (config.run_dir / "weights" / "latest.json").write_text(json.dumps({"version": 3, "path": str(published)}))
+    assert evaluate(config, samples_per_task=2)["eval_version"] == 3
