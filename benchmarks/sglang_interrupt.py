@@ -19,7 +19,7 @@ A batch still unfinished at twice a row's time is given up (counted: discarding 
 faster than a batch of actions takes). `throughput_ratio` = useful tokens/s partial / discard per interval.
 
     python benchmarks/sglang_interrupt.py            # updates every 1 s and every 3 s, 45 s per row (~4 min)
-    python benchmarks/sglang_interrupt.py --quick    # the same rows, 10 s each (~1.5 min)
+    python benchmarks/sglang_interrupt.py --quick    # the same rows, 10 s each (~2 min)
 """
 
 from __future__ import annotations
