@@ -14,6 +14,7 @@ rounds. No learner: this isolates the rollout side, which is what `max_inflight`
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -41,7 +42,7 @@ class Count:
         self.stages += 1
 
     def outcome(self, episode, judgement, reason) -> None:  # noqa: ANN001
-        self.trajectories += 1
+        self.trajectories += judgement is not None  # judged; not those cut off when the clock runs out
 
 
 def measure(config, factory, engine, tokenizer, inflight: int, seconds: float) -> dict:
@@ -59,10 +60,11 @@ def measure(config, factory, engine, tokenizer, inflight: int, seconds: float) -
             runner.pump(0.01)
     elapsed = time.monotonic() - started
     calls = max(1, runner.engine_calls)
+    result = {"trajectories_per_s": sink.trajectories / elapsed, "stages_per_s": sink.stages / elapsed,
+              "engine_calls_per_s": calls / elapsed, "rows_per_call": sink.stages / calls}
     runner.abandon_all("benchmark over")
     runner.close()
-    return {"trajectories_per_s": sink.trajectories / elapsed, "stages_per_s": sink.stages / elapsed,
-            "engine_calls_per_s": calls / elapsed, "rows_per_call": sink.stages / calls}
+    return result
 
 
 def main() -> int:
@@ -75,6 +77,7 @@ def main() -> int:
     variants = [16, 64] if args.quick else [16, 32, 64, 128]
     seconds, rounds = (4.0, 1) if args.quick else (args.seconds, args.rounds)
     torch.set_num_threads(1)
+    logging.getLogger("async_rl.rollout").setLevel(logging.ERROR)  # the cut-off trajectories at each variant's end
     out = OUT_DIR / "inflight"
     config = load_config(None, [f"run.dir={out}", "run.name=model", f"env.kwargs.step_latency_s={args.latency}"])
     factory = load_env(config)
