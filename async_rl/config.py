@@ -55,6 +55,8 @@ class ModelConfig(_Section):
     num_heads: PosInt = 4
     num_kv_heads: PosInt = 2
     intermediate_size: PosInt = 128
+    # The tiny model's positions, and every trajectory's context limit (the runner ends a trajectory there; the
+    # replay refuses longer ones): set it to the real model's context with model.path.
     max_seq_len: PosInt = 256
 
 

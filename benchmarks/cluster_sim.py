@@ -226,6 +226,9 @@ class Simulation:
             f"learner.batch_tokens={w.batch_tokens}", f"learner.min_batch_items={w.min_batch_items}",
             f"learner.batch_wait_s={w.batch_wait_s}", f"algo.max_correction_staleness={max_correction_staleness}",
             "run.max_env_steps=null", f"run.seed={seed}",
+            # The simulated engines have no context limit (see the doc); the replay's too_long check must not cut
+            # the wire trajectories (one wire token per 64 simulated ones) short either.
+            "model.max_seq_len=1000000",
         ]
         if mode == "lockstep":
             overrides.append(f"algo.groups_per_step={w.round_groups}")
