@@ -28,7 +28,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
@@ -68,9 +68,6 @@ class Episode:
     observation_tokens: list[int] = field(default_factory=list)  # the observation the next action answers
     stages: int = 0  # stages handed to the sink
     generation: Generation | None = None  # the action whose step is under way
-    started_at: float = field(default_factory=time.monotonic)
-    ended_at: float = 0.0
-    truncated: bool = False  # ended by the context limit, not by the env
 
     @property
     def trajectory_id(self) -> str:
@@ -274,7 +271,6 @@ class EpisodeRunner:
             self._abandon(episode, f"context_length: the first observation ({len(episode.context)} tokens) leaves "
                                    f"no room for an action under model.max_seq_len={self.max_seq_len}")
         else:
-            episode.truncated = True
             self._judge(episode)
         return True
 
@@ -345,7 +341,6 @@ class EpisodeRunner:
 
     def _finish(self, episode: Episode) -> None:
         episode.phase = "done"
-        episode.ended_at = time.monotonic()
         if episode in self.episodes:
             self.episodes.remove(episode)
         close = getattr(episode.env, "close", None)
@@ -356,9 +351,3 @@ class EpisodeRunner:
                 log.warning("env %r: close() of trajectory %s raised %s: %s", self.env_name, episode.trajectory_id,
                             type(exc).__name__, exc)
 
-
-def run_until_idle(runner: EpisodeRunner, service: Callable[[], None] = lambda: None, wait_s: float = 0.05) -> None:
-    """Pump a runner until every episode it holds is done (evaluation; tests)."""
-    while not runner.idle():
-        runner.pump(wait_s)
-        service()
