@@ -75,15 +75,10 @@ def build_tiny_model(config: Config, vocab_size: int, pad_id: int, eos_id: int) 
     return LlamaForCausalLM(llama).float()
 
 
-def configured_model_dir(config: Config) -> Path | None:
-    """`model.path` checked, or None when the tiny model is built into the run directory."""
-    return configured_model_path(config)
-
-
 def ensure_model_dir(config: Config, words: list[str] | None = None) -> Path:
     """The HF directory every role loads; built (atomically, once) for the tiny default model, with a word-level
     tokenizer over `words` (an environment's declared vocabulary) or a byte-level one when None."""
-    configured = configured_model_dir(config)
+    configured = configured_model_path(config)
     if configured is not None:
         return configured
     target = config.run_dir / "model"
@@ -107,7 +102,7 @@ def wait_for_model_dir(config: Config, timeout_s: float = 600.0, poll_s: float =
     """The model directory, for a role that cannot build it (the learner does not know the environment, which
     chooses the tiny model's tokenizer): `model.path`, or the run directory's model once the launcher or a rollout
     worker has built it."""
-    configured = configured_model_dir(config)
+    configured = configured_model_path(config)
     if configured is not None:
         return configured
     target = config.run_dir / "model"
