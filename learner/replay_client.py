@@ -20,6 +20,7 @@ import zmq
 
 from async_rl.config import LearnerConfig
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
+from async_rl.ratelimit import RateLimitedLog
 from async_rl.transport import BadFrame, connect_dealer, poll, receive, send
 
 log = logging.getLogger("async_rl.learner")
@@ -40,8 +41,7 @@ class ReplayClient:
         self._socket = connect_dealer(context, endpoint, learner_id)
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
-        self._resend_logged_at = float("-inf")
-        self._resends_unlogged = 0
+        self._resend_log = RateLimitedLog(log, RESEND_LOG_EVERY_S)
 
     def next_batch(
         self, version: int, learner: LearnerConfig, should_stop: Callable[[], bool], while_idle: Callable[[], None],
@@ -99,14 +99,8 @@ class ReplayClient:
 
     def _log_resend(self, msg_id: int) -> None:
         self.resent_requests += 1
-        now = time.monotonic()
-        if now - self._resend_logged_at < RESEND_LOG_EVERY_S:
-            self._resends_unlogged += 1
-            return
-        more = f" ({self._resends_unlogged} more re-sends since the last warning)" if self._resends_unlogged else ""
-        log.warning("no batch for request %d after %.0f s: sending it again (a restarted replay loses parked "
-                    "requests)%s", msg_id, self.request_timeout_s, more)
-        self._resend_logged_at, self._resends_unlogged = now, 0
+        self._resend_log("resend", logging.WARNING, "no batch for request %d after %.0f s: sending it again (a "
+                         "restarted replay loses parked requests)", msg_id, self.request_timeout_s)
 
     def _receive(self, timeout_s: float) -> object | None:
         if not poll(self._socket, timeout_s):

@@ -52,6 +52,7 @@ from async_rl.protocol import (
     StageRecord,
     value_problem,
 )
+from async_rl.ratelimit import RateLimitedLog
 from async_rl.staleness import admission_allowed, correction_trainable, immediate_trainable
 from async_rl.transport import BadFrame, bind_router, poll, receive, send
 from replay.group import Group
@@ -69,26 +70,6 @@ MAX_MESSAGES_PER_TICK = 1000  # timers still run under a flood of messages
 REJECT_LOG_EVERY_S = 10.0  # at most one warning per rejection reason this often (a flood must not fill the log)
 
 
-class RejectLog:
-    """Rate-limited warnings: at most one per reason every `every_s` seconds; the next one says how many it hid."""
-
-    def __init__(self, every_s: float = REJECT_LOG_EVERY_S) -> None:
-        self.every_s = every_s
-        self.last: dict[str, float] = {}
-        self.suppressed: dict[str, int] = {}
-
-    def warn(self, reason: str, text: str) -> None:
-        now = time.monotonic()
-        last = self.last.get(reason)
-        if last is not None and now - last < self.every_s:
-            self.suppressed[reason] = self.suppressed.get(reason, 0) + 1
-            return
-        self.last[reason] = now
-        hidden = self.suppressed.pop(reason, 0)
-        more = f" (and {hidden} more '{reason}' since the last warning)" if hidden else ""
-        log.warning("%s%s", text, more)
-
-
 class ReplayService:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -99,7 +80,7 @@ class ReplayService:
         # it + ppo_epochs + replay.max_version_lead are refused (`version_ahead`): a forged BatchRequest cannot
         # move the learner's version (and so the staleness of every item) to 2**40, and cannot ratchet it either.
         self.version_ceiling: int | None = None
-        self.reject_log = RejectLog()
+        self.reject_log = RateLimitedLog(log, REJECT_LOG_EVERY_S)
         self.counters = ReplayStats()  # cumulative counters; the windowed fields are filled by stats_snapshot
         self.groups: dict[str, Group] = {}
         self.leases: dict[str, set[str]] = {}  # worker id -> its groups still waiting for outcomes
@@ -557,7 +538,7 @@ class ReplayService:
         """Count a refusal under `reason`, log it (rate-limited), and build the `Error` that answers it."""
         rejected = self.counters.rejected
         rejected[reason] = rejected.get(reason, 0) + 1
-        self.reject_log.warn(reason, f"rejected message {msg_id}: {reason}: {detail}")
+        self.reject_log(reason, logging.WARNING, "rejected message %d: %s: %s", msg_id, reason, detail)
         return Error(msg_id=msg_id, code=code, detail=f"{reason}: {detail}")
 
     def _refuse(

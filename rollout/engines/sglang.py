@@ -47,6 +47,7 @@ from typing import Any, Literal
 import httpx
 
 from async_rl.config import SGLangConfig
+from async_rl.ratelimit import RateLimitedLog
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
@@ -111,21 +112,6 @@ class Row:
         return Generation(list(self.token_ids), list(self.logprobs), list(self.versions), finish)
 
 
-class RateLimitedLog:
-    """At most one line per key every `every_s`; the first one at once."""
-
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
-        self.last: dict[str, float] = {}
-
-    def __call__(self, key: str, level: int, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if key in self.last and now - self.last[key] < self.every_s:
-            return
-        self.last[key] = now
-        log.log(level, message, *args)
-
-
 class SGLangEngine:
     def __init__(self, config: SGLangConfig, stop: threading.Event | None = None) -> None:
         """`stop`: when set (e.g. the worker's SIGTERM event), a `generate` that is waiting raises EngineStopped."""
@@ -138,7 +124,7 @@ class SGLangEngine:
         self.http = httpx.Client(timeout=config.request_timeout_s)
         # Several calls per server can be in flight: a server's re-sent rows need not wait for another's share.
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix="sglang")
-        self.ratelog = RateLimitedLog(LOG_EVERY_S)
+        self.ratelog = RateLimitedLog(log, LOG_EVERY_S)
         self.latest_disk: tuple[int, str] | None = None  # (version, path) last asked for with disk sync
         # Counters (cumulative over the engine's life; the benchmark and the logs read them):
         self.stages_retried = 0  # rows sent again after a failure or a preemption
