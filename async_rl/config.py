@@ -139,6 +139,19 @@ class LearnerConfig(_Section):
     keep_weights: PosInt = 3  # published weight files kept on disk
     # A BatchRequest with no Batch after this long is sent again (the replay may have restarted and lost it).
     request_timeout_s: PosFloat = 30.0
+    # Hardware (docs/architecture.md, "Learner at scale"). auto: cuda when torch sees a GPU (NCCL between ranks),
+    # else cpu (gloo). precision auto: bf16 (DeepSpeed bf16, fp32 master weights) on a GPU that supports it, else fp32.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # One optimizer step per batch, accumulated over micro-batches of at most this many tokens (rows x longest
+    # row, padding included); a sequence longer than this is a micro-batch of its own.
+    micro_batch_tokens: PosInt = 4096
+    # Sequences laid end to end in rows of at most pack_row_tokens, attention kept per sequence through position
+    # ids; false: one right-padded sequence per row. null row length: micro_batch_tokens (one row per micro-batch,
+    # what flash-attention's varlen kernel wants); on CPU/sdpa attention costs a row's length squared, so shorter.
+    packing: bool = True
+    pack_row_tokens: PosInt | None = None
+    activation_checkpointing: bool = False  # recompute activations in backward (HF gradient checkpointing)
 
 
 class AlgoConfig(_Section):
@@ -347,6 +360,12 @@ def _check_relations(config: Config) -> None:
         raise ConfigError("rollout.sglang.urls: expected at least one server URL when rollout.engine is 'sglang'")
     if config.algo.clip_high <= 0 and config.algo.ppo_epochs > 1:
         raise ConfigError("algo.clip_high: expected > 0 when algo.ppo_epochs > 1")
+    learner = config.learner
+    if learner.pack_row_tokens is not None and learner.pack_row_tokens > learner.micro_batch_tokens:
+        raise ConfigError(
+            f"learner.pack_row_tokens: expected <= learner.micro_batch_tokens ({learner.micro_batch_tokens}), "
+            f"got {learner.pack_row_tokens}"
+        )
     for name in ("replay.endpoint", "learner.publish_endpoint"):
         section, field = name.split(".")
         value = getattr(getattr(config, section), field)

@@ -1,7 +1,13 @@
-"""TrainItems off the wire → right-padded tensors aligned for the token loss.
+"""TrainItems off the wire → tensors aligned for the token loss: right-padded (one item per row) or packed.
 
 The log-prob of token t comes from the logits at t−1, so every per-token array is sliced with [:, 1:] to line up
 with `async_rl.loss.token_logprobs` (shape B × (T−1)).
+
+A packed row lays several items end to end with position ids restarting at 0 for each (learner/pack.py plans
+which). The model gets those position ids and no attention mask; transformers then keeps attention within each
+sequence (flash-attention's varlen kernel on a GPU, a block-diagonal causal mask with sdpa/eager). The logit at an
+item's last token predicts the next item's first token: the loss mask is 0 there, as it is for an item's first
+token in the padded layout.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import numpy as np
 import torch
 
 from async_rl.protocol import TrainItem
+from learner.pack import MicroBatch
 
 PAD_ID = 0
 
@@ -24,7 +31,8 @@ class TrainBatch:
     advantages: torch.Tensor  # (B, T−1) float32: A_imm or C
     behaviour_logp: torch.Tensor  # (B, T−1) float32: log μ
     versions: torch.Tensor  # (B, T−1) int64: v_t of the weights that produced each token
-    is_correction: torch.Tensor  # (B,) bool: item kind
+    is_correction: torch.Tensor  # (B,) bool: item kind (padded layout; a packed row is marked by its first item)
+    position_ids: torch.Tensor | None = None  # (B, T) int64 when packed: restarting at 0 for every item
 
     def staleness(self, version: int) -> torch.Tensor:
         """s_t = v − v_t (docs/algorithm.md, "Loss"); meaningful on the loss mask only."""
@@ -33,25 +41,62 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch on `device` (the engine's: DeepSpeed put the model there)."""
+        moved = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return TrainBatch(**{name: t.to(device, non_blocking=True) if t is not None else None
+                             for name, t in moved.items()})
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the model's forward: position ids for packed rows, else the padding mask. No KV
+        cache: with one, transformers would not look for packed sequences (and training has no use for it)."""
+        if self.position_ids is not None:
+            return {"input_ids": self.tokens, "position_ids": self.position_ids, "use_cache": False}
+        return {"input_ids": self.tokens, "attention_mask": self.attention_mask, "use_cache": False}
+
 
 def collate(items: list[TrainItem]) -> TrainBatch:
     """Pad the items to the longest one; padding has attention 0 and loss mask 0."""
-    length = max(len(item.token_ids()) for item in items)
-    rows = len(items)
-    tokens = np.full((rows, length), PAD_ID, dtype=np.int64)
-    attention = np.zeros((rows, length), dtype=np.int64)
-    mask = np.zeros((rows, length), dtype=np.float32)
-    advantages = np.zeros((rows, length), dtype=np.float32)
-    behaviour = np.zeros((rows, length), dtype=np.float32)
-    versions = np.zeros((rows, length), dtype=np.int64)
-    for row, item in enumerate(items):
-        n = len(item.token_ids())
-        tokens[row, :n] = item.token_ids()
-        attention[row, :n] = 1
-        mask[row, :n] = item.mask()
-        advantages[row, :n] = item.advantage_values()
-        behaviour[row, :n] = item.logprobs()
-        versions[row, :n] = item.versions()
+    return collate_rows(items, [[i] for i in range(len(items))], packed=False)
+
+
+def collate_micro_batch(items: list[TrainItem], micro: MicroBatch, packed: bool) -> TrainBatch:
+    """One planned micro-batch of `items` (a filler's loss mask is 0)."""
+    batch = collate_rows(items, [list(row) for row in micro.rows], packed)
+    if micro.filler:
+        batch.loss_mask.zero_()
+    return batch
+
+
+def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) -> TrainBatch:
+    """Rows of item indices → tensors; packed rows lay their items end to end (one item per row otherwise)."""
+    if not packed and any(len(row) != 1 for row in rows):
+        raise ValueError("collate_rows: an unpacked row holds exactly one item")
+    length = max(sum(len(items[i].token_ids()) for i in row) for row in rows)
+    count = len(rows)
+    tokens = np.full((count, length), PAD_ID, dtype=np.int64)
+    attention = np.zeros((count, length), dtype=np.int64)
+    positions = np.zeros((count, length), dtype=np.int64)
+    mask = np.zeros((count, length), dtype=np.float32)
+    advantages = np.zeros((count, length), dtype=np.float32)
+    behaviour = np.zeros((count, length), dtype=np.float32)
+    versions = np.zeros((count, length), dtype=np.int64)
+    for row, indices in enumerate(rows):
+        start = 0
+        for index in indices:
+            item = items[index]
+            n = len(item.token_ids())
+            end = start + n
+            tokens[row, start:end] = item.token_ids()
+            attention[row, start:end] = 1
+            positions[row, start:end] = np.arange(n)
+            mask[row, start:end] = item.mask()
+            mask[row, start] = 0.0  # predicted from the previous item's last token (padded: sliced off below)
+            advantages[row, start:end] = item.advantage_values()
+            behaviour[row, start:end] = item.logprobs()
+            versions[row, start:end] = item.versions()
+            start = end
+        positions[row, start:] = np.arange(length - start)  # the padding tail: a block of its own, loss mask 0
     return TrainBatch(
         tokens=torch.from_numpy(tokens),
         attention_mask=torch.from_numpy(attention),
@@ -59,5 +104,6 @@ def collate(items: list[TrainItem]) -> TrainBatch:
         advantages=torch.from_numpy(advantages[:, 1:].copy()),
         behaviour_logp=torch.from_numpy(behaviour[:, 1:].copy()),
         versions=torch.from_numpy(versions[:, 1:].copy()),
-        is_correction=torch.tensor([item.kind == "correction" for item in items], dtype=torch.bool),
+        is_correction=torch.tensor([items[row[0]].kind == "correction" for row in rows], dtype=torch.bool),
+        position_ids=torch.from_numpy(positions) if packed else None,
     )

@@ -1,7 +1,10 @@
-"""The DeepSpeed engine the learner trains with: process group, model, optimizer, full weights, checkpoints.
+"""The DeepSpeed engine the learner trains with: device, precision, process group, model, optimizer, full weights,
+checkpoints.
 
-On a laptop or CI this is one CPU process with gloo and no launcher; under torchrun (or the deepspeed launcher)
-every rank runs the same code and DeepSpeed averages gradients across ranks.
+On a laptop or CI this is one CPU process with gloo, fp32 and no launcher; on GPUs (learner.device auto or cuda)
+each rank drives the GPU of its LOCAL_RANK, ranks talk NCCL and train in bf16 with fp32 master weights
+(learner.precision auto). Under torchrun (or the deepspeed launcher) every rank runs the same code and DeepSpeed
+averages gradients across ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from async_rl.config import Config
+from async_rl.config import Config, LearnerConfig
+from async_rl.errors import ConfigError
 from async_rl.model import load_model, wait_for_model_dir
 
 log = logging.getLogger("async_rl.learner")
@@ -26,18 +30,57 @@ log = logging.getLogger("async_rl.learner")
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def init_distributed() -> None:
-    """Join (or, without a launcher, create) the process group; single process gets a private loopback port."""
+def select_device(learner: LearnerConfig, cuda_available: bool) -> str:
+    """learner.device resolved: "cuda" or "cpu" (auto: cuda when torch sees a GPU). The caller passes
+    torch.cuda.is_available(); tests pass the answer of a machine they are not on."""
+    if learner.device == "cuda" and not cuda_available:
+        raise ConfigError("learner.device: cuda was asked for but torch sees no CUDA device (set auto or cpu)")
+    if learner.device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return learner.device
+
+
+def select_precision(learner: LearnerConfig, device: str, bf16_supported: bool) -> str:
+    """learner.precision resolved: "bf16" or "fp32" (auto: bf16 on a GPU that supports it)."""
+    if learner.precision == "bf16" and not (device == "cuda" and bf16_supported):
+        raise ConfigError(
+            f"learner.precision: bf16 needs a CUDA device that supports it; this learner runs on {device}"
+            + (" whose GPU has no bf16" if device == "cuda" else "") + " (set auto or fp32)"
+        )
+    if learner.precision == "auto":
+        return "bf16" if device == "cuda" and bf16_supported else "fp32"
+    return learner.precision
+
+
+def backend_for(device: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def resolve_hardware(learner: LearnerConfig) -> tuple[str, str]:
+    """(device, precision) on this machine."""
+    cuda = torch.cuda.is_available()
+    device = select_device(learner, cuda)
+    return device, select_precision(learner, device, cuda and torch.cuda.is_bf16_supported())
+
+
+def init_distributed(device: str = "cpu") -> None:
+    """Join (or, without a launcher, create) the process group; a single process needs no port. On CUDA each rank
+    first takes the GPU of its LOCAL_RANK (NCCL and DeepSpeed use the current device)."""
     if dist.is_initialized():
         return
     # The shared-memory comm op would be JIT-compiled (minutes) on CPU for a world > 1; gloo is enough for us.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    backend = backend_for(device)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:
         # No launcher: a world of one. An in-memory store needs no port, so nothing can race us for one (a free
         # port picked here and bound later was taken by another process often enough to fail CI runs).
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=COLLECTIVE_TIMEOUT)
 
 
 def leave_distributed() -> None:
@@ -55,50 +98,76 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def deepspeed_config(config: Config) -> dict:
+def deepspeed_config(config: Config, precision: str = "fp32") -> dict:
     learner = config.learner
     ds_config: dict = {
+        # Nominal sizes: our micro-batches are token-budgeted (learner/pack.py), their number varies per batch, and
+        # the loss is scaled by hand (learner/step.py), so DeepSpeed must neither count nor divide by them.
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        # backward() only accumulates; step() is the boundary that reduces across ranks and updates, once a batch.
+        "managed_gradient_accumulation": False,
         "zero_optimization": {"stage": learner.zero_stage},
         "wall_clock_breakdown": False,
         "steps_per_print": 10**9,  # DeepSpeed's own progress lines; our metrics say it better
     }
+    if precision == "bf16":
+        # bf16 weights and activations, fp32 master weights and optimizer state. With ZeRO >= 1 the gradients are
+        # accumulated over micro-batches in fp32 too; DeepSpeed 0.19 refuses that mix at ZeRO-0 (bf16 accumulation).
+        ds_config["bf16"] = {"enabled": True}
+        if learner.zero_stage >= 1:
+            ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
     if learner.grad_clip > 0:
         ds_config["gradient_clipping"] = learner.grad_clip
     return ds_config
 
 
 def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | None]:
-    """The trained engine (fp32, torch AdamW) and, when algo.kl_beta > 0, a frozen copy of the initial policy."""
-    init_distributed()
+    """The trained engine (torch AdamW; fp32, or bf16 with fp32 master weights) on learner.device and, when
+    algo.kl_beta > 0, a frozen copy of the initial policy on the same device in the same precision."""
+    device, precision = resolve_hardware(config.learner)
+    init_distributed(device)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.manual_seed(config.run.seed)
     torch.set_num_threads(config.run.threads_per_process)
     model = load_model(wait_for_model_dir(config))
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
+    if config.learner.activation_checkpointing:
+        model.config.use_cache = False
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reference = None
     if config.algo.kl_beta > 0:
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
-    # torch's AdamW, not FusedAdam: the fused op would be JIT-built and buys nothing on CPU.
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        reference = copy.deepcopy(model).eval().requires_grad_(False).to(device=_local_device(device), dtype=dtype)
+    # torch's AdamW, not FusedAdam: the fused op would be JIT-built; torch picks its multi-tensor path on CUDA.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config, precision))
     engine.train()
     log.info(
-        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %d parameters",
-        config.learner.zero_stage, world_size(), parameters,
+        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %d parameters%s",
+        config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device), parameters,
+        ", activation checkpointing" if config.learner.activation_checkpointing else "",
     )
     return engine, reference
+
+
+def _local_device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
 def full_state_dict(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor] | None:
     """The whole model's weights on rank 0 (None elsewhere). Collective at ZeRO-3: every rank must call it."""
     if engine.zero_optimization_stage() < 3:
-        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()} if rank() == 0 else None
+        return _to_cpu(engine.module.state_dict()) if rank() == 0 else None
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         if rank() != 0:
             return None
-        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        return _to_cpu(engine.module.state_dict())
+
+
+def _to_cpu(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies in host memory (a copy on the GPU would double the weights' footprint there)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
 
 
 def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int) -> None:

@@ -8,34 +8,67 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from async_rl.config import Config
-from async_rl.loss import LossStats, policy_loss, token_logprobs_and_entropy
+from async_rl.config import AlgoConfig, Config
+from async_rl.loss import LossStats, aggregate, policy_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
-from learner.batch import TrainBatch, collate
+from learner.batch import TrainBatch, collate, collate_micro_batch
+from learner.engine import rank, world_size
+from learner.pack import balance_shards, padding_fraction, plan_shards
 
 log = logging.getLogger("async_rl.learner")
 
 
-def rank_share(items: list[TrainItem], rank: int, world_size: int, aggregation: str) -> tuple[TrainBatch, float]:
-    """This rank's items, and the factor that makes the rank-averaged gradient equal the whole batch's.
+def aggregate_denominator(mask: torch.Tensor, algo: AlgoConfig) -> float:
+    """What `async_rl.loss.aggregate` divides a batch's masked token-loss sum by. The aggregate is linear in the
+    token loss (Σ ℓ·mask / d, d fixed by the mask: action tokens, or items × seq_norm), so d is read off by
+    aggregating ones; 1.0 for an empty mask (nothing to scale)."""
+    value = float(aggregate(torch.ones_like(mask, dtype=torch.float32), mask, algo))
+    return float(mask.sum()) / value if value else 1.0
 
-    DeepSpeed averages gradients over ranks; each rank normalises by its own share, so the local loss is
-    rescaled by world_size · local_normaliser / global_normaliser. A rank without items trains a masked-out copy
-    of the first item: every rank must run forward and backward (collectives at ZeRO-3).
-    """
-    share = items[rank::world_size]
-    batch = collate(share or items[:1])
+
+def share_scale(local: torch.Tensor, whole_denominator: float, world_size: int, algo: AlgoConfig) -> float:
+    """The factor on a part's aggregated loss (a rank's share, a micro-batch of it) that makes the parts add up to
+    the whole batch's loss: the part was divided by its own denominator, the whole by the batch's, and DeepSpeed
+    averages gradients over ranks, so world_size · d_part / d_whole."""
+    return world_size * aggregate_denominator(local, algo) / whole_denominator
+
+
+def rank_share(items: list[TrainItem], rank: int, world_size: int, algo: AlgoConfig) -> tuple[TrainBatch, float]:
+    """This rank's length-balanced share of the items as one padded batch, and the factor that makes the
+    rank-averaged gradient equal the whole batch's (`share_scale`). A rank without items trains a masked-out copy
+    of the first item: every rank must run forward and backward (collectives at ZeRO-3)."""
+    share = balance_shards([len(item.token_ids()) for item in items], world_size)[rank]
+    batch = collate([items[i] for i in share] or items[:1])
     if not share:
         batch.loss_mask.zero_()
     if world_size == 1:
         return batch, 1.0
-    if aggregation == "token-mean":  # normalised by action tokens
-        local, total = float(batch.loss_mask.sum()), float(collate(items).loss_mask.sum())
-    else:  # seq-mean-token-sum: normalised by items
-        local, total = float(len(batch)), float(len(items))
-    if total == 0:
-        return batch, 1.0
-    return batch, world_size * max(local, 1.0) / total
+    return batch, share_scale(batch.loss_mask, aggregate_denominator(collate(items).loss_mask, algo), world_size, algo)
+
+
+def rank_micro_batches(
+    items: list[TrainItem], rank: int, world_size: int, config: Config
+) -> list[tuple[TrainBatch, float]]:
+    """This rank's micro-batches (learner/pack.py: balanced shards, packed rows, token budget) with their loss
+    scales: summed over micro-batches and averaged over ranks, the scaled losses (and so the accumulated gradients)
+    are the whole batch's. As many micro-batches on every rank."""
+    learner = config.learner
+    lengths = [len(item.token_ids()) for item in items]
+    plan = plan_shards(lengths, world_size, learner.micro_batch_tokens, learner.packing, learner.pack_row_tokens)[rank]
+    micro = [collate_micro_batch(items, m, learner.packing) for m in plan]
+    if world_size == 1 and len(micro) == 1:
+        return [(micro[0], 1.0)]
+    whole = aggregate_denominator(collate(items).loss_mask, config.algo)
+    return [(batch, share_scale(batch.loss_mask, whole, world_size, config.algo)) for batch in micro]
+
+
+def layout_metrics(items: list[TrainItem], world_size: int, config: Config) -> dict[str, float | int]:
+    """How the batch was laid out over every rank: the padding share of the tensors trained (fillers included) and
+    the micro-batches per rank."""
+    learner = config.learner
+    lengths = [len(item.token_ids()) for item in items]
+    plans = plan_shards(lengths, world_size, learner.micro_batch_tokens, learner.packing, learner.pack_row_tokens)
+    return {"padding_frac": padding_fraction(plans, lengths), "micro_batches": len(plans[0])}
 
 
 def _whole_batch_loss(scaled_share_loss: torch.Tensor) -> float:
@@ -46,10 +79,11 @@ def _whole_batch_loss(scaled_share_loss: torch.Tensor) -> float:
     return float(scaled_share_loss)
 
 
-def _on_any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is True on any (ranks must agree on skipping a step: the step is collective)."""
+def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank if `flag` is True on any (ranks must agree on skipping a step: the step is collective).
+    On the engine's device: NCCL reduces CUDA tensors only."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = torch.tensor([float(flag)])
+        box = torch.tensor([float(flag)], device=device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return bool(box.item())
     return flag
@@ -64,52 +98,118 @@ def _gradients_finite(engine: deepspeed.DeepSpeedEngine) -> bool:
     return not grads or bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all())
 
 
+def _inputs_finite(batch: TrainBatch) -> bool:
+    """The trained tokens' advantages and behaviour log-probs are finite (else no step: checked before any
+    forward, so no micro-batch has accumulated a gradient yet)."""
+    on = batch.loss_mask.bool()
+    return bool(torch.isfinite(batch.advantages[on]).all() and torch.isfinite(batch.behaviour_logp[on]).all())
+
+
 def _logp(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π of the batch's tokens and, if asked, the policy's entropy at every position."""
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+    logits = model(**batch.model_inputs()).logits
     return token_logprobs_and_entropy(logits, batch.tokens, temperature, entropy=entropy)
+
+
+def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
+    """One rank's statistics from its micro-batches' (stats, action tokens, aggregate denominator): ratio means by
+    action token, KL and entropy as the aggregate over the whole share would give them."""
+    tokens = sum(n for _, n, _ in parts)
+    if len(parts) == 1 or tokens == 0:
+        return parts[0][0]
+    trained = [(s, n, d) for s, n, d in parts if n > 0]
+    denominator = sum(d for _, _, d in trained)
+    return LossStats(
+        is_ratio_mean=sum(s.is_ratio_mean * n for s, n, _ in trained) / tokens,
+        is_ratio_max=max(s.is_ratio_max for s, _, _ in trained),
+        is_capped_frac=sum(s.is_capped_frac * n for s, n, _ in trained) / tokens,
+        kl=sum(s.kl * d for s, _, d in trained) / denominator,
+        entropy=sum(s.entropy * d for s, _, d in trained) / denominator,
+    )
+
+
+def train_on_items(
+    engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, items: list[TrainItem], version: int,
+    config: Config,
+) -> tuple[int, list[tuple[float, LossStats]]]:
+    """This rank's share of a batch's items, in micro-batches: `train_on_micro_batches`."""
+    micro = rank_micro_batches(items, rank(), world_size(), config)
+    return train_on_micro_batches(engine, reference, micro, version, config)
 
 
 def train_on_batch(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, batch: TrainBatch, version: int,
     config: Config, loss_scale: float = 1.0,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
+    """One tensor batch as a single micro-batch: `train_on_micro_batches`."""
+    return train_on_micro_batches(engine, reference, [(batch, loss_scale)], version, config)
+
+
+def train_on_micro_batches(
+    engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
+    version: int, config: Config,
+) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
+    Each step accumulates the gradients of every micro-batch's scaled loss (`rank_micro_batches`), then DeepSpeed
+    reduces them across ranks and steps once (managed_gradient_accumulation off: learner/engine.py).
     One epoch uses the TIS form; more use decoupled PPO with π_prox = the policy when the batch arrived.
     The loss is the whole batch's; the ratio statistics are this rank's share.
 
-    A non-finite loss (checked before backward) or gradient (after it) refuses the step: the gradients are zeroed,
-    the optimizer does not step, the weights stay exactly as they were, and the batch's remaining epochs are not
-    run. Fewer results than algo.ppo_epochs say so (none: nothing of the batch was trained).
+    A non-finite input, loss (checked before each backward) or gradient (after the last) refuses the step: the
+    gradients are zeroed, the optimizer does not step, the weights stay exactly as they were, and the batch's
+    remaining epochs are not run. Fewer results than algo.ppo_epochs say so (none: nothing of the batch was trained).
     """
-    algo, temperature = config.algo, config.rollout.temperature
-    ref_logp = prox_logp = None
+    algo, temperature, device = config.algo, config.rollout.temperature, engine.device
+    micro = [(batch.to(device), scale) for batch, scale in micro]
+    if _on_any_rank(not all(_inputs_finite(batch) for batch, _ in micro), device):
+        log.warning("non-finite advantages or behaviour log-probs at version %d: the step is skipped", version)
+        return version, []
+    ref_logp: list[torch.Tensor | None] = [None] * len(micro)
+    prox_logp: list[torch.Tensor | None] = [None] * len(micro)
     with torch.no_grad():
-        if reference is not None:
-            ref_logp, _ = _logp(reference, batch, temperature)
-        if algo.ppo_epochs > 1:
-            prox_logp, _ = _logp(engine, batch, temperature)
+        for m, (batch, _) in enumerate(micro):
+            if reference is not None:
+                ref_logp[m], _ = _logp(reference, batch, temperature)
+            if algo.ppo_epochs > 1:
+                prox_logp[m], _ = _logp(engine, batch, temperature)
     results = []
     for _ in range(algo.ppo_epochs):
-        # The entropy is a second vocabulary-sized tensor: computed only when it is trained (entropy_mean is 0 then).
-        logp, entropy = _logp(engine, batch, temperature, entropy=algo.entropy_coef > 0)
-        loss, stats = policy_loss(
-            logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
-            prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
-        )
-        scaled = loss * loss_scale
-        if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all())):
-            log.warning("non-finite loss at version %d: the step is skipped", version)
-            break
-        engine.backward(scaled)
-        if _on_any_rank(not _gradients_finite(engine)):
+        total = torch.zeros((), device=device)
+        parts = []
+        refused = False
+        for m, (batch, scale) in enumerate(micro):
+            # The entropy is a second vocabulary-sized tensor: computed only when trained (entropy_mean is 0 then).
+            logp, entropy = _logp(engine, batch, temperature, entropy=algo.entropy_coef > 0)
+            loss, stats = policy_loss(
+                logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
+                prox_logp=prox_logp[m], ref_logp=ref_logp[m], entropy=entropy,
+            )
+            scaled = loss * scale
+            if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):
+                log.warning("non-finite loss at version %d: the step is skipped", version)
+                refused = True
+                break
+            engine.backward(scaled)
+            total += scaled.detach()
+            parts.append((stats, float(batch.loss_mask.sum()), aggregate_denominator(batch.loss_mask, algo)))
+        if not refused and _on_any_rank(not _gradients_finite(engine), device):
             log.warning("non-finite gradient at version %d: the step is skipped", version)
-            engine.zero_grad()
+            refused = True
+        if refused:
+            _drop_gradients(engine)
             break
         engine.step()
         version += 1
-        results.append((_whole_batch_loss(loss.detach() * loss_scale), stats))
+        results.append((_whole_batch_loss(total), _combined_stats(parts)))
     return version, results
+
+
+def _drop_gradients(engine: deepspeed.DeepSpeedEngine) -> None:
+    """Forget what the refused step's micro-batches accumulated: on the parameters (ZeRO-0) and in a ZeRO
+    optimizer's buffers."""
+    engine.zero_grad()
+    if engine.zero_optimization_stage() > 0 and hasattr(engine.optimizer, "zero_grad"):
+        engine.optimizer.zero_grad()

@@ -35,7 +35,7 @@ from learner.metrics import MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher
 from learner.replay_client import ReplayClient
 from learner.sglang_sync import make_publisher
-from learner.step import rank_share, train_on_batch
+from learner.step import layout_metrics, train_on_items
 
 log = logging.getLogger("async_rl.learner")
 
@@ -173,8 +173,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 continue
             step_started = time.monotonic()
             trained_at = version
-            local, scale = rank_share(items, rank(), world_size(), config.algo.aggregation)
-            version, losses = train_on_batch(engine, reference, local, version, config, scale)
+            version, losses = train_on_items(engine, reference, items, version, config)
             step_s = time.monotonic() - step_started
             skipped_nonfinite += len(losses) < config.algo.ppo_epochs
             if leader:
@@ -190,7 +189,9 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 save_checkpoint(engine, checkpoints, version)
                 checkpointed = version
             if leader:
-                line = step_metrics(version, stats, batch_metrics(collate(items), trained_at), losses, step_s,
+                layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
+                batch_line = {**batch_metrics(collate(items), trained_at), **layout}
+                line = step_metrics(version, stats, batch_line, losses, step_s,
                                     wall_s(), client.bad_messages + bad_items, skipped_nonfinite)
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,

@@ -251,6 +251,7 @@ def command_line(config: Config) -> list[str]:
         f"learner.publish_endpoint={learner.publish_endpoint}", f"learner.keep_weights={learner.keep_weights}",
         f"learner.checkpoint_every={learner.checkpoint_every}", f"learner.min_batch_items={learner.min_batch_items}",
         f"learner.zero_stage={learner.zero_stage}", f"learner.lr={learner.lr}", "wandb.mode=disabled",
+        f"learner.micro_batch_tokens={learner.micro_batch_tokens}",
         # load_config(None, ...) starts from configs/local.yaml, whose algo differs from the Struct defaults here
         f"algo.entropy_coef={config.algo.entropy_coef}",
     ]
@@ -305,7 +306,8 @@ def test_metrics_describe_the_batch(trained):
         assert line["adv_abs_immediate"] == pytest.approx(1.0)
         assert line["adv_abs_correction"] == pytest.approx(0.5)
         assert line["tokens"] == 4 * 3 + 2 * 6
-        assert line["padding_frac"] == pytest.approx(1 - 24 / 36)
+        assert line["padding_frac"] == 0.0  # the six items packed end to end in one 24-token row
+        assert line["micro_batches"] == 1
         assert line["wall_s"] > 0 and line["step_s"] > 0
     first = trained.metrics()[0]
     assert first["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # behaviour log-probs came from the v0 model
@@ -432,7 +434,7 @@ def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path):
         return aggregate(-batch.advantages * logp, batch.loss_mask, config.algo)
 
     whole = loss_of(collate(items))
-    shares = [rank_share(items, r, 2, config.algo.aggregation) for r in range(2)]
+    shares = [rank_share(items, r, 2, config.algo) for r in range(2)]
     averaged = sum(scale * loss_of(batch) for batch, scale in shares) / 2
     assert float(averaged) == pytest.approx(float(whole), rel=1e-5)
 
@@ -500,8 +502,9 @@ def test_sigterm_finishes_the_step_writes_the_summary_and_exits_zero(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_path):
-    """Rank 0 talks to the replay and publishes; both ranks train their share; the result is the one-rank result."""
-    config = make_config(tmp_path, learner={"zero_stage": 3})
+    """Rank 0 talks to the replay and publishes; both ranks train their length-balanced share, packed into two
+    8-token micro-batches each (accumulated, one step a batch); the result is the one-rank, one-micro-batch result."""
+    config = make_config(tmp_path, learner={"zero_stage": 3, "micro_batch_tokens": 8})
     replay = FakeReplay(config.replay.endpoint, Sequences(config).items(config))
     replay.start()
     replay.ready.wait(5)
@@ -522,8 +525,10 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
     load_weights(two_ranks, config.run_dir / "weights" / "v4.safetensors")
     one_rank = load_model(prepare_model_dir(trained.config))
     load_weights(one_rank, trained.run_dir / "weights" / "v4.safetensors")
+    # Four Adam steps of lr 3e-3 move a weight by up to 1.2e-2; Adam divides by the gradient's scale, so the float
+    # rounding of a different layout (packed rows, micro-batches) in a near-zero gradient shows as ~2e-5 at most.
     for name, weight in one_rank.state_dict().items():
-        torch.testing.assert_close(two_ranks.state_dict()[name], weight, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(two_ranks.state_dict()[name], weight, rtol=1e-4, atol=5e-5)
     one_rank_losses = [line["loss"] for line in trained.metrics()]
     assert [line["loss"] for line in json_lines(config.run_dir / "metrics.jsonl")] == pytest.approx(one_rank_losses,
                                                                                                      rel=1e-4)
