@@ -143,6 +143,9 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config, precision))
     engine.train()
+    if world_size() == 1 and config.learner.zero_stage == 0:
+        # A world of one has nothing to average; DeepSpeed would still flatten every gradient and all-reduce it.
+        engine.enable_backward_allreduce = False
     log.info(
         "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %d parameters%s",
         config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device), parameters,
