@@ -26,7 +26,6 @@ Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 
     python benchmarks/systems.py            # about 3 minutes (the 10^6-record fill is most of it)
     python benchmarks/systems.py --quick    # about 1 minute
-    python benchmarks/systems.py --only learner   # one part (repeatable: --only learner --only replay)
 
 The last stdout line is JSON: {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token", ...}.
 """

@@ -114,19 +114,19 @@ def _logp(
 
 
 def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
-    """One rank's statistics from its micro-batches' (stats, action tokens, aggregate denominator): ratio means by
-    action token, KL and entropy as the aggregate over the whole share would give them."""
+    """One rank's statistics from its micro-batches' (stats, action tokens, loss scale): ratio means by action
+    token; KL and entropy aggregated as the loss is (Σ value · scale: the whole batch's in a world of one, this
+    rank's share scaled up to a batch with more ranks)."""
     tokens = sum(n for _, n, _ in parts)
     if len(parts) == 1 or tokens == 0:
         return parts[0][0]
-    trained = [(s, n, d) for s, n, d in parts if n > 0]
-    denominator = sum(d for _, _, d in trained)
+    trained = [(s, n, scale) for s, n, scale in parts if n > 0]
     return LossStats(
         is_ratio_mean=sum(s.is_ratio_mean * n for s, n, _ in trained) / tokens,
         is_ratio_max=max(s.is_ratio_max for s, _, _ in trained),
         is_capped_frac=sum(s.is_capped_frac * n for s, n, _ in trained) / tokens,
-        kl=sum(s.kl * d for s, _, d in trained) / denominator,
-        entropy=sum(s.entropy * d for s, _, d in trained) / denominator,
+        kl=sum(s.kl * scale for s, _, scale in trained),
+        entropy=sum(s.entropy * scale for s, _, scale in trained),
     )
 
 
@@ -194,13 +194,15 @@ def train_on_micro_batches(
                 break
             engine.backward(scaled)
             total += scaled.detach()
-            parts.append((stats, float(batch.loss_mask.sum()), aggregate_denominator(batch.loss_mask, algo)))
+            parts.append((stats, float(batch.loss_mask.sum()), scale))
         if not refused and _on_any_rank(not _gradients_finite(engine), device):
             log.warning("non-finite gradient at version %d: the step is skipped", version)
             refused = True
         if refused:
             _drop_gradients(engine)
             break
+        if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:  # learner.engine.clips_itself
+            torch.nn.utils.clip_grad_norm_(engine.module.parameters(), config.learner.grad_clip)
         engine.step()
         version += 1
         results.append((_whole_batch_loss(total), _combined_stats(parts)))

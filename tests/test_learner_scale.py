@@ -176,6 +176,13 @@ def test_deepspeed_config_for_bf16_and_caller_owned_accumulation():
     assert fp32["managed_gradient_accumulation"] is False and "bf16" not in fp32
     assert bf16["bf16"] == {"enabled": True} and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
     assert "data_types" not in deepspeed_config(make_config(Path("/unused")), "bf16")  # ZeRO-0: DeepSpeed's rule
+    # DeepSpeed clips (and all-reduces the norm) except in a world of one at ZeRO-0 in fp32, where torch clips
+    zero0 = make_config(Path("/unused"))
+    assert deepspeed_config(zero0, "fp32", ranks=1)["gradient_clipping"] == 0.0
+    unclipped = make_config(Path("/unused"), learner={"grad_clip": 0.0, "zero_stage": 3})
+    assert deepspeed_config(unclipped, "fp32", ranks=2)["gradient_clipping"] == 0.0  # DeepSpeed's default is 1.0
+    assert deepspeed_config(zero0, "fp32", ranks=2)["gradient_clipping"] == zero0.learner.grad_clip
+    assert fp32["gradient_clipping"] == bf16["gradient_clipping"] == config.learner.grad_clip
 
 
 def test_bad_learner_keys_are_named():
@@ -213,3 +220,23 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
     # Adam divides by the gradient's scale, so float rounding in near-zero gradients shows up as ~1e-6 here
     for name, weight in weights_a.items():
         torch.testing.assert_close(weights_b[name], weight, rtol=1e-5, atol=5e-6, msg=name)
+
+
+def test_a_world_of_one_clips_gradients_with_torch_before_the_step(setup, monkeypatch):
+    base, items = setup
+    config = make_config(Path(base.run.dir), learner={"grad_clip": 1e-3})
+    engine, _ = build_engine(config)
+    try:
+        assert engine.gradient_clipping() == 0  # DeepSpeed's clipping (with its norm all-reduce) is off here
+        norms, step = [], engine.step
+
+        def recorded_step(*args, **kwargs):
+            grads_ = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads_]))))
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "step", recorded_step)
+        version, _ = train_on_items(engine, None, items, 0, config)
+        assert version == 1 and norms[0] == pytest.approx(1e-3, rel=1e-4)
+    finally:
+        engine.destroy()
