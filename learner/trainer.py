@@ -129,6 +129,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     run_dir = config.run_dir
     engine, reference = build_engine(config)
     leader = rank() == 0
+    log.info("learner rank %d of world size %d", rank(), world_size())
     vocab_size = engine.module.config.vocab_size
     context = zmq.Context()
     client = publisher = metrics = None
