@@ -188,7 +188,7 @@ def test_pod_roles_in_their_own_network_namespaces_train_over_tcp(network, tmp_p
         for process in processes.values():
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-        for name, process in processes.items():
+        for process in processes.values():
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
