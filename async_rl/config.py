@@ -44,6 +44,7 @@ class RunConfig(_Section):
     eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every eval task (0: skip)
     eval_every: NonNegInt = 0  # during training, rollout-0 evaluates every N policy versions into metrics (0: off)
     eval_max_tasks: PosInt | None = None  # evaluate on at most this many eval tasks (None: all)
+    metrics_every_s: PosFloat = 10.0  # the rollout workers and the replay write a metrics line this often
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

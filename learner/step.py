@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 
 import deepspeed
 import torch
@@ -55,13 +57,17 @@ def _on_any_rank(flag: bool) -> bool:
     return flag
 
 
-def _gradients_finite(engine: deepspeed.DeepSpeedEngine) -> bool:
-    """Every gradient finite. Checked at ZeRO-0, where the gradients sit on the parameters after backward; at ZeRO
-    >= 1 they live in DeepSpeed's partitioned buffers and only the loss is checked (docs/algorithm.md, "Loss")."""
+def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> float | None:
+    """The global L2 norm of the gradient (inf or nan if any is not finite), read before the step. At ZeRO-0 the
+    gradients sit on the parameters after backward (already averaged over ranks); at ZeRO >= 1 they live in
+    DeepSpeed's partitioned buffers: None, and DeepSpeed's own norm is read after the step (docs/algorithm.md,
+    "Loss": only the loss is checked for finiteness there)."""
     if engine.zero_optimization_stage() != 0:
-        return True
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all())
+        return None
+    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
 def _logp(
@@ -105,11 +111,15 @@ def train_on_batch(
             log.warning("non-finite loss at version %d: the step is skipped", version)
             break
         engine.backward(scaled)
-        if _on_any_rank(not _gradients_finite(engine)):
+        norm = _gradient_norm(engine)
+        if _on_any_rank(norm is not None and not math.isfinite(norm)):
             log.warning("non-finite gradient at version %d: the step is skipped", version)
             engine.zero_grad()
             break
         engine.step()
         version += 1
-        results.append((_whole_batch_loss(loss.detach() * loss_scale), stats))
+        if norm is None:
+            reported = engine.get_global_grad_norm()
+            norm = float(reported) if reported is not None else 0.0
+        results.append((_whole_batch_loss(loss.detach() * loss_scale), replace(stats, grad_norm=norm)))
     return version, results

@@ -192,7 +192,8 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 checkpointed = version
             if leader:
                 line = step_metrics(version, stats, batch_metrics(collate(items), trained_at), losses, step_s,
-                                    wall_s(), client.bad_messages + bad_items, skipped_nonfinite)
+                                    wall_s(), client.bad_messages + bad_items, skipped_nonfinite,
+                                    lr=float(engine.get_lr()[0]))
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
                          stats.env_steps)

@@ -54,10 +54,12 @@ from async_rl.protocol import (
 )
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.staleness import admission_allowed, correction_trainable, immediate_trainable
+from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, bind_router, poll, receive, send
 from replay.group import Group
 from replay.queue import InFlightBatch, ItemQueue
 from replay.store import QueuedItem
+from replay.telemetry import AdmissionClock, metrics_line
 
 log = logging.getLogger("async_rl.replay")
 
@@ -97,6 +99,7 @@ class ReplayService:
         self.finished_long: deque[bool] = deque(maxlen=config.replay.long_success_window)
         self.successes_long = 0  # successes in finished_long, kept as a running count (the window is long)
         self.latest_eval: dict[str, float] = {}  # the newest EvalReport's metrics, for the learner's metrics line
+        self.admission = AdmissionClock()  # lease waits, for the metrics line (replay/telemetry.py)
         self.item_ids = itertools.count()
         self.batch_ids = itertools.count()
 
@@ -112,6 +115,10 @@ class ReplayService:
         match message:
             case LeaseRequest():
                 reply = self._lease(message, now)
+                if isinstance(reply, LeaseDenied):
+                    self.admission.denied_at(message.worker_id, reply.reason, now)
+                else:
+                    self.admission.granted_at(message.worker_id, now)
             case StageRecord():
                 reply = self._stage_record(message, now)
             case Outcome():
@@ -586,8 +593,13 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
     context = zmq.Context()
     socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes)
     log.info("replay service listening on %s", config.replay.endpoint)
+    metrics = RoleMetrics(config, "replay", histograms=("queue_staleness_hist",))
+    next_metrics_at = time.monotonic() + config.run.metrics_every_s
     try:
         while not stop.is_set():
+            if time.monotonic() >= next_metrics_at:
+                next_metrics_at = time.monotonic() + config.run.metrics_every_s
+                metrics.write(metrics_line(service, time.monotonic()))
             ready, received = poll(socket, POLL_S), 0
             while ready and received < MAX_MESSAGES_PER_TICK:
                 for identity, reply in _receive_one(service, socket):
@@ -597,6 +609,8 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
             for identity, reply in service.tick(time.monotonic()):
                 send(socket, reply, identity)
     finally:
+        metrics.write(metrics_line(service, time.monotonic()))
+        metrics.close()
         socket.close(linger=0)
         context.term()
         for signum, handler in previous_handlers.items():
