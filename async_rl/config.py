@@ -169,6 +169,12 @@ class WandbConfig(_Section):
     tags: list[str] = []
 
 
+class SecurityConfig(_Section):
+    # CurveZMQ keys written by `async-rl keys DIR` (docs/deploy.md): with it every ZeroMQ socket is encrypted and
+    # only the learner's and the rollout key get in. null: off (a tcp:// endpoint then logs a loud warning).
+    curve_dir: str | None = None
+
+
 class Config(_Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -178,6 +184,7 @@ class Config(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -348,6 +355,9 @@ def _check_relations(config: Config) -> None:
         raise ConfigError("rollout.sglang.urls: expected at least one server URL when rollout.engine is 'sglang'")
     if config.algo.clip_high <= 0 and config.algo.ppo_epochs > 1:
         raise ConfigError("algo.clip_high: expected > 0 when algo.ppo_epochs > 1")
+    if config.security.curve_dir is not None and not config.security.curve_dir.strip():
+        raise ConfigError("security.curve_dir: expected a directory of CURVE keys (`async-rl keys DIR`) or null, "
+                          "got ''")
     for name in ("replay.endpoint", "learner.publish_endpoint"):
         section, field = name.split(".")
         value = getattr(getattr(config, section), field)

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from async_rl.config import Config, configured_model_path, dump_config
 from async_rl.errors import ConfigError
+from async_rl.security import ROLES, load_keys
 
 log = logging.getLogger("async_rl.launcher")
 
@@ -112,8 +113,11 @@ def _check_run_dir_creatable(run_dir: Path) -> None:
 
 def preflight(config: Config) -> None:
     """What `async-rl train` can refuse before importing torch (seconds on a busy machine) or creating anything:
-    a missing or invalid model.path, a run directory that cannot be created. Raises ConfigError naming the path."""
+    a missing or invalid model.path, missing CURVE keys, a run directory that cannot be created. Raises ConfigError
+    naming the path."""
     configured_model_path(config)
+    for role in ROLES:  # security.curve_dir: every role's key files are there (all roles run here)
+        load_keys(config, role)
     _check_run_dir_creatable(_fresh_run_dir(config).run_dir)
 
 

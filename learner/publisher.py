@@ -17,6 +17,7 @@ import zmq
 
 from async_rl.model import save_weights
 from async_rl.protocol import WeightsPublished
+from async_rl.security import CurveKeys
 from async_rl.transport import bind_publisher, send
 
 log = logging.getLogger("async_rl.learner")
@@ -25,12 +26,13 @@ REPUBLISH_EVERY_S = 2.0
 
 
 class WeightPublisher:
-    def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int,
+                 curve: CurveKeys | None = None) -> None:
         self.weights_dir = weights_dir.resolve()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.latest: WeightsPublished | None = None
-        self._socket = bind_publisher(context, endpoint)
+        self._socket = bind_publisher(context, endpoint, curve)  # curve: only the rollout key may subscribe
         self._last_sent = 0.0
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from async_rl.config import Config, SGLangConfig
 from async_rl.model import save_weights
 from async_rl.protocol import WeightsPublished
+from async_rl.security import CurveKeys, load_keys
 from learner.publisher import WeightPublisher
 
 log = logging.getLogger("async_rl.learner")
@@ -160,8 +161,8 @@ class SGLangWeightPublisher(WeightPublisher):
     """The WeightPublisher for `rollout.engine: sglang`: HF directories (disk) or a push to the servers."""
 
     def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int, model_dir: Path,
-                 config: SGLangConfig) -> None:
-        super().__init__(context, endpoint, weights_dir, keep)
+                 config: SGLangConfig, curve: CurveKeys | None = None) -> None:
+        super().__init__(context, endpoint, weights_dir, keep, curve)
         self.model_dir = model_dir
         self.sync = DistributedWeightSync(config) if config.weight_sync == "distributed" else None
 
@@ -188,8 +189,8 @@ class SGLangWeightPublisher(WeightPublisher):
 
 def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> WeightPublisher:
     """The publisher the learner's rank 0 uses, by `rollout.engine`."""
-    learner, weights_dir = config.learner, config.run_dir / "weights"
+    learner, weights_dir, curve = config.learner, config.run_dir / "weights", load_keys(config, "learner")
     if config.rollout.engine == "sglang":
         return SGLangWeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights,
-                                     model_dir, config.rollout.sglang)
-    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights)
+                                     model_dir, config.rollout.sglang, curve)
+    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights, curve)

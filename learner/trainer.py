@@ -29,6 +29,7 @@ import zmq
 from async_rl.config import Config
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, decode, encode
+from async_rl.security import load_keys
 from learner.batch import collate
 from learner.engine import build_engine, full_state_dict, leave_distributed, rank, save_checkpoint, world_size
 from learner.metrics import MetricsLog, batch_metrics, step_metrics
@@ -134,7 +135,8 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     context = zmq.Context()
     client = publisher = metrics = None
     if leader:
-        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s)
+        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s,
+                              load_keys(config, "learner"))
         # SGLang servers: learner/sglang_sync.py
         publisher = make_publisher(context, config, wait_for_model_dir(config))
         metrics = MetricsLog(config, run_dir)

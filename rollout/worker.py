@@ -38,6 +38,7 @@ from async_rl.protocol import (
     WeightsPublished,
     pack,
 )
+from async_rl.security import load_keys
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
@@ -166,8 +167,9 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     tokenizer = load_tokenizer(model_dir)
     engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index, stop=stop)
     context = zmq.Context()
-    dealer = connect_dealer(context, config.replay.endpoint, worker_id)
-    subscriber = connect_subscriber(context, config.learner.publish_endpoint)
+    curve = load_keys(config, "rollout")
+    dealer = connect_dealer(context, config.replay.endpoint, worker_id, curve)
+    subscriber = connect_subscriber(context, config.learner.publish_endpoint, curve)
     link = ReplayLink(dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)
     weights = WeightsFollower(subscriber, engine, config.run_dir)
     params = sampling_params(config.rollout, factory, tokenizer)
