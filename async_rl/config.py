@@ -87,6 +87,9 @@ class SGLangConfig(_Section):
     dist_backend: Literal["gloo", "nccl"] = "gloo"
     dist_master_addr: str = "127.0.0.1"
     dist_master_port: PosInt = 29620
+    # A file holding the servers' API key (they run with `--api-key`; clients send `Authorization: Bearer <key>`).
+    # null: the SGLANG_API_KEY environment variable when it is set and non-empty, else no key. Never the key itself.
+    api_key_file: str | None = None
 
 
 class RolloutConfig(_Section):

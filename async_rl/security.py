@@ -25,7 +25,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from async_rl.config import Config
+from async_rl.config import Config, SGLangConfig
 from async_rl.errors import ConfigError
 
 ROLES = ("replay", "learner", "rollout")
@@ -118,6 +118,22 @@ def warn_if_insecure(config: Config) -> None:
         log.warning("UNAUTHENTICATED: %s without security.curve_dir: any peer that reaches these ports can take "
                     "leases, forge outcomes and ack batches (create keys with `async-rl keys DIR`; "
                     "docs/deploy.md)", ", ".join(endpoints))
+
+
+def sglang_headers(config: SGLangConfig) -> dict[str, str]:
+    """The HTTP headers of every request to the SGLang servers: `Authorization: Bearer <key>` with a key from
+    `rollout.sglang.api_key_file` (or, without one, a non-empty SGLANG_API_KEY), else none."""
+    if config.api_key_file is not None:
+        path = Path(config.api_key_file)
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"rollout.sglang.api_key_file: cannot read {path}: {exc.strerror}") from None
+        if not key:
+            raise ConfigError(f"rollout.sglang.api_key_file: {path} is empty")
+    else:
+        key = os.environ.get("SGLANG_API_KEY", "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class _RoleAuthenticator(ThreadAuthenticator):

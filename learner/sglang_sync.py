@@ -32,7 +32,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from async_rl.config import Config, SGLangConfig
 from async_rl.model import save_weights
 from async_rl.protocol import WeightsPublished
-from async_rl.security import CurveKeys, load_keys
+from async_rl.security import CurveKeys, load_keys, sglang_headers
 from learner.publisher import WeightPublisher
 
 log = logging.getLogger("async_rl.learner")
@@ -64,7 +64,7 @@ class DistributedWeightSync:
     def __init__(self, config: SGLangConfig) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s)
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config))
         self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-sync")
         tp_sizes = [int(self._call(url, "GET", "/get_server_info").get("tp_size", 1)) for url in self.urls]
         self.world_size = 1 + sum(tp_sizes)

@@ -3,18 +3,20 @@ the replay's role check. Real sockets, a real replay loop."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import zmq
 
 from async_rl.cli import main
-from async_rl.config import config_from_dict
+from async_rl.config import SGLangConfig, config_from_dict
 from async_rl.errors import ConfigError
 from async_rl.protocol import (
     BatchAck,
@@ -25,10 +27,11 @@ from async_rl.protocol import (
     LeaseRequest,
     WeightsPublished,
 )
-from async_rl.security import ROLE_FILES, ROLES, CurveKeys, insecure_endpoints, load_keys
+from async_rl.security import ROLE_FILES, ROLES, CurveKeys, insecure_endpoints, load_keys, sglang_headers
 from async_rl.transport import bind_publisher, connect_dealer, connect_subscriber, poll, receive, send
 from replay.service import ReplayService
 from replay.service import run as run_replay
+from rollout.engines.base import EngineUnavailable
 
 
 def free_endpoint() -> str:
@@ -212,3 +215,51 @@ def test_a_plain_heartbeat_is_answered_by_nothing_but_does_not_crash_a_curve_rep
 
 # The authenticated run (`async-rl train` on TCP with CURVE on, to its end, honest traffic never refused) is
 # tests/test_wire_fuzz.py: it runs one and fuzzes it.
+
+
+class _KeyedServer(ThreadingHTTPServer):
+    """A stand-in for an SGLang server started with `--api-key KEY`: 401 without `Authorization: Bearer KEY`."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.seen = key, []
+        super().__init__(("127.0.0.1", 0), _KeyedHandler)
+
+
+class _KeyedHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        self.server.seen.append(self.headers.get("Authorization"))
+        ok = self.headers.get("Authorization") == f"Bearer {self.server.key}"
+        body = json.dumps({"weight_version": "0"} if self.path == "/get_model_info" else {}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_the_sglang_client_sends_the_api_key_from_its_file(tmp_path, monkeypatch):
+    from rollout.engines.sglang import SGLangEngine  # httpx: only SGLang users need it
+
+    server = _KeyedServer("s3cret")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    key_file = tmp_path / "api-key"
+    key_file.write_text("s3cret\n")  # as a mounted Secret file may end
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    try:
+        engine = SGLangEngine(SGLangConfig(urls=[url], api_key_file=str(key_file), unavailable_timeout_s=5))
+        assert engine.version == 0 and set(server.seen) == {"Bearer s3cret"}
+        engine.close()
+        with pytest.raises(EngineUnavailable):  # no key: the server refuses every call
+            SGLangEngine(SGLangConfig(urls=[url], unavailable_timeout_s=0.3))
+        assert None in server.seen
+        monkeypatch.setenv("SGLANG_API_KEY", "s3cret")  # what the k8s pods get from the sglang-api-key Secret
+        assert sglang_headers(SGLangConfig(urls=[url])) == {"Authorization": "Bearer s3cret"}
+        (tmp_path / "empty").write_text("\n")
+        with pytest.raises(ConfigError, match="rollout.sglang.api_key_file: .* is empty"):
+            sglang_headers(SGLangConfig(urls=[url], api_key_file=str(tmp_path / "empty")))
+    finally:
+        server.shutdown()
+        server.server_close()
