@@ -56,7 +56,7 @@ from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import load_keys
 from async_rl.staleness import admission_allowed, correction_trainable, immediate_trainable
 from async_rl.telemetry import RoleMetrics
-from async_rl.transport import BadFrame, bind_router, poll, receive_from, send
+from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.group import Group
 from replay.queue import InFlightBatch, ItemQueue
 from replay.store import QueuedItem
@@ -620,7 +620,7 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
                 ready = poll(socket, 0)
             for identity, reply in service.tick(time.monotonic()):
                 send(socket, reply, identity)
-            if hasattr(socket, "refused_handshakes"):  # CURVE on: count the peers it kept out
+            if isinstance(socket, CurveServerSocket):  # CURVE on: count the peers it kept out
                 for reason in socket.refused_handshakes():
                     service.refuse_handshake(reason)
     finally:
