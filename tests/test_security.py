@@ -4,6 +4,7 @@ the replay's role check. Real sockets, a real replay loop."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import stat
@@ -27,7 +28,15 @@ from async_rl.protocol import (
     LeaseRequest,
     WeightsPublished,
 )
-from async_rl.security import ROLE_FILES, ROLES, CurveKeys, insecure_endpoints, load_keys, sglang_headers
+from async_rl.security import (
+    ROLE_FILES,
+    ROLES,
+    CurveKeys,
+    insecure_endpoints,
+    load_keys,
+    sglang_headers,
+    warn_if_insecure,
+)
 from async_rl.transport import connect_dealer, connect_subscriber, poll, receive, send
 from replay.service import ReplayService
 from replay.service import run as run_replay
@@ -92,8 +101,19 @@ def test_a_bad_key_directory_is_a_config_error_naming_the_key(tmp_path, keys):
     with pytest.raises(ConfigError, match="security.curve_dir: .*learner.key_secret"):
         load_keys(config, "learner")
     assert load_keys(config_from_dict({}), "replay") is None  # CURVE off by default
+
+
+def test_a_tcp_endpoint_without_keys_is_a_loud_warning(caplog):
     tcp = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}})
-    assert insecure_endpoints(tcp) == ["tcp://replay:5555"]  # what the roles warn about
+    assert insecure_endpoints(tcp) == ["tcp://replay:5555"]
+    with caplog.at_level(logging.WARNING, logger="async_rl.security"):
+        warn_if_insecure(tcp)  # every role calls it at start (async_rl/cli.py)
+        warn_if_insecure(config_from_dict({}))  # the local default: Unix sockets, nothing to say
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "UNAUTHENTICATED: tcp://replay:5555" in record.getMessage()
+    assert "async-rl keys DIR" in record.getMessage()
+    secure = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}, "security": {"curve_dir": "/k"}})
+    assert insecure_endpoints(secure) == []
 
 
 def test_the_replay_role_check_refuses_learner_messages_from_a_worker_and_back():
