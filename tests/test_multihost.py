@@ -6,8 +6,8 @@ address on a bridge that lives in a sixth namespace (the "switch"), and its own 
 /etc/netns/NAME/hosts over /etc/hosts), so the config uses the Service names of deploy/k8s:
 `tcp://async-rl-replay:5555`, `tcp://async-rl-learner:5556`, `async-rl-learner-0.async-rl-learner-workers`.
 The config is configs/cluster.yaml with only what this machine lacks swapped out (no GPU, no SGLang server, no
-model directory on a volume: the tiny model and the torch engine; small budgets). The run directory stands for
-the shared volume every pod mounts.
+model directory on a volume: the tiny model and the torch engine; small budgets; CURVE keys from `async-rl keys`
+in place of the mounted Secret). The run directory stands for the shared volume every pod mounts.
 
 Needs root and network namespaces (`ip netns`); skipped with the reason otherwise.
 """
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from async_rl.cli import main as async_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.77.{net}.{host}"
@@ -132,6 +134,10 @@ def cluster_config(tmp_path: Path) -> Path:
     config["learner"].update(lr=5e-4, batch_tokens=1024, min_batch_items=8, batch_wait_s=0.5, checkpoint_every=0)
     config["algo"]["groups_per_step"] = 2
     config["wandb"] = {"mode": "disabled"}
+    # CURVE stays on, as shipped: the keys the async-rl-curve Secret would mount (`async-rl keys DIR`).
+    assert config["security"]["curve_dir"] == "/etc/async-rl/curve"
+    assert async_rl(["keys", str(tmp_path / "curve")]) == 0
+    config["security"]["curve_dir"] = str(tmp_path / "curve")
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -199,6 +205,7 @@ def test_pod_roles_in_their_own_network_namespaces_train_over_tcp(network, tmp_p
     assert summary["versions"] == VERSIONS and summary["stop_reason"] == "max_versions"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all(m["ledger_residual_max"] < 1e-6 for m in metrics)
+    assert metrics[-1]["rejected"] == 0  # over CURVE: every pod's key let in, nothing refused
     assert metrics[-1]["env_steps"] > 0 and sum(m["items_immediate"] + m["items_correction"] for m in metrics) > 0
     assert (run_dir / "weights" / f"v{VERSIONS}.safetensors").exists()  # rank 0 published over the shared volume
     for i in range(2):  # one rank per node: torchrun's rendezvous crossed the namespaces
