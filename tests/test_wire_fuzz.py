@@ -224,9 +224,8 @@ class Link:
         self.refused: Counter[str] = Counter()  # reason -> Error replies received
         self.sent = 0
         self.grants: list[LeaseGrant] = []
-        self.latest_version = 0
 
-    def exchange(self, window: list) -> None:
+    def exchange(self, window: list, timeout_s: float = 30.0) -> None:
         replies = 0
         for message, reason in window:
             if isinstance(message, list):
@@ -238,7 +237,7 @@ class Link:
             self.sent += 1
             if reason is not None:
                 self.expected[reason] += 1
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout_s
         while replies and time.monotonic() < deadline:
             if not poll(self.dealer, 0.5):
                 continue
@@ -247,33 +246,33 @@ class Link:
             if isinstance(reply, Error):  # detail "<reason>: ..."; a frame that did not decode says why instead
                 head = reply.detail.split(":")[0]
                 self.refused[head if re.fullmatch(r"[a-z_]+", head) else "undecodable"] += 1
-            elif isinstance(reply, LeaseGrant | LeaseDenied):
-                self.latest_version = reply.policy_version
-                if isinstance(reply, LeaseGrant):
-                    self.grants.append(reply)
-            else:
+            elif isinstance(reply, LeaseGrant):
+                self.grants.append(reply)
+            elif not isinstance(reply, LeaseDenied):
                 assert isinstance(reply, Ack), reply
         assert replies == 0, f"{replies} replies missing"
 
 
-def fuzz(link: Link, fuzzer: Fuzzer, own_groups: int, run_dir: Path) -> float:
-    """Returns the seconds the fuzz took once the run was going."""
-    # Wait until the learner has trained a step (its version bounds version_ahead), then lease groups of our own.
-    deadline = time.monotonic() + 120
+def fuzz(link: Link, fuzzer: Fuzzer, own_groups: int, run_dir: Path) -> tuple[int, float]:
+    """Lease groups of our own as soon as the replay is up (admission is widest at version 0), wait until the
+    learner has trained a step (its version bounds version_ahead), then fuzz. Returns (the learner's version when
+    the fuzz began, the seconds it took)."""
+    deadline = time.monotonic() + 180
+    while len(link.grants) < own_groups and time.monotonic() < deadline:
+        link.exchange([(LeaseRequest(worker_id=WORKER, msg_id=next(fuzzer.msg_ids)), None)], timeout_s=120)
+        time.sleep(0.05)
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    while len(link.grants) < own_groups and time.monotonic() < deadline:
-        link.exchange([(LeaseRequest(worker_id=WORKER, msg_id=next(fuzzer.msg_ids)), None)])
-        time.sleep(0.05)
-    assert link.latest_version >= 1 and len(link.grants) == own_groups, "the run never got going"
+        time.sleep(0.1)
+    assert len(link.grants) == own_groups and metrics.exists(), "the run never got going"
+    version = len(metrics.read_text().splitlines())
     poison = [m for grant in link.grants for m in fuzzer.poison_own_group(grant.group_id)]
     started = time.monotonic()
     while link.sent < MESSAGES:
         window = poison[:WINDOW] or [fuzzer.random_message() for _ in range(min(WINDOW, MESSAGES - link.sent))]
         poison = poison[WINDOW:]
         link.exchange(window)
-    return time.monotonic() - started
+    return version, time.monotonic() - started
 
 
 def final_replay_stats(log_text: str) -> dict[str, int]:
@@ -289,8 +288,9 @@ def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
     args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=disabled",
             "run.target_success=null", "run.max_versions=20", "run.eval_samples_per_task=0",
             f"rollout.group_size={GROUP_SIZE}", "env.kwargs.num_tasks=4",
-            # Steps wait up to 0.5 s for 32 items: the 20 versions outlast the fuzz (6 s at load 20 on 2 cores).
-            "learner.min_batch_items=32", "learner.batch_wait_s=0.5",
+            # Each step waits 0.5 s for items (it never gets 1000): the 20 versions take >= 10 s by the clock,
+            # whatever the load, and outlast the fuzz (8 s at load average 10 on 2 cores: done by version 9).
+            "learner.min_batch_items=1000", "learner.batch_wait_s=0.5",
             f"replay.vocab_size={VOCAB}", f"model.max_seq_len={MAX_SEQ_LEN}",
             f"replay.endpoint={replay}", f"learner.publish_endpoint={publish}", f"security.curve_dir={keys}"]
     run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -299,7 +299,7 @@ def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
     dealer = connect_dealer(context, replay, "fuzz-0", load_keys(config, "rollout"))  # a worker's key, gone rogue
     link, fuzzer = Link(dealer), Fuzzer(seed=11)
     try:
-        fuzz_s = fuzz(link, fuzzer, own_groups=8, run_dir=tmp_path / "t")
+        first_version, fuzz_s = fuzz(link, fuzzer, own_groups=8, run_dir=tmp_path / "t")
         # Every reply came, so the replay was live throughout: it is stopped as soon as the learner ends.
         trained_by_then = len((tmp_path / "t" / "metrics.jsonl").read_text().splitlines())
         stdout, stderr = run.communicate(timeout=240)
@@ -329,6 +329,6 @@ def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
     in_metrics = {k[len("rejected_"):]: v for k, v in last.items() if k.startswith("rejected_")}
     assert 0 < last["rejected"] == sum(in_metrics.values()) and all(v <= expected[k] for k, v in in_metrics.items())
     assert last["trajectories_finished"] > 0
-    print(f"fuzz: {link.sent} messages in {fuzz_s:.1f} s (the learner at "
-          f"version {trained_by_then} of 20 when it ended), run {result['wall_s']:.1f} s; "
+    print(f"fuzz: {link.sent} messages in {fuzz_s:.1f} s (the learner from "
+          f"version {first_version} to {trained_by_then} of 20), run {result['wall_s']:.1f} s; "
           f"refused {sum(expected.values())}: {sorted(expected.items())}")
