@@ -1,4 +1,5 @@
-"""The `async-rl` command: `train` runs every role on this machine; `replay|learner|rollout` run one role (a pod)."""
+"""The `async-rl` command: `train` runs every role on this machine; `replay|learner|rollout` run one role (a pod);
+`keys DIR` writes the CURVE keys of a cluster (async_rl/security.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ ROLES = {
     "evaluate": "Evaluate the run's latest published weights on every task of the environment's eval split.",
     "config": "Print the resolved, validated config.",
 }
+KEYS_HELP = ("Write one CurveZMQ key pair per role (replay, learner, rollout) into DIR: <role>.key (public) and "
+             "<role>.key_secret. Point security.curve_dir at DIR (docs/deploy.md says which files each pod mounts).")
 OVERRIDES_HELP = "overrides of config keys, e.g. algo.max_staleness=2 env.kwargs.stages=5 (anywhere on the line)"
 
 
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--blind", action="store_true",
                              help="replace every tool answer (observation after an action) by a fixed string")
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
+    keys = roles.add_parser("keys", help=KEYS_HELP.split(": ")[0], description=KEYS_HELP)
+    keys.add_argument("dir", metavar="DIR", help="directory for the keys (created; existing keys are not overwritten)")
     return parser
 
 
@@ -68,6 +73,16 @@ def configure_logging(role: str, config: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.role == "keys":
+        from async_rl.security import create_keys
+
+        try:
+            written = create_keys(args.dir)
+        except (AsyncRLError, OSError) as exc:
+            print(f"async-rl keys: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(str(path) for path in written))
+        return 0
     try:
         config = load_config(args.config, args.overrides)
     except AsyncRLError as exc:
@@ -97,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async-rl train: {exc}", file=sys.stderr)
             return 2
     configure_logging(role, config)
+    if args.role in ("train", "replay", "learner", "rollout"):
+        from async_rl.security import warn_if_insecure
+
+        warn_if_insecure(config)
     try:
         import torch
 

@@ -44,6 +44,7 @@ class RunConfig(_Section):
     eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every eval task (0: skip)
     eval_every: NonNegInt = 0  # during training, rollout-0 evaluates every N policy versions into metrics (0: off)
     eval_max_tasks: PosInt | None = None  # evaluate on at most this many eval tasks (None: all)
+    metrics_every_s: PosFloat = 10.0  # the rollout workers and the replay write a metrics line this often
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
@@ -86,6 +87,9 @@ class SGLangConfig(_Section):
     dist_backend: Literal["gloo", "nccl"] = "gloo"
     dist_master_addr: str = "127.0.0.1"
     dist_master_port: PosInt = 29620
+    # A file holding the servers' API key (they run with `--api-key`; clients send `Authorization: Bearer <key>`).
+    # null: the SGLANG_API_KEY environment variable when it is set and non-empty, else no key. Never the key itself.
+    api_key_file: str | None = None
 
 
 class RolloutConfig(_Section):
@@ -181,6 +185,12 @@ class WandbConfig(_Section):
     tags: list[str] = []
 
 
+class SecurityConfig(_Section):
+    # CurveZMQ keys written by `async-rl keys DIR` (docs/deploy.md): with it every ZeroMQ socket is encrypted and
+    # only the learner's and the rollout key get in. null: off (a tcp:// endpoint then logs a loud warning).
+    curve_dir: str | None = None
+
+
 class Config(_Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -190,6 +200,7 @@ class Config(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -366,6 +377,9 @@ def _check_relations(config: Config) -> None:
             f"learner.pack_row_tokens: expected <= learner.micro_batch_tokens ({learner.micro_batch_tokens}), "
             f"got {learner.pack_row_tokens}"
         )
+    if config.security.curve_dir is not None and not config.security.curve_dir.strip():
+        raise ConfigError("security.curve_dir: expected a directory of CURVE keys (`async-rl keys DIR`) or null, "
+                          "got ''")
     for name in ("replay.endpoint", "learner.publish_endpoint"):
         section, field = name.split(".")
         value = getattr(getattr(config, section), field)

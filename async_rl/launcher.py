@@ -22,12 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rich.columns import Columns
 from rich.console import Console
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from async_rl.config import Config, configured_model_path, dump_config
 from async_rl.errors import ConfigError
+from async_rl.security import ROLES, load_keys
 
 log = logging.getLogger("async_rl.launcher")
 
@@ -110,8 +113,11 @@ def _check_run_dir_creatable(run_dir: Path) -> None:
 
 def preflight(config: Config) -> None:
     """What `async-rl train` can refuse before importing torch (seconds on a busy machine) or creating anything:
-    a missing or invalid model.path, a run directory that cannot be created. Raises ConfigError naming the path."""
+    a missing or invalid model.path, missing CURVE keys, a run directory that cannot be created. Raises ConfigError
+    naming the path."""
     configured_model_path(config)
+    for role in ROLES:  # security.curve_dir: every role's key files are there (all roles run here)
+        load_keys(config, role)
     _check_run_dir_creatable(_fresh_run_dir(config).run_dir)
 
 
@@ -188,25 +194,59 @@ class MetricsTail:
         return self.last
 
 
-def _table(metrics: dict, elapsed: float, children: list[Child]) -> Table:
+def _budget_progress(config: Config, metrics: dict, elapsed: float) -> tuple[float, str]:
+    """How far the run is to its nearest budget (the largest fraction of any set budget) and which one."""
+    run = config.run
+    fractions = []
+    if run.max_versions:
+        fractions.append((metrics.get("version", 0) / run.max_versions, f"{run.max_versions} versions"))
+    if run.max_env_steps:
+        fractions.append((metrics.get("env_steps", 0) / run.max_env_steps, f"{run.max_env_steps} env steps"))
+    if run.max_wall_s:
+        fractions.append((elapsed / run.max_wall_s, f"{run.max_wall_s:.0f} s"))
+    if not fractions:
+        return 0.0, "no budget"
+    fraction, name = max(fractions)
+    return min(fraction, 1.0), name
+
+
+def _state(child: Child) -> str:
+    code = child.process.poll()
+    if code is None:
+        return f"[green]{child.name}[/]"
+    return f"[dim]{child.name} done[/]" if code == 0 else f"[red]{child.name} exited {code}[/]"
+
+
+def _table(metrics: dict, elapsed: float, children: list[Child], config: Config) -> Table:
     table = Table(title="async-rl train", show_header=False, expand=False)
     table.add_column(style="bold cyan")
     table.add_column()
+    fraction, budget = _budget_progress(config, metrics, elapsed)
+    learning_s = metrics.get("wall_s", 0.0)  # since the launcher started, at the learner's last step
+    eta = f"{learning_s * (1 - fraction) / fraction:.0f} s" if 0 < fraction < 1 else "-"
+    target = config.run.target_success
     rows = [
+        ("progress", Columns([ProgressBar(total=1.0, completed=fraction, width=30),
+                              f"{100 * fraction:.0f}% of {budget}, ETA {eta}"])),
         ("elapsed", f"{elapsed:.0f} s"),
         ("policy version", metrics.get("version", 0)),
         ("env steps", metrics.get("env_steps", 0)),
-        ("success rate", f"{metrics.get('success_rate', 0.0):.3f}"),
+        ("throughput", "{:.1f} env steps/s, {:.2f} versions/s, {:.0f} tokens/s trained".format(
+            metrics.get("env_steps", 0) / learning_s if learning_s else 0.0,
+            metrics.get("version", 0) / learning_s if learning_s else 0.0, metrics.get("tokens_per_s", 0.0))),
+        ("success rate (long window)", "{:.3f} ({:.3f}){}".format(
+            metrics.get("success_rate", 0.0), metrics.get("success_rate_long", 0.0),
+            f", target {target}" if target is not None else "")),
         ("stage reward", f"{metrics.get('stage_reward_mean', 0.0):.3f}"),
         ("staleness mean / max imm / max corr", "{:.2f} / {} / {}".format(
             metrics.get("staleness_mean", 0.0), metrics.get("staleness_max_immediate", 0),
             metrics.get("staleness_max_correction", 0))),
         ("items immediate / correction", f"{metrics.get('items_immediate', 0)} / {metrics.get('items_correction', 0)}"),
         ("ledger residual", f"{metrics.get('ledger_residual_max', 0.0):.1e}"),
-        ("processes", " ".join(c.name for c in children if c.process.poll() is None)),
+        ("processes", " ".join(_state(c) for c in children)),
     ]
     for key, value in rows:
-        table.add_row(key, str(value))
+        table.add_row(key, value if isinstance(value, Columns) else str(value))
     return table
 
 
@@ -264,7 +304,7 @@ def train(config: Config) -> int:
             while True:
                 time.sleep(0.5)
                 elapsed = time.monotonic() - started
-                live.update(_table(metrics.poll(), elapsed, children))
+                live.update(_table(metrics.poll(), elapsed, children, config))
                 if not console.is_terminal and elapsed - last_plain >= 15:
                     last_plain = elapsed
                     m = metrics.last

@@ -87,6 +87,7 @@ class LossStats:
     is_capped_frac: float
     kl: float
     entropy: float = 0.0  # mean entropy of the policy at the batch's action tokens (0 when not computed)
+    grad_norm: float = 0.0  # global L2 norm of the step's gradient before clipping (set by the learner's step)
 
 
 def policy_loss(

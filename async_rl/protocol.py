@@ -275,7 +275,7 @@ class Error(Message, tag="error"):
     """Reply to a message the replay service rejected (it is counted and logged, never fatal)."""
 
     msg_id: int
-    code: Literal["malformed", "protocol_version", "unknown_group", "bad_state"]
+    code: Literal["malformed", "protocol_version", "unknown_group", "bad_state", "unauthorized"]
     detail: str
 
 

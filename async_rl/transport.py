@@ -3,14 +3,29 @@
 Sockets are opened here and closed by their owner (`with` or `.close(linger=0)`); nothing else in the project
 touches raw frames. A frame that does not decode raises `ProtocolError` carrying the sender's identity, so a
 service can count it, answer `Error`, and carry on.
+
+With `curve` keys (async_rl/security.py) every socket speaks CurveZMQ: a binding socket is a CURVE server whose
+ZAP handler admits only the public keys of its allowed client roles (and stops with the socket), and counts the
+handshakes it refused; a connecting socket is a CURVE client of the server role's public key.
 """
 
 from __future__ import annotations
 
+import threading
+
 import zmq
+import zmq.utils.monitor
 
 from async_rl.errors import ProtocolError
 from async_rl.protocol import AnyMessage, Message, decode, encode
+from async_rl.security import ZAP_DOMAIN, CurveKeys, start_authenticator
+
+# Handshake failures a CURVE server counts, by the reason it reports (ReplayStats.rejected for the replay).
+HANDSHAKE_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_refused_key",  # ZAP said no: a key not in security.curve_dir
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",  # no CURVE (plain peer) or the wrong server key
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
+}
 
 
 class BadFrame(ProtocolError):
@@ -29,10 +44,86 @@ def bind_address(endpoint: str) -> str:
     return endpoint
 
 
-def bind_router(context: zmq.Context, endpoint: str, max_message_bytes: int | None = None) -> zmq.Socket:
+class CurveServerSocket(zmq.Socket):
+    """A binding socket with CURVE on: it owns the context's ZAP handler and a monitor of refused handshakes."""
+
+    _authenticator = None
+    _monitor = None
+
+    def refused_handshakes(self) -> list[str]:
+        """The handshakes refused since the last call, each by reason (HANDSHAKE_EVENTS); never blocks."""
+        reasons = []
+        while self._monitor is not None and self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
+            if event in HANDSHAKE_EVENTS:
+                reasons.append(HANDSHAKE_EVENTS[event])
+        return reasons
+
+    def close(self, linger: int | None = None) -> None:
+        if self._monitor is not None:
+            self.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        super().close(linger)
+        if self._authenticator is not None:
+            _release_authenticator(self.context)
+            self._authenticator = None
+
+
+_authenticators: dict[int, list] = {}  # id(context) -> [authenticator, sockets using it]
+_authenticators_lock = threading.Lock()
+
+
+def _acquire_authenticator(context: zmq.Context, keys: CurveKeys):
+    """One ZAP handler per context (ZeroMQ allows one), shared by the CURVE servers bound in it."""
+    with _authenticators_lock:
+        entry = _authenticators.get(id(context))
+        if entry is None:
+            entry = _authenticators[id(context)] = [start_authenticator(context, keys), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_authenticator(context: zmq.Context) -> None:
+    with _authenticators_lock:
+        entry = _authenticators[id(context)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _authenticators[id(context)]
+            entry[0].stop()
+
+
+def _server_socket(context: zmq.Context, kind: int, curve: CurveKeys | None) -> zmq.Socket:
+    if curve is None:
+        return context.socket(kind)
+    socket = context.socket(kind, socket_class=CurveServerSocket)
+    socket._authenticator = _acquire_authenticator(context, curve)
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    socket._monitor = socket.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    return socket
+
+
+def _client_socket(context: zmq.Context, kind: int, curve: CurveKeys | None, server_role: str) -> zmq.Socket:
+    socket = context.socket(kind)
+    if curve is not None:
+        socket.setsockopt(zmq.CURVE_SERVERKEY, curve.peers[server_role])
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    return socket
+
+
+def bind_router(
+    context: zmq.Context, endpoint: str, max_message_bytes: int | None = None, curve: CurveKeys | None = None
+) -> zmq.Socket:
     """A ROUTER bound at `endpoint`. With `max_message_bytes` (ZMQ_MAXMSGSIZE), a peer that sends a bigger frame
-    is disconnected by ZeroMQ before the frame is buffered (a DEALER reconnects on its own)."""
-    socket = context.socket(zmq.ROUTER)
+    is disconnected by ZeroMQ before the frame is buffered (a DEALER reconnects on its own). With `curve` (the
+    replay's keys) it admits only the learner and rollout keys."""
+    socket = _server_socket(context, zmq.ROUTER, curve)
     socket.setsockopt(zmq.LINGER, 0)
     if max_message_bytes is not None:
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -41,23 +132,25 @@ def bind_router(context: zmq.Context, endpoint: str, max_message_bytes: int | No
     return socket
 
 
-def connect_dealer(context: zmq.Context, endpoint: str, identity: str) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
+def connect_dealer(context: zmq.Context, endpoint: str, identity: str, curve: CurveKeys | None = None) -> zmq.Socket:
+    """A DEALER connected to the replay's ROUTER (a CURVE client of the replay's key with `curve`)."""
+    socket = _client_socket(context, zmq.DEALER, curve, "replay")
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.connect(endpoint)
     return socket
 
 
-def bind_publisher(context: zmq.Context, endpoint: str) -> zmq.Socket:
-    socket = context.socket(zmq.PUB)
+def bind_publisher(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None) -> zmq.Socket:
+    """The learner's weight PUB (with `curve`, the learner's keys: only the rollout key may subscribe)."""
+    socket = _server_socket(context, zmq.PUB, curve)
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(bind_address(endpoint))
     return socket
 
 
-def connect_subscriber(context: zmq.Context, endpoint: str) -> zmq.Socket:
-    socket = context.socket(zmq.SUB)
+def connect_subscriber(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None) -> zmq.Socket:
+    socket = _client_socket(context, zmq.SUB, curve, "learner")
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SUBSCRIBE, b"")
     socket.connect(endpoint)
@@ -75,13 +168,26 @@ def send(socket: zmq.Socket, message: Message, identity: bytes | None = None) ->
 
 def receive(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage]:
     """Receive one message: (sender identity on a ROUTER else None, message). Raises BadFrame."""
-    frames = socket.recv_multipart()
+    identity, message, _ = receive_from(socket)
+    return identity, message
+
+
+def receive_from(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage, str | None]:
+    """Like `receive`, plus the sender's authenticated role on a CURVE server (the `User-Id` its ZAP handler set:
+    "learner" or "rollout"), else None."""
+    if not isinstance(socket, CurveServerSocket):
+        frames = socket.recv_multipart()
+        peer = None
+    else:
+        parts = socket.recv_multipart(copy=False)
+        peer = parts[-1].get("User-Id")
+        frames = [part.bytes for part in parts]
     identity = frames[0] if socket.type == zmq.ROUTER else None
     body = frames[1:] if identity is not None else frames
     if len(body) != 1:
         raise BadFrame(f"expected one message frame, got {len(body)}", identity)
     try:
-        return identity, decode(body[0])
+        return identity, decode(body[0]), peer
     except ProtocolError as exc:
         raise BadFrame(str(exc), identity) from None
 

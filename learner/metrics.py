@@ -5,16 +5,16 @@ Key names are stable; the replay-side ones are echoed from the batch's `ReplaySt
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from async_rl.config import Config, config_to_dict
+from async_rl.config import Config
 from async_rl.loss import LossStats
 from async_rl.protocol import ReplayStats
+from async_rl.telemetry import RoleMetrics
 from learner.batch import TrainBatch
 
 log = logging.getLogger("async_rl.learner")
@@ -42,7 +42,7 @@ def batch_metrics(batch: TrainBatch, version: int) -> dict[str, Any]:
 
 def step_metrics(
     version: int, stats: ReplayStats, batch_line: dict[str, Any], losses: list[tuple[float, LossStats]],
-    step_s: float, wall_s: float, learner_bad_messages: int, steps_skipped_nonfinite: int = 0,
+    step_s: float, wall_s: float, learner_bad_messages: int, steps_skipped_nonfinite: int = 0, lr: float = 0.0,
 ) -> dict[str, Any]:
     """The full line. With ppo_epochs > 1 one line covers the batch's epochs: loss is their mean, ρ the first's."""
     first = losses[0][1]
@@ -66,44 +66,23 @@ def step_metrics(
         "is_capped_frac": first.is_capped_frac,
         "kl": losses[-1][1].kl,
         "entropy_mean": first.entropy,
+        "grad_norm": max(stats.grad_norm for _, stats in losses),
+        "lr": lr,
         "step_s": step_s,
+        "tokens_per_s": batch_line.get("tokens", 0) / step_s if step_s > 0 else 0.0,
         "wall_s": wall_s,
     }
 
 
 class MetricsLog:
-    """Appends lines to metrics.jsonl (flushed per line) and mirrors them to W&B unless it is disabled."""
+    """Appends the learner's lines to metrics.jsonl (flushed per line), mirrored to the learner's W&B run
+    (async_rl/telemetry.py: one W&B run per role, grouped per training run)."""
 
     def __init__(self, config: Config, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics.jsonl").open("a")
-        self._wandb = None
-        if config.wandb.mode != "disabled":
-            import wandb  # slow to import; only when used
-
-            wandb.init(
-                mode=config.wandb.mode,
-                project=config.wandb.project,
-                entity=config.wandb.entity,
-                name=config.run.name,
-                dir=str(run_dir),
-                config=config_to_dict(config),
-                tags=config.wandb.tags,
-            )
-            self._wandb = wandb
+        self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
 
     def write(self, line: dict[str, Any]) -> None:
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
-        if self._wandb is not None:
-            scalars = {k: v for k, v in line.items() if isinstance(v, int | float)}
-            if line.get("staleness_hist"):
-                counts = line["staleness_hist"]
-                edges = [s - 0.5 for s in range(len(counts) + 1)]
-                scalars["staleness_hist"] = self._wandb.Histogram(np_histogram=(counts, edges))
-            self._wandb.log(scalars, step=line["version"])
+        self._metrics.write(line, step=line["version"])
 
     def close(self) -> None:
-        self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self._metrics.close()

@@ -21,6 +21,7 @@ import zmq
 from async_rl.config import LearnerConfig
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
 from async_rl.ratelimit import RateLimitedLog
+from async_rl.security import CurveKeys
 from async_rl.transport import BadFrame, connect_dealer, poll, receive, send
 
 log = logging.getLogger("async_rl.learner")
@@ -33,12 +34,13 @@ RESEND_LOG_EVERY_S = 300.0  # a long wait for items re-sends every request_timeo
 
 
 class ReplayClient:
-    def __init__(self, context: zmq.Context, endpoint: str, learner_id: str, request_timeout_s: float = 30.0) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, learner_id: str, request_timeout_s: float = 30.0,
+                 curve: CurveKeys | None = None) -> None:
         self.learner_id = learner_id
         self.request_timeout_s = request_timeout_s
         self.bad_messages = 0
         self.resent_requests = 0
-        self._socket = connect_dealer(context, endpoint, learner_id)
+        self._socket = connect_dealer(context, endpoint, learner_id, curve)
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
         self._resend_log = RateLimitedLog(log, RESEND_LOG_EVERY_S)

@@ -32,6 +32,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from async_rl.config import Config, SGLangConfig
 from async_rl.model import save_weights
 from async_rl.protocol import WeightsPublished
+from async_rl.security import CurveKeys, load_keys, sglang_headers
 from learner.publisher import WeightPublisher
 
 log = logging.getLogger("async_rl.learner")
@@ -63,7 +64,7 @@ class DistributedWeightSync:
     def __init__(self, config: SGLangConfig) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s)
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config))
         self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-sync")
         tp_sizes = [int(self._call(url, "GET", "/get_server_info").get("tp_size", 1)) for url in self.urls]
         self.world_size = 1 + sum(tp_sizes)
@@ -160,8 +161,8 @@ class SGLangWeightPublisher(WeightPublisher):
     """The WeightPublisher for `rollout.engine: sglang`: HF directories (disk) or a push to the servers."""
 
     def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int, model_dir: Path,
-                 config: SGLangConfig) -> None:
-        super().__init__(context, endpoint, weights_dir, keep)
+                 config: SGLangConfig, curve: CurveKeys | None = None) -> None:
+        super().__init__(context, endpoint, weights_dir, keep, curve)
         self.model_dir = model_dir
         self.sync = DistributedWeightSync(config) if config.weight_sync == "distributed" else None
 
@@ -188,8 +189,8 @@ class SGLangWeightPublisher(WeightPublisher):
 
 def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> WeightPublisher:
     """The publisher the learner's rank 0 uses, by `rollout.engine`."""
-    learner, weights_dir = config.learner, config.run_dir / "weights"
+    learner, weights_dir, curve = config.learner, config.run_dir / "weights", load_keys(config, "learner")
     if config.rollout.engine == "sglang":
         return SGLangWeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights,
-                                     model_dir, config.rollout.sglang)
-    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights)
+                                     model_dir, config.rollout.sglang, curve)
+    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights, curve)

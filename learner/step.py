@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 
 import deepspeed
 import torch
@@ -89,13 +91,18 @@ def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     return flag
 
 
-def _gradients_finite(engine: deepspeed.DeepSpeedEngine) -> bool:
-    """Every gradient finite. Checked at ZeRO-0, where the gradients sit on the parameters after backward; at ZeRO
-    >= 1 they live in DeepSpeed's partitioned buffers and only the loss is checked (docs/algorithm.md, "Loss")."""
+def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> float | None:
+    """The L2 norm of the accumulated gradient (inf or nan if any is not finite), read before the step. At ZeRO-0
+    the gradients sit on the parameters after backward (this rank's: step() reduces them over ranks, and in a world
+    of one that is the global norm, the one torch clips by); at ZeRO >= 1 they live in
+    DeepSpeed's partitioned buffers: None, and DeepSpeed's own norm is read after the step (docs/algorithm.md,
+    "Loss": only the loss is checked for finiteness there)."""
     if engine.zero_optimization_stage() != 0:
-        return True
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all())
+        return None
+    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
 def _inputs_finite(batch: TrainBatch) -> bool:
@@ -195,7 +202,8 @@ def train_on_micro_batches(
             engine.backward(scaled)
             total += scaled.detach()
             parts.append((stats, float(batch.loss_mask.sum()), scale))
-        if not refused and _on_any_rank(not _gradients_finite(engine), device):
+        norm = None if refused else _gradient_norm(engine)
+        if not refused and _on_any_rank(norm is not None and not math.isfinite(norm), device):
             log.warning("non-finite gradient at version %d: the step is skipped", version)
             refused = True
         if refused:
@@ -205,7 +213,9 @@ def train_on_micro_batches(
             torch.nn.utils.clip_grad_norm_(engine.module.parameters(), config.learner.grad_clip)
         engine.step()
         version += 1
-        results.append((_whole_batch_loss(total), _combined_stats(parts)))
+        reported = engine.get_global_grad_norm()  # DeepSpeed's, where it clipped or reduced (ZeRO >= 1)
+        norm = float(reported) if reported is not None else (norm if norm is not None else 0.0)
+        results.append((_whole_batch_loss(total), replace(_combined_stats(parts), grad_norm=norm)))
     return version, results
 
 

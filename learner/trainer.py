@@ -29,6 +29,7 @@ import zmq
 from async_rl.config import Config
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, decode, encode
+from async_rl.security import load_keys
 from learner.batch import collate
 from learner.engine import build_engine, full_state_dict, leave_distributed, rank, save_checkpoint, world_size
 from learner.metrics import MetricsLog, batch_metrics, step_metrics
@@ -129,11 +130,13 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     run_dir = config.run_dir
     engine, reference = build_engine(config)
     leader = rank() == 0
+    log.info("learner rank %d of world size %d", rank(), world_size())
     vocab_size = engine.module.config.vocab_size
     context = zmq.Context()
     client = publisher = metrics = None
     if leader:
-        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s)
+        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s,
+                              load_keys(config, "learner"))
         # SGLang servers: learner/sglang_sync.py
         publisher = make_publisher(context, config, wait_for_model_dir(config))
         metrics = MetricsLog(config, run_dir)
@@ -192,7 +195,8 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
                 batch_line = {**batch_metrics(collate(items), trained_at), **layout}
                 line = step_metrics(version, stats, batch_line, losses, step_s,
-                                    wall_s(), client.bad_messages + bad_items, skipped_nonfinite)
+                                    wall_s(), client.bad_messages + bad_items, skipped_nonfinite,
+                                    lr=float(engine.get_lr()[0]))
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
                          stats.env_steps)

@@ -53,11 +53,14 @@ from async_rl.protocol import (
     value_problem,
 )
 from async_rl.ratelimit import RateLimitedLog
+from async_rl.security import load_keys
 from async_rl.staleness import admission_allowed, correction_trainable, immediate_trainable
-from async_rl.transport import BadFrame, bind_router, poll, receive, send
+from async_rl.telemetry import RoleMetrics
+from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.group import Group
 from replay.queue import InFlightBatch, ItemQueue
 from replay.store import QueuedItem
+from replay.telemetry import AdmissionClock, metrics_line
 
 log = logging.getLogger("async_rl.replay")
 
@@ -97,13 +100,21 @@ class ReplayService:
         self.finished_long: deque[bool] = deque(maxlen=config.replay.long_success_window)
         self.successes_long = 0  # successes in finished_long, kept as a running count (the window is long)
         self.latest_eval: dict[str, float] = {}  # the newest EvalReport's metrics, for the learner's metrics line
+        self.admission = AdmissionClock()  # lease waits, for the metrics line (replay/telemetry.py)
         self.item_ids = itertools.count()
         self.batch_ids = itertools.count()
 
     # --- the two entry points ---------------------------------------------------------------------
 
-    def handle(self, identity: bytes, message: AnyMessage, now: float) -> list[Reply]:
-        """Answer one decoded message from peer `identity`; also answers parked batch requests it unblocks."""
+    def handle(self, identity: bytes, message: AnyMessage, now: float, peer: str | None = None) -> list[Reply]:
+        """Answer one decoded message from peer `identity`; also answers parked batch requests it unblocks.
+        `peer`: the sender's role as CURVE authenticated it ("learner", "rollout"), None without CURVE."""
+        if peer is not None and not isinstance(message, Error):
+            role = "learner" if isinstance(message, BatchRequest | BatchAck) else "rollout"
+            if peer != role:
+                error = self._reject(getattr(message, "msg_id", -1), "unauthorized", f"not_{role}",
+                                     f"{type(message).__name__} is only accepted from the {role}'s key, not {peer!r}")
+                return [(identity, error)]
         problem = value_problem(message)
         if problem is not None:
             return self._refuse(identity, message, "malformed", *problem, now)
@@ -112,6 +123,10 @@ class ReplayService:
         match message:
             case LeaseRequest():
                 reply = self._lease(message, now)
+                if isinstance(reply, LeaseDenied):
+                    self.admission.denied_at(message.worker_id, reply.reason, now)
+                else:
+                    self.admission.granted_at(message.worker_id, now)
             case StageRecord():
                 reply = self._stage_record(message, now)
             case Outcome():
@@ -143,6 +158,10 @@ class ReplayService:
         if identity is None:
             return []
         return [(identity, Error(msg_id=-1, code="malformed", detail=detail))]
+
+    def refuse_handshake(self, reason: str) -> None:
+        """A connection CURVE refused (no key, or one not in security.curve_dir): counted under `reason`."""
+        self._reject(-1, "unauthorized", reason, "a peer without an allowed CURVE key was refused a connection")
 
     def stats_snapshot(self) -> ReplayStats:
         successes = sum(success for success, _, _ in self.finished)
@@ -584,10 +603,15 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
     service = service if service is not None else ReplayService(config)
     previous_handlers = _stop_on_signals(stop)
     context = zmq.Context()
-    socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes)
+    socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes, load_keys(config, "replay"))
     log.info("replay service listening on %s", config.replay.endpoint)
+    metrics = RoleMetrics(config, "replay", histograms=("queue_staleness_hist",))
+    next_metrics_at = time.monotonic() + config.run.metrics_every_s
     try:
         while not stop.is_set():
+            if time.monotonic() >= next_metrics_at:
+                next_metrics_at = time.monotonic() + config.run.metrics_every_s
+                metrics.write(metrics_line(service, time.monotonic()))
             ready, received = poll(socket, POLL_S), 0
             while ready and received < MAX_MESSAGES_PER_TICK:
                 for identity, reply in _receive_one(service, socket):
@@ -596,7 +620,12 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
                 ready = poll(socket, 0)
             for identity, reply in service.tick(time.monotonic()):
                 send(socket, reply, identity)
+            if isinstance(socket, CurveServerSocket):  # CURVE on: count the peers it kept out
+                for reason in socket.refused_handshakes():
+                    service.refuse_handshake(reason)
     finally:
+        metrics.write(metrics_line(service, time.monotonic()))
+        metrics.close()
         socket.close(linger=0)
         context.term()
         for signum, handler in previous_handlers.items():
@@ -606,11 +635,11 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
 
 def _receive_one(service: ReplayService, socket: zmq.Socket) -> list[Reply]:
     try:
-        identity, message = receive(socket)
+        identity, message, peer = receive_from(socket)
     except BadFrame as exc:
         return service.reject_frame(exc.identity, str(exc))
     try:
-        return service.handle(identity, message, time.monotonic())
+        return service.handle(identity, message, time.monotonic(), peer)
     except Exception:  # a bug of ours must not take the service down for every other peer
         log.exception("internal error handling %s from %r", type(message).__name__, identity)
         service.counters.bad_messages += 1

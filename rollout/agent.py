@@ -68,10 +68,50 @@ class Episode:
     observation_tokens: list[int] = field(default_factory=list)  # the observation the next action answers
     stages: int = 0  # stages handed to the sink
     generation: Generation | None = None  # the action whose step is under way
+    since: float = 0.0  # when the current reset, step or judge began (its latency, for the metrics)
 
     @property
     def trajectory_id(self) -> str:
         return f"{self.group_id}/{self.member}"
+
+
+@dataclass
+class RunnerStats:
+    """What a runner did since the last `EpisodeRunner.take_stats()`: the rollout role's metrics line."""
+
+    started: float = field(default_factory=time.monotonic)
+    trajectories_finished: int = 0  # judged
+    trajectories_abandoned: int = 0
+    turns: int = 0  # stages of the judged trajectories
+    actions: int = 0
+    action_tokens: int = 0
+    engine_s: float = 0.0  # wall time inside engine calls
+    step_s: list[float] = field(default_factory=list)  # environment step latencies (tool time)
+    reset_s: list[float] = field(default_factory=list)
+    judge_s: list[float] = field(default_factory=list)
+
+    def line(self, now: float) -> dict[str, float]:
+        span = max(now - self.started, 1e-9)
+        judged = max(self.trajectories_finished, 1)
+        return {
+            "trajectories_per_s": self.trajectories_finished / span,
+            "tokens_per_s": self.action_tokens / span,
+            "trajectories_finished": self.trajectories_finished,
+            "trajectories_abandoned": self.trajectories_abandoned,
+            "turns_mean": self.turns / judged,
+            "response_tokens_mean": self.action_tokens / max(self.actions, 1),
+            "engine_utilisation": min(self.engine_s / span, 1.0),
+            **_latency("step_latency_s", self.step_s),
+            **_latency("reset_latency_s", self.reset_s),
+            **_latency("judge_latency_s", self.judge_s),
+        }
+
+
+def _latency(name: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"{name}_mean": 0.0, f"{name}_p90": 0.0}
+    ordered = sorted(values)
+    return {f"{name}_mean": sum(ordered) / len(ordered), f"{name}_p90": ordered[int(0.9 * (len(ordered) - 1))]}
 
 
 class Sink(Protocol):
@@ -171,6 +211,7 @@ class EpisodeRunner:
         self.judges: dict[Future, Episode] = {}
         self.engine_calls = 0
         self.env_errors = 0
+        self.stats = RunnerStats()
 
     # --- what the owner asks --------------------------------------------------------------------------
 
@@ -196,6 +237,7 @@ class EpisodeRunner:
             except EnvError as exc:
                 self._abandon(episode, f"env_error: {exc}")
                 continue
+            episode.since = time.monotonic()
             self.steps[self.pool.submit(checked_reset, self.env_name, episode.env, task)] = episode
 
     def pump(self, wait_s: float) -> None:
@@ -218,6 +260,15 @@ class EpisodeRunner:
             if episode.phase != "judge":
                 self._abandon(episode, reason)
 
+    def take_stats(self) -> dict[str, float]:
+        """The metrics since the last call (rates over that span), plus the trajectories in flight now."""
+        now = time.monotonic()
+        line = self.stats.line(now)
+        line["in_flight"] = self.acting()
+        line["judging"] = len(self.judges)
+        self.stats = RunnerStats(started=now)
+        return line
+
     def close(self) -> None:
         """Stop without waiting for slow environments or judges (their leases time out at the replay service)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -238,6 +289,8 @@ class EpisodeRunner:
                 log.exception("trajectory %s: internal error", episode.trajectory_id)
                 self._abandon(episode, f"internal_error: {type(exc).__name__}: {exc}")
                 continue
+            (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(
+                time.monotonic() - episode.since)
             if episode.phase == "reset":
                 episode.observation_tokens = self.prompter.first(result)
                 episode.context = list(episode.observation_tokens)
@@ -282,6 +335,7 @@ class EpisodeRunner:
             by_room.setdefault(self._room(episode), []).append(episode)
         for room, episodes in sorted(by_room.items(), reverse=True):
             params = self.params if room == self.params.max_new_tokens else replace(self.params, max_new_tokens=room)
+            called = time.monotonic()
             try:
                 generations = self.engine.generate([e.context for e in episodes], params)
             except EngineUnavailable as exc:  # no stage of this turn was produced: each trajectory ends here
@@ -290,9 +344,13 @@ class EpisodeRunner:
                         self._abandon(episode, f"engine_unavailable: {exc}")
                 raise
             self.engine_calls += 1
+            self.stats.engine_s += time.monotonic() - called
             for episode, generation in zip(episodes, generations, strict=True):
+                self.stats.actions += 1
+                self.stats.action_tokens += len(generation.token_ids)
                 episode.generation = generation
                 episode.phase = "step"
+                episode.since = time.monotonic()
                 action = self._action_text(generation)
                 assert episode.env is not None
                 self.steps[self.pool.submit(checked_step, self.env_name, episode.env, action)] = episode
@@ -307,6 +365,7 @@ class EpisodeRunner:
 
     def _judge(self, episode: Episode) -> None:
         episode.phase = "judge"
+        episode.since = time.monotonic()
         future: Future[Judgement] = Future()
         env = episode.env
         assert env is not None
@@ -330,12 +389,16 @@ class EpisodeRunner:
             except EnvError as exc:
                 self._abandon(episode, f"env_error: {exc}")
                 continue
+            self.stats.judge_s.append(time.monotonic() - episode.since)
+            self.stats.trajectories_finished += 1
+            self.stats.turns += episode.stages
             self._finish(episode)
             self.sink.outcome(episode, judgement, "")
 
     def _abandon(self, episode: Episode, reason: str) -> None:
         log.warning("trajectory %s abandoned: %s", episode.trajectory_id, reason)
         self.env_errors += reason.startswith("env_error")
+        self.stats.trajectories_abandoned += 1
         self._finish(episode)
         self.sink.outcome(episode, None, reason)
 

@@ -38,6 +38,8 @@ from async_rl.protocol import (
     WeightsPublished,
     pack,
 )
+from async_rl.security import load_keys
+from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
@@ -165,8 +167,9 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     tokenizer = load_tokenizer(model_dir)
     engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index, stop=stop)
     context = zmq.Context()
-    dealer = connect_dealer(context, config.replay.endpoint, worker_id)
-    subscriber = connect_subscriber(context, config.learner.publish_endpoint)
+    curve = load_keys(config, "rollout")
+    dealer = connect_dealer(context, config.replay.endpoint, worker_id, curve)
+    subscriber = connect_subscriber(context, config.learner.publish_endpoint, curve)
     link = ReplayLink(dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)
     weights = WeightsFollower(subscriber, engine, config.run_dir)
     params = sampling_params(config.rollout, factory, tokenizer)
@@ -184,10 +187,22 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
         weights.sync()
         link.tick(runner.live_group_ids())
 
+    metrics = RoleMetrics(config, worker_id)
+    next_metrics_at = time.monotonic() + config.run.metrics_every_s
+
+    def write_metrics() -> None:
+        line = runner.take_stats()
+        line.update(policy_version=engine.version, resends=link.resends, unacked=len(link.unacked),
+                    env_errors=runner.env_errors)
+        metrics.write(line)
+
     next_request_at = 0.0
     try:
         while not stop.is_set():
             now = time.monotonic()
+            if now >= next_metrics_at:
+                next_metrics_at = now + config.run.metrics_every_s
+                write_metrics()
             if link.lease_request is None and now >= next_request_at and runner.room_for(group_size):
                 link.request_lease()
             busy = not runner.idle()
@@ -215,6 +230,8 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     else:  # stopped: what was sent should still reach the replay service (it is stopped after the workers)
         _deliver_unacked(link, STOP_DRAIN_S)
     finally:
+        write_metrics()
+        metrics.close()
         runner.close()
         engine.close()
         dealer.close(linger=0)

@@ -1,8 +1,9 @@
 """deploy/: the Kubernetes manifests and the two Dockerfiles, checked offline (no cluster, no registry).
 
 The manifests are a kustomization (deploy/k8s/kustomization.yaml). Without `kubectl` the tests expand its
-generators themselves (the ConfigMap from configs/cluster.yaml, the Secrets from secrets/*.env.example, names
-without kustomize's hash suffix); with `kubectl` they also check the real rendering, hash suffixes included.
+generators themselves (the ConfigMap from configs/cluster.yaml, the Secrets from secrets/*.env.example and the key
+names of `files`, names without kustomize's hash suffix); with `kubectl` they also check the real rendering, hash
+suffixes included, with CURVE keys made by `async-rl keys deploy/k8s/secrets/curve` as docs/deploy.md says.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from async_rl.cli import main as async_rl
 from async_rl.config import load_config
+from async_rl.security import ROLE_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -58,15 +61,17 @@ def expand_kustomization() -> list[dict]:
         docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}, "data": data})
     for generator in kustomization.get("secretGenerator", []):
         data = {}
-        for env in generator["envs"]:
+        for env in generator.get("envs", []):
             data.update(_env_file(K8S / (env + ".example")))  # the real *.env are git-ignored
+        for source in generator.get("files", []):  # git-ignored too (the CURVE keys): only their names matter here
+            data[Path(source).name] = ""
         docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": generator["name"]},
                      "type": "Opaque", "stringData": data})
     return docs
 
 
-def render_with_kubectl(tmp_path: Path) -> list[dict]:
-    """`kubectl kustomize` on a copy of deploy/k8s and configs/ whose secrets are the examples."""
+def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """`kubectl kustomize` on a copy of deploy/k8s and configs/ whose secrets are the examples and fresh keys."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl not installed: the kustomize rendering itself is not checked")
@@ -74,6 +79,8 @@ def render_with_kubectl(tmp_path: Path) -> list[dict]:
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     for example in (tmp_path / "deploy" / "k8s" / "secrets").glob("*.env.example"):
         shutil.copy(example, example.with_suffix(""))
+    monkeypatch.chdir(tmp_path)
+    assert async_rl(["keys", "deploy/k8s/secrets/curve"]) == 0  # docs/deploy.md, step 2, from the repository root
     out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", "deploy/k8s"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -133,9 +140,9 @@ def test_every_manifest_is_valid_kubernetes(docs):
     _validate(docs)
 
 
-def test_kustomize_renders_valid_consistent_manifests(tmp_path):
+def test_kustomize_renders_valid_consistent_manifests(tmp_path, monkeypatch):
     """The real rendering: valid, every hash-suffixed name resolves, the ConfigMap is configs/cluster.yaml."""
-    rendered = render_with_kubectl(tmp_path)
+    rendered = render_with_kubectl(tmp_path, monkeypatch)
     _validate(rendered)
     check_references(rendered)
     (config_map,) = by_kind(rendered, "ConfigMap").values()
@@ -174,6 +181,8 @@ def check_references(docs: list[dict]) -> None:
                 need("ConfigMap", volume["configMap"]["name"], where)
             if "secret" in volume:
                 need("Secret", volume["secret"]["secretName"], where)
+                for item in volume["secret"].get("items", []):
+                    need("Secret", volume["secret"]["secretName"], where, item["key"])
             if "persistentVolumeClaim" in volume:
                 need("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"], where)
             for source in volume.get("projected", {}).get("sources", []):
@@ -283,7 +292,7 @@ def test_sglang_servers_are_a_statefulset_addressed_by_pod_dns_names(docs):
              for i in range(sglang["spec"]["replicas"])]
     assert cluster_config().rollout.sglang.urls == names
     router = command_line(container(docs, "Deployment", "sglang-router"))
-    worker_urls = shlex.split(router.split("--worker-urls", 1)[1].split("${", 1)[0].replace("\\\n", " "))
+    worker_urls = shlex.split(router.split("--worker-urls", 1)[1].split("--api-key", 1)[0].replace("\\\n", " "))
     assert worker_urls == names
 
 
@@ -291,12 +300,37 @@ def test_sglang_server_dtype_probes_and_api_key(docs):
     server = container(docs, "StatefulSet", "sglang")
     line = command_line(server)
     assert "--dtype float32" in line  # docs/sglang.md: the dtype the learner trains in (fp32)
-    assert '${SGLANG_API_KEY:+--api-key "$SGLANG_API_KEY"}' in line
+    assert '--api-key "${SGLANG_API_KEY}"' in line and ': "${SGLANG_API_KEY:?' in line  # required, never empty
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert server[probe]["httpGet"]["path"] == "/health"
     env = {e["name"]: e.get("value") for e in server["env"]}
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
     assert "SGLANG_API_KEY" in env
+
+
+def test_the_router_requires_the_api_key(docs):
+    router = container(docs, "Deployment", "sglang-router")
+    line = command_line(router)
+    assert '--api-key "${SGLANG_API_KEY}"' in line and ': "${SGLANG_API_KEY:?' in line
+    assert {e["name"] for e in router["env"]} >= {"SGLANG_API_KEY"}
+
+
+def test_every_role_mounts_only_its_curve_keys_where_the_config_looks(docs):
+    """security.curve_dir is on in the cluster config; each role's pod gets its own secret key and its peers'
+    public keys (async_rl/security.py ROLE_FILES), and the clients of the SGLang servers get the API key."""
+    curve_dir = cluster_config().security.curve_dir
+    assert curve_dir is not None
+    named = {doc["metadata"]["name"]: doc for doc in workloads(docs)}
+    pods = {role: named[f"async-rl-{role}"] for role in ROLE_FILES}
+    for role, doc in pods.items():
+        (volume,) = [v for v in pod_spec(doc)["volumes"] if v.get("secret", {}).get("secretName") == "async-rl-curve"]
+        assert [item["key"] for item in volume["secret"]["items"]] == list(ROLE_FILES[role]), role
+        assert [item["path"] for item in volume["secret"]["items"]] == list(ROLE_FILES[role]), role
+        main = pod_spec(doc)["containers"][0]
+        (mount,) = [m for m in main["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["mountPath"] == curve_dir and mount["readOnly"] is True
+        if role != "replay":
+            assert "SGLANG_API_KEY" in {e["name"] for e in main.get("env", [])}, role
 
 
 def test_learner_is_an_indexed_job_with_a_static_rendezvous(docs):

@@ -48,6 +48,7 @@ import httpx
 
 from async_rl.config import SGLangConfig
 from async_rl.ratelimit import RateLimitedLog
+from async_rl.security import sglang_headers
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
@@ -121,7 +122,7 @@ class SGLangEngine:
         self.stop = stop
         self.closed = threading.Event()
         self.servers = [Server(url.rstrip("/")) for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s)
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config))
         # Several calls per server can be in flight: a server's re-sent rows need not wait for another's share.
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix="sglang")
         self.ratelog = RateLimitedLog(log, LOG_EVERY_S)

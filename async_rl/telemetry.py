@@ -1,0 +1,97 @@
+"""Every role's metrics: a JSON-lines file per role in the run directory, mirrored to one W&B run per role.
+
+All roles of one training run are one W&B *group* (the run directory's `wandb_group` file, written once by the
+first role to start, so pods that share the volume and a resumed run agree on it); each role is a W&B run in it
+with a stable id (`<group>-<role>`, resumed with `resume="allow"`), named and typed by its role: `learner`,
+`replay`, `rollout-0`, ... Offline by default (`wandb.mode`); `wandb sync <run_dir>/wandb/offline-run-*` uploads.
+
+Files: `<run_dir>/metrics/<role>.jsonl`; the learner keeps `<run_dir>/metrics.jsonl` (one line per step), which
+`async-rl train`'s display and the benchmarks follow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from async_rl.config import Config, config_to_dict
+
+GROUP_FILE = "wandb_group"
+
+
+def run_group(config: Config) -> str:
+    """The W&B group of this training run: created once, atomically, by whichever role gets there first."""
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / GROUP_FILE
+    candidate = f"{config.run.name}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return path.read_text().strip() or candidate
+    with os.fdopen(fd, "w") as f:
+        f.write(candidate)
+    return candidate
+
+
+def scalars(line: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics line (W&B charts numbers; a bool is not a metric)."""
+    return {k: v for k, v in line.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class RoleMetrics:
+    """`<run_dir>/metrics/<role>.jsonl` (flushed per line) and, unless `wandb.mode` is disabled, this role's W&B
+    run in the training run's group. `histograms`: keys whose values are per-bucket counts (bucket i = value i),
+    logged to W&B as histograms."""
+
+    def __init__(self, config: Config, role: str, path: Path | None = None,
+                 histograms: tuple[str, ...] = ()) -> None:
+        self.role = role
+        self.histograms = histograms
+        path = path if path is not None else config.run_dir / "metrics" / f"{role}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+        self._wandb = None
+        if config.wandb.mode != "disabled":
+            import wandb  # slow to import; only when used
+
+            group = run_group(config)
+            wandb.init(
+                mode=config.wandb.mode,
+                project=config.wandb.project,
+                entity=config.wandb.entity,
+                group=group,
+                job_type=role.split("-")[0],
+                name=role,
+                id=f"{group}-{role}",
+                resume="allow",
+                dir=str(config.run_dir),
+                config=config_to_dict(config),
+                tags=config.wandb.tags,
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+            self._wandb = wandb
+
+    def write(self, line: dict[str, Any], step: int | None = None) -> None:
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+        if self._wandb is None:
+            return
+        values: dict[str, Any] = scalars(line)
+        for key in self.histograms:
+            counts = line.get(key)
+            if counts:
+                edges = [s - 0.5 for s in range(len(counts) + 1)]
+                values[key] = self._wandb.Histogram(np_histogram=(counts, edges))
+        self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
