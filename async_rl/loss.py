@@ -73,11 +73,22 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
-    """Token mean over all action tokens of the batch, or Dr. GRPO's seq-mean-token-sum / seq_norm."""
+    """Token mean over all action tokens of the batch, Dr. GRPO's seq-mean-token-sum / seq_norm, or token-sum /
+    token_norm: a fixed weight per token, whatever else the batch holds (docs/algorithm.md, "Loss")."""
     mask = mask.to(token_loss.dtype)
     if algo.aggregation == "token-mean":
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if algo.aggregation == "token-sum":
+        return (token_loss * mask).sum() / algo.token_norm
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
+
+
+def bonus_rows(is_correction: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
+    """The rows that get the entropy bonus: all (None) with entropy_per=step; with new-token, each token of data
+    once: on the item that carries its final credit, the correction (immediate items only in immediate-only)."""
+    if algo.entropy_per == "step" or algo.updates == "immediate-only":
+        return None
+    return is_correction
 
 
 @dataclass
@@ -99,11 +110,13 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    entropy_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1).
 
-    With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to every action token's
-    loss (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss)."""
+    With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to the action tokens' loss
+    (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss): of every row, or with
+    `entropy_rows` (B,) only of the rows marked 1 (algo.entropy_per=new-token: `bonus_rows`)."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:
@@ -116,7 +129,8 @@ def policy_loss(
     entropy_value = 0.0
     if entropy is not None:
         if algo.entropy_coef > 0:
-            token_loss = token_loss - algo.entropy_coef * entropy
+            bonus = entropy if entropy_rows is None else entropy * entropy_rows.to(entropy.dtype).unsqueeze(-1)
+            token_loss = token_loss - algo.entropy_coef * bonus
         entropy_value = float(aggregate(entropy.detach(), mask, algo))
     loss = aggregate(token_loss, mask, algo)
     on = mask.bool()

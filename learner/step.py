@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import Config
-from async_rl.loss import LossStats, policy_loss, token_logprobs_and_entropy
+from async_rl.loss import LossStats, bonus_rows, policy_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate
 
@@ -29,6 +29,8 @@ def rank_share(items: list[TrainItem], rank: int, world_size: int, aggregation: 
         batch.loss_mask.zero_()
     if world_size == 1:
         return batch, 1.0
+    if aggregation == "token-sum":  # a fixed normaliser: every rank's share already has the whole batch's weights
+        return batch, float(world_size)
     if aggregation == "token-mean":  # normalised by action tokens
         local, total = float(batch.loss_mask.sum()), float(collate(items).loss_mask.sum())
     else:  # seq-mean-token-sum: normalised by items
@@ -99,6 +101,7 @@ def train_on_batch(
         loss, stats = policy_loss(
             logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
             prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
+            entropy_rows=bonus_rows(batch.is_correction, algo),
         )
         scaled = loss * loss_scale
         if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all())):

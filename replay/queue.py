@@ -8,7 +8,7 @@ back to the front; an ordered dict gives all three in O(1).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from replay.store import QueuedItem
@@ -31,6 +31,14 @@ class ItemQueue:
         """Put items back at the front, keeping their order."""
         for queued in reversed(list(items)):
             self._items[queued.item_id] = queued
+            self._items.move_to_end(queued.item_id, last=False)
+
+    def __iter__(self) -> Iterator[QueuedItem]:
+        return iter(self._items.values())
+
+    def move_to_front(self, items: Iterable[QueuedItem]) -> None:
+        """Move queued items to the front, keeping their order (they must be in the queue)."""
+        for queued in reversed(list(items)):
             self._items.move_to_end(queued.item_id, last=False)
 
     def remove(self, item_id: int) -> None:

@@ -99,6 +99,12 @@ class ReplayService:
         self.latest_eval: dict[str, float] = {}  # the newest EvalReport's metrics, for the learner's metrics line
         self.item_ids = itertools.count()
         self.batch_ids = itertools.count()
+        # The correction-staleness guard (algo.correction_guard): when the current hold began (None: not holding),
+        # and when the group holding it is abandoned (replay.guard_abandon_s).
+        self.guard_since: float | None = None
+        self.guard_abandon_at: float | None = None
+        # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
+        self.round_groups: set[str] = set()
 
     # --- the two entry points ---------------------------------------------------------------------
 
@@ -134,6 +140,7 @@ class ReplayService:
         self._expire_leases(now)
         self._time_out_stage_groups(now)
         self._requeue_unacked(now)
+        self._abandon_guard_blocker(now)
         return self._answer_parked(now)
 
     def reject_frame(self, identity: bytes | None, detail: str) -> list[Reply]:
@@ -177,7 +184,11 @@ class ReplayService:
         # a stretch of zero-variance groups (a random policy's usual output), or of immediate-only groups whose items
         # all went stale, stalled admission for good while the learner waited for items.
         admitted = self.counters.groups_started - self.counters.groups_empty
-        if not admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step):
+        if algo.mode == "sync":
+            allowed = self._round_open()
+        else:
+            allowed = admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step)
+        if not allowed:
             self.counters.leases_denied += 1
             return LeaseDenied(
                 msg_id=request.msg_id, reason="staleness", retry_after_s=STALENESS_RETRY_S, policy_version=v
@@ -186,6 +197,8 @@ class ReplayService:
         self.counters.groups_started += 1
         group_size = self.config.rollout.group_size
         self.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size))
+        if algo.mode == "sync":
+            self.round_groups.add(group_id)
         self.leases.setdefault(request.worker_id, set()).add(group_id)
         self.worker_seen[request.worker_id] = now
         grant = LeaseGrant(msg_id=request.msg_id, group_id=group_id, group_size=group_size, policy_version=v)
@@ -401,17 +414,112 @@ class ReplayService:
                     del self.parked[identity]
                     replies.append((identity, self._empty_batch(request, now)))
                 continue
-            if len(self.queue) < max(1, request.min_items) and not waited:
+            if self.algo.mode == "sync":
+                if not self._round_generated():
+                    continue  # lock-step: nothing is trained before the whole round is in; then all of it at once
+            elif len(self.queue) < max(1, request.min_items) and not waited:
+                continue
+            if self._guard_blocker() is not None:
+                self._guard_hold(now)
                 continue
             batch = self._serve(request, now)
             if batch is not None:
+                self._guard_release(now)
                 del self.parked[identity]
                 replies.append((identity, batch))
         return replies
 
+    # --- the correction-staleness guard (docs/algorithm.md, "Staleness") -------------------------------
+
+    def _guard_on(self) -> bool:
+        return self.algo.correction_guard and corrections_on(self.algo.updates)
+
+    def _guard_blocker(self) -> Group | None:
+        """The group whose correction one more learner step would push past max_correction_staleness while its
+        outcomes are still pending (the one with the oldest tokens), or None: then a batch may be served.
+
+        Serving a batch at version v moves the learner to v + ppo_epochs; a correction not in it is served at the
+        earliest there, and is trainable while that − its oldest token version ≤ max_correction_staleness. Holding
+        costs no staleness (versions move only with batches), so the learner waits for the outcome instead."""
+        if not self._guard_on():
+            return None
+        limit = self.policy_version + self.algo.ppo_epochs - self.algo.max_correction_staleness
+        blocker = None
+        for group in self.groups.values():
+            oldest = group.oldest_version
+            pending = not group.finalized and oldest is not None and oldest < limit
+            if pending and (blocker is None or oldest < blocker.oldest_version):
+                blocker = group
+        return blocker
+
+    def _must_go_first(self) -> None:
+        """Queued corrections that could not wait one more batch go to the front (they cannot be held: they are
+        what the guard waited for). More than one batch of them is the guard's limit: the rest is dropped, counted."""
+        if not self._guard_on():
+            return
+        limit = self.policy_version + self.algo.ppo_epochs - self.algo.max_correction_staleness
+        due = [q for q in self.queue if q.kind == "correction" and q.oldest_version < limit]
+        if due:
+            self.queue.move_to_front(sorted(due, key=lambda q: q.oldest_version))
+
+    def _guard_hold(self, now: float) -> None:
+        if self.guard_since is None:
+            self.guard_since = now
+            self.counters.guard_holds += 1
+        if self.guard_abandon_at is None:
+            self.guard_abandon_at = now + self.config.replay.guard_abandon_s
+
+    def _guard_release(self, now: float) -> None:
+        if self.guard_since is not None:
+            self.counters.guard_held_s += now - self.guard_since
+            self.guard_since = self.guard_abandon_at = None
+
+    def _abandon_guard_blocker(self, now: float) -> None:
+        """A group that held the learner replay.guard_abandon_s: its unfinished trajectories are abandoned (as if
+        their lease expired), so it finalizes over the finished ones and the guard lets go."""
+        if self.guard_abandon_at is None or now < self.guard_abandon_at:
+            return
+        self.guard_abandon_at = None if self.guard_since is None else now + self.config.replay.guard_abandon_s
+        blocker = self._guard_blocker()
+        if blocker is None:
+            return
+        unfinished = blocker.unfinished_members()
+        log.warning("group %s held the learner %.0f s for its outcomes: abandoning its %d unfinished trajectories",
+                    blocker.group_id, self.config.replay.guard_abandon_s, len(unfinished))
+        for i in unfinished:
+            self._abandon(blocker, i, "its outcome held the learner past replay.guard_abandon_s")
+        self.counters.guard_abandoned += len(unfinished)
+        self._end_lease(blocker)
+        self._advance(blocker, now)
+
+    # --- lock-step rounds (algo.mode=sync) ----------------------------------------------------------
+
+    def _round_generated(self) -> bool:
+        """Every group of the current round has all its outcomes in (finalized or closed), and the round is full
+        (or the env-step budget stopped it)."""
+        budget = self.config.run.max_env_steps
+        full = len(self.round_groups) >= self.algo.groups_per_step or (
+            budget is not None and self.counters.env_steps >= budget
+        )
+        return full and bool(self.round_groups) and all(
+            gid not in self.groups or self.groups[gid].finalized for gid in self.round_groups
+        )
+
+    def _round_open(self) -> bool:
+        """May a group start in the current round? A round that is over (every item of it trained: its groups
+        closed and their items acknowledged) is replaced by the next one first."""
+        if len(self.round_groups) < self.algo.groups_per_step:
+            return True
+        if all(gid not in self.groups and gid not in self.item_tally for gid in self.round_groups):
+            self.round_groups = set()
+            self.counters.sync_rounds += 1
+            return True
+        return False
+
     def _serve(self, request: BatchRequest, now: float) -> Batch | None:
         """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v)."""
         v, algo = self.policy_version, self.algo
+        self._must_go_first()
         served: list[QueuedItem] = []
         longest = 0
         while self.queue:
