@@ -36,6 +36,8 @@ def test_async_vs_sync_quick():
     result = run_benchmark("async_vs_sync.py", timeout_s=300)
     assert {"throughput_ratio", "time_to_target_ratio", "learner_busy"} <= result.keys()
     assert result["learner_busy"].keys() == {"sync", "async"}
+    sync = result["runs"]["sync"][0]
+    assert sync["sync_rounds"] >= 1 and sync["leases_denied"] > 0  # a real lock-step run: rounds, and waits
 
 
 @pytest.mark.slow
