@@ -103,6 +103,7 @@ class ReplayService:
         # and when the group holding it is abandoned (replay.guard_abandon_s).
         self.guard_since: float | None = None
         self.guard_abandon_at: float | None = None
+        self.guard_blocker: tuple[int, Group] | None = None  # (limit, group) of the last scan that found one
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
 
@@ -444,12 +445,16 @@ class ReplayService:
         if not self._guard_on():
             return None
         limit = self.policy_version + self.algo.ppo_epochs - self.algo.max_correction_staleness
+        cached = self.guard_blocker
+        if cached is not None and cached[0] == limit and not cached[1].finalized and cached[1].group_id in self.groups:
+            return cached[1]  # still pending at the same version: still blocking (a group's oldest never rises)
         blocker = None
         for group in self.groups.values():
             oldest = group.oldest_version
             pending = not group.finalized and oldest is not None and oldest < limit
             if pending and (blocker is None or oldest < blocker.oldest_version):
                 blocker = group
+        self.guard_blocker = None if blocker is None else (limit, blocker)
         return blocker
 
     def _must_go_first(self) -> None:
