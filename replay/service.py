@@ -103,7 +103,8 @@ class ReplayService:
         # and when the group holding it is abandoned (replay.guard_abandon_s).
         self.guard_since: float | None = None
         self.guard_abandon_at: float | None = None
-        self.guard_blocker: tuple[int, Group] | None = None  # (limit, group) of the last scan that found one
+        self.batch_tokens = config.learner.batch_tokens  # the learner's token budget (its latest BatchRequest)
+        self.longest_trajectory = 1  # tokens of the longest trajectory stored so far (admission's size estimate)
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
 
@@ -134,6 +135,8 @@ class ReplayService:
             case _:
                 reply = self._unexpected(message)
         replies = [(identity, reply)] if reply is not None else []
+        if self.guard_since is not None and isinstance(message, StageRecord | Heartbeat | LeaseRequest):
+            return replies  # more work cannot release a held learner: outcomes, acks, requests and ticks can
         return replies + self._answer_parked(now)
 
     def tick(self, now: float) -> list[Reply]:
@@ -189,6 +192,9 @@ class ReplayService:
             allowed = self._round_open()
         else:
             allowed = admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step)
+            if allowed and not self._guard_admits():
+                allowed = False
+                self.counters.guard_leases_denied += 1
         if not allowed:
             self.counters.leases_denied += 1
             return LeaseDenied(
@@ -229,6 +235,7 @@ class ReplayService:
             deadline = now + self.config.replay.stage_group_timeout_s
             self.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
         self.counters.env_steps += 1
+        self.longest_trajectory = max(self.longest_trajectory, group.trajectories[record.member].num_tokens)
         self._advance(group, now)
         return Ack(msg_id=record.msg_id)
 
@@ -420,10 +427,11 @@ class ReplayService:
                     continue  # lock-step: nothing is trained before the whole round is in; then all of it at once
             elif len(self.queue) < max(1, request.min_items) and not waited:
                 continue
-            if self._guard_blocker() is not None:
+            guard = self._guard(request)
+            if guard == "hold":
                 self._guard_hold(now)
                 continue
-            batch = self._serve(request, now)
+            batch = self._serve(request, now, corrections_only=guard == "corrections")
             if batch is not None:
                 self._guard_release(now)
                 del self.parked[identity]
@@ -433,39 +441,68 @@ class ReplayService:
     # --- the correction-staleness guard (docs/algorithm.md, "Staleness") -------------------------------
 
     def _guard_on(self) -> bool:
-        return self.algo.correction_guard and corrections_on(self.algo.updates)
+        return self.algo.correction_guard and corrections_on(self.algo.updates) and self.algo.mode == "async"
+
+    def _correction_work(self) -> list[tuple[int, int, int]]:
+        """(deadline, items, longest item's tokens) of every correction still to be served: the queued ones, and the
+        pending groups' (one per member not abandoned, as long as the group's longest trajectory so far). The
+        deadline is the last learner version at which it is trainable: oldest token version + the bound."""
+        bound = self.algo.max_correction_staleness
+        work = [(q.oldest_version + bound, 1, q.num_tokens) for q in self.queue if q.kind == "correction"]
+        for group in self.groups.values():
+            if not group.finalized and group.oldest_version is not None:
+                members = group.group_size - len(group.ledger.abandoned)
+                longest = max((t.num_tokens for t in group.trajectories.values()), default=1)
+                work.append((group.oldest_version + bound, members, longest))
+        return work
+
+    def _fits(self, work: list[tuple[int, int, int]], first_version: int, max_tokens: int) -> bool:
+        """Earliest deadline first: can every correction in `work` be served by its deadline, one batch every
+        ppo_epochs versions from `first_version` on, a batch holding max_tokens // (its longest item) items?"""
+        items = longest = 0
+        for deadline, n, length in sorted(work):
+            items, longest = items + n, max(longest, length)
+            per_batch = max(1, max_tokens // max(1, longest))
+            slots = (deadline - first_version) // self.algo.ppo_epochs + 1
+            if deadline < first_version or -(-items // per_batch) > slots:
+                return False
+        return True
 
     def _guard_blocker(self) -> Group | None:
-        """The group whose correction one more learner step would push past max_correction_staleness while its
-        outcomes are still pending (the one with the oldest tokens), or None: then a batch may be served.
+        """The pending group (outcomes not all in) with the oldest tokens: what a held learner waits for."""
+        pending = [g for g in self.groups.values() if not g.finalized and g.oldest_version is not None]
+        return min(pending, key=lambda g: g.oldest_version, default=None)
 
-        Serving a batch at version v moves the learner to v + ppo_epochs; a correction not in it is served at the
-        earliest there, and is trainable while that − its oldest token version ≤ max_correction_staleness. Holding
-        costs no staleness (versions move only with batches), so the learner waits for the outcome instead."""
-        if not self._guard_on():
-            return None
-        limit = self.policy_version + self.algo.ppo_epochs - self.algo.max_correction_staleness
-        cached = self.guard_blocker
-        if cached is not None and cached[0] == limit and not cached[1].finalized and cached[1].group_id in self.groups:
-            return cached[1]  # still pending at the same version: still blocking (a group's oldest never rises)
-        blocker = None
-        for group in self.groups.values():
-            oldest = group.oldest_version
-            pending = not group.finalized and oldest is not None and oldest < limit
-            if pending and (blocker is None or oldest < blocker.oldest_version):
-                blocker = group
-        self.guard_blocker = None if blocker is None else (limit, blocker)
-        return blocker
+    def _guard(self, request: BatchRequest) -> str:
+        """'serve' (FIFO), 'corrections' (only corrections, earliest deadline first) or 'hold' (nothing).
 
-    def _must_go_first(self) -> None:
-        """Queued corrections that could not wait one more batch go to the front (they cannot be held: they are
-        what the guard waited for). More than one batch of them is the guard's limit: the rest is dropped, counted."""
+        Serving a batch at version v moves the learner to v + ppo_epochs; every correction not in it is served
+        there at the earliest. If what is left would not fit by its deadlines, only corrections are served (the
+        most urgent first), and with none queued the learner waits for outcomes: holding costs no staleness
+        (versions move only with batches)."""
         if not self._guard_on():
-            return
-        limit = self.policy_version + self.algo.ppo_epochs - self.algo.max_correction_staleness
-        due = [q for q in self.queue if q.kind == "correction" and q.oldest_version < limit]
-        if due:
-            self.queue.move_to_front(sorted(due, key=lambda q: q.oldest_version))
+            return "serve"
+        self.batch_tokens = request.max_tokens
+        work = self._correction_work()
+        if self._fits(work, self.policy_version + self.algo.ppo_epochs, request.max_tokens):
+            return "serve"
+        due = sorted((q for q in self.queue if q.kind == "correction"), key=lambda q: q.oldest_version)
+        if not due:
+            return "hold"
+        self.queue.move_to_front(due)
+        return "corrections"
+
+    def _guard_admits(self) -> bool:
+        """Admission by correction capacity: a new group (its tokens at the learner's version or later) must leave
+        every correction still to come trainable in time. With none to come, any group is admitted."""
+        if not self._guard_on():
+            return True
+        work = self._correction_work()
+        if not work:
+            return True
+        size = self.config.rollout.group_size
+        new = (self.policy_version + self.algo.max_correction_staleness, size, self.longest_trajectory)
+        return self._fits([*work, new], self.policy_version, self.batch_tokens)
 
     def _guard_hold(self, now: float) -> None:
         if self.guard_since is None:
@@ -521,10 +558,10 @@ class ReplayService:
             return True
         return False
 
-    def _serve(self, request: BatchRequest, now: float) -> Batch | None:
-        """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v)."""
+    def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Batch | None:
+        """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v); with
+        `corrections_only` (the guard), stop at the first item that is not a correction."""
         v, algo = self.policy_version, self.algo
-        self._must_go_first()
         served: list[QueuedItem] = []
         longest = 0
         while self.queue:
@@ -541,7 +578,9 @@ class ReplayService:
             ):
                 self._drop_correction(group, queued, now)
                 continue
-            if served and max(longest, queued.num_tokens) * (len(served) + 1) > request.max_tokens:
+            if (served and max(longest, queued.num_tokens) * (len(served) + 1) > request.max_tokens) or (
+                corrections_only and queued.kind != "correction"
+            ):
                 self.queue.push_front([queued])
                 break
             longest = max(longest, queued.num_tokens)

@@ -121,3 +121,28 @@ def test_lock_step_rounds_generate_then_train_then_open_the_next_round():
     assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 2.0)), LeaseGrant)
     stats = service.stats_snapshot()
     assert stats.sync_rounds == 1 and stats.groups_closed == 2 and stats.ledger_residual_max < 1e-9
+
+
+def test_admission_refuses_a_group_whose_corrections_could_not_be_trained_in_time():
+    """Many groups generated at one version all come due at once: the guard counts the batches their corrections
+    need (earliest deadline first) and refuses a lease that would not fit, instead of dropping credit later."""
+    longest = max(sum(sum(Worker.lengths(i, k)) for k in range(len(rewards))) for i, rewards in REWARDS.items())
+    budget = 2 * longest  # a batch holds 2 corrections: 3 batches (versions 0, 1, 2) hold 6 by the bound 2
+    config = make_config(algo={"max_correction_staleness": 2}, learner={"batch_tokens": budget})
+    service, worker = ReplayService(config), Worker()
+    first = lease(service, worker)
+    send_all(service, stage_records(worker, first))
+    # 4 corrections to come, and 4 more for a new group: 8 > 6. Refused, and again once the outcomes are in.
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+    send_all(service, outcome_messages(worker, first))
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+    assert service.stats_snapshot().guard_leases_denied == 2
+    version = 0
+    while service.queue:
+        batch = request_batch(service, version=version, max_tokens=budget)
+        assert batch is not None and len(batch.items) <= 2
+        version += 1
+        ack_batch(service, batch, version=version)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseGrant)
+    stats = service.stats_snapshot()
+    assert stats.credit_dropped == 0 and stats.groups_closed == 1 and stats.ledger_residual_max < 1e-9
