@@ -36,6 +36,7 @@ class Group:
     finalized: bool = False
     task_id: str | None = None  # the worker's task, fixed by the group's first stage record
     oldest_version: int | None = None  # the oldest policy version among the group's stored action tokens
+    leased_version: int = 0  # the learner's version when leased (or its worker's, if older): before any record
 
     @property
     def group_size(self) -> int:

@@ -104,7 +104,8 @@ class ReplayService:
         self.guard_since: float | None = None
         self.guard_abandon_at: float | None = None
         self.batch_tokens = config.learner.batch_tokens  # the learner's token budget (its latest BatchRequest)
-        self.longest_trajectory = 1  # tokens of the longest trajectory stored so far (admission's size estimate)
+        self.longest_trajectory = 1  # tokens of the longest trajectory stored so far (the guard's size estimate)
+        self.worker_versions: dict[str, int] = {}  # worker id -> the newest token version of its latest record
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
 
@@ -192,7 +193,7 @@ class ReplayService:
             allowed = self._round_open()
         else:
             allowed = admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step)
-            if allowed and not self._guard_admits():
+            if allowed and not self._guard_admits(request.worker_id):
                 allowed = False
                 self.counters.guard_leases_denied += 1
         if not allowed:
@@ -203,7 +204,8 @@ class ReplayService:
         group_id = f"g{self.counters.groups_started}"
         self.counters.groups_started += 1
         group_size = self.config.rollout.group_size
-        self.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size))
+        self.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size),
+                                      leased_version=self.new_group_version(request.worker_id))
         if algo.mode == "sync":
             self.round_groups.add(group_id)
         self.leases.setdefault(request.worker_id, set()).add(group_id)
@@ -236,6 +238,7 @@ class ReplayService:
             self.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
         self.counters.env_steps += 1
         self.longest_trajectory = max(self.longest_trajectory, group.trajectories[record.member].num_tokens)
+        self.worker_versions[record.worker_id] = int(record.versions().max())  # the weights it generates with
         self._advance(group, now)
         return Ack(msg_id=record.msg_id)
 
@@ -445,15 +448,17 @@ class ReplayService:
 
     def _correction_work(self) -> list[tuple[int, int, int]]:
         """(deadline, items, longest item's tokens) of every correction still to be served: the queued ones, and the
-        pending groups' (one per member not abandoned, as long as the group's longest trajectory so far). The
-        deadline is the last learner version at which it is trainable: oldest token version + the bound."""
+        pending groups' (one per member not abandoned, as long as the longest trajectory seen; a group with no
+        record yet from its lease version, its worker's weights). The deadline is the last learner version at which
+        it is trainable: oldest token version + the bound."""
         bound = self.algo.max_correction_staleness
         work = [(q.oldest_version + bound, 1, q.num_tokens) for q in self.queue if q.kind == "correction"]
         for group in self.groups.values():
-            if not group.finalized and group.oldest_version is not None:
+            if not group.finalized:
+                oldest = group.leased_version if group.oldest_version is None else group.oldest_version
                 members = group.group_size - len(group.ledger.abandoned)
-                longest = max((t.num_tokens for t in group.trajectories.values()), default=1)
-                work.append((group.oldest_version + bound, members, longest))
+                # Its trajectories are still growing: as long as the longest seen so far in any group.
+                work.append((oldest + bound, members, self.longest_trajectory))
         return work
 
     def _fits(self, work: list[tuple[int, int, int]], first_version: int, max_tokens: int) -> bool:
@@ -492,7 +497,11 @@ class ReplayService:
         self.queue.move_to_front(due)
         return "corrections"
 
-    def _guard_admits(self) -> bool:
+    def new_group_version(self, worker_id: str) -> int:
+        """The oldest version a new group's tokens can have: the learner's, or the worker's weights if older."""
+        return min(self.policy_version, self.worker_versions.get(worker_id, self.policy_version))
+
+    def _guard_admits(self, worker_id: str) -> bool:
         """Admission by correction capacity: a new group (its tokens at the learner's version or later) must leave
         every correction still to come trainable in time. With none to come, any group is admitted."""
         if not self._guard_on():
@@ -501,7 +510,7 @@ class ReplayService:
         if not work:
             return True
         size = self.config.rollout.group_size
-        new = (self.policy_version + self.algo.max_correction_staleness, size, self.longest_trajectory)
+        new = (self.new_group_version(worker_id) + self.algo.max_correction_staleness, size, self.longest_trajectory)
         return self._fits([*work, new], self.policy_version, self.batch_tokens)
 
     def _guard_hold(self, now: float) -> None:
