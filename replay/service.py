@@ -482,15 +482,21 @@ class ReplayService:
         """'serve' (FIFO), 'corrections' (only corrections, earliest deadline first) or 'hold' (nothing).
 
         Serving a batch at version v moves the learner to v + ppo_epochs; every correction not in it is served
-        there at the earliest. If what is left would not fit by its deadlines, only corrections are served (the
-        most urgent first), and with none queued the learner waits for outcomes: holding costs no staleness
+        there at the earliest. If what is left would not fit by its deadlines, the learner waits while a group
+        whose outcomes are pending would be too late after one more batch, and otherwise is served only queued
+        corrections, the most urgent first; with none queued it waits for outcomes: holding costs no staleness
         (versions move only with batches)."""
         if not self._guard_on():
             return "serve"
         self.batch_tokens = request.max_tokens
         work = self._correction_work()
-        if self._fits(work, self.policy_version + self.algo.ppo_epochs, request.max_tokens):
+        next_version = self.policy_version + self.algo.ppo_epochs
+        if self._fits(work, next_version, request.max_tokens):
             return "serve"
+        bound = self.algo.max_correction_staleness
+        if any(not g.finalized and (g.leased_version if g.oldest_version is None else g.oldest_version) + bound
+               < next_version for g in self.groups.values()):
+            return "hold"  # a pending group's correction would be too late after one more batch of anything
         due = sorted((q for q in self.queue if q.kind == "correction"), key=lambda q: q.oldest_version)
         if not due:
             return "hold"
@@ -503,7 +509,8 @@ class ReplayService:
 
     def _guard_admits(self, worker_id: str) -> bool:
         """Admission by correction capacity: a new group (its tokens at the learner's version or later) must leave
-        every correction still to come trainable in time. With none to come, any group is admitted."""
+        every correction still to come trainable in time, even after one more batch without any of them (the
+        serving check's worst case). With none to come, any group is admitted."""
         if not self._guard_on():
             return True
         work = self._correction_work()
@@ -511,7 +518,7 @@ class ReplayService:
             return True
         size = self.config.rollout.group_size
         new = (self.new_group_version(worker_id) + self.algo.max_correction_staleness, size, self.longest_trajectory)
-        return self._fits([*work, new], self.policy_version, self.batch_tokens)
+        return self._fits([*work, new], self.policy_version + self.algo.ppo_epochs, self.batch_tokens)
 
     def _guard_hold(self, now: float) -> None:
         if self.guard_since is None:

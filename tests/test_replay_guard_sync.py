@@ -87,7 +87,7 @@ def test_the_guard_abandons_a_group_whose_outcome_never_comes():
 
 
 def test_corrections_that_cannot_wait_another_batch_go_before_immediates():
-    config = make_config(algo={"max_correction_staleness": 2})
+    config = make_config(algo={"max_correction_staleness": 3})
     service, worker = ReplayService(config), Worker()
     old = lease(service, worker)
     step_through_immediates(service, worker, old)
@@ -95,8 +95,10 @@ def test_corrections_that_cannot_wait_another_batch_go_before_immediates():
     young = lease(service, worker)
     send_all(service, stage_records(worker, young, version=2))  # immediates of a younger group queue first
     send_all(service, outcome_messages(worker, old))  # the old group's corrections queue behind them
-    batch = request_batch(service, version=2, max_tokens=60)  # room for a few items only
-    assert batch is not None and batch.items[0].kind == "correction" and batch.items[0].group_id == old.group_id
+    # 45 tokens hold 3 of the old group's 4 corrections: after a FIFO batch of immediates (version 3) they would
+    # need 2 batches by their deadline 0 + 3: not possible, so corrections go first, and only corrections.
+    batch = request_batch(service, version=2, max_tokens=45)
+    assert batch is not None and {(item.kind, item.group_id) for item in batch.items} == {("correction", old.group_id)}
 
 
 def test_lock_step_rounds_generate_then_train_then_open_the_next_round():
