@@ -104,7 +104,7 @@ class ReplayService:
         self.guard_since: float | None = None
         self.guard_abandon_at: float | None = None
         self.batch_tokens = config.learner.batch_tokens  # the learner's token budget (its latest BatchRequest)
-        self.longest_trajectory = 1  # tokens of the longest trajectory stored so far (the guard's size estimate)
+        self.longest_trajectory = 0  # tokens of the longest trajectory stored so far (the guard's size estimate)
         self.worker_versions: dict[str, int] = {}  # worker id -> the newest token version of its latest record
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
@@ -446,6 +446,13 @@ class ReplayService:
     def _guard_on(self) -> bool:
         return self.algo.correction_guard and corrections_on(self.algo.updates) and self.algo.mode == "async"
 
+    def _length_estimate(self) -> int:
+        """How long a trajectory still being generated may get: the longest finished so far, and before any has
+        finished, model.max_seq_len (at the start every trajectory is short; the first groups must not overfill)."""
+        if self.counters.trajectories_finished == 0:
+            return self.config.model.max_seq_len
+        return max(1, self.longest_trajectory)
+
     def _correction_work(self) -> list[tuple[int, int, int]]:
         """(deadline, items, longest item's tokens) of every correction still to be served: the queued ones, and the
         pending groups' (one per member not abandoned, as long as the longest trajectory seen; a group with no
@@ -458,7 +465,7 @@ class ReplayService:
                 oldest = group.leased_version if group.oldest_version is None else group.oldest_version
                 members = group.group_size - len(group.ledger.abandoned)
                 # Its trajectories are still growing: as long as the longest seen so far in any group.
-                work.append((oldest + bound, members, self.longest_trajectory))
+                work.append((oldest + bound, members, self._length_estimate()))
         return work
 
     def _fits(self, work: list[tuple[int, int, int]], first_version: int, max_tokens: int) -> bool:
@@ -517,7 +524,7 @@ class ReplayService:
         if not work:
             return True
         size = self.config.rollout.group_size
-        new = (self.new_group_version(worker_id) + self.algo.max_correction_staleness, size, self.longest_trajectory)
+        new = (self.new_group_version(worker_id) + self.algo.max_correction_staleness, size, self._length_estimate())
         return self._fits([*work, new], self.policy_version + self.algo.ppo_epochs, self.batch_tokens)
 
     def _guard_hold(self, now: float) -> None:
