@@ -501,10 +501,16 @@ class ReplayService:
         if self._fits(work, next_version, request.max_tokens):
             return "serve"
         bound = self.algo.max_correction_staleness
-        if any(not g.finalized and (g.leased_version if g.oldest_version is None else g.oldest_version) + bound
-               < next_version for g in self.groups.values()):
-            return "hold"  # a pending group's correction would be too late after one more batch of anything
+        pending = [(g.leased_version if g.oldest_version is None else g.oldest_version) + bound
+                   for g in self.groups.values() if not g.finalized]
+        earliest_pending = min(pending, default=None)
         due = sorted((q for q in self.queue if q.kind == "correction"), key=lambda q: q.oldest_version)
+        if earliest_pending is not None and (
+            earliest_pending < next_version or not due or earliest_pending < due[0].oldest_version + bound
+        ):
+            # The most urgent work is a pending group's: this batch slot is its (earliest deadline first), and
+            # anything else served now would take it. Wait for its outcomes.
+            return "hold"
         if not due:
             return "hold"
         self.queue.move_to_front(due)
