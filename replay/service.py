@@ -489,10 +489,9 @@ class ReplayService:
         """'serve' (FIFO), 'corrections' (only corrections, earliest deadline first) or 'hold' (nothing).
 
         Serving a batch at version v moves the learner to v + ppo_epochs; every correction not in it is served
-        there at the earliest. If what is left would not fit by its deadlines, the learner waits while a group
-        whose outcomes are pending would be too late after one more batch, and otherwise is served only queued
-        corrections, the most urgent first; with none queued it waits for outcomes: holding costs no staleness
-        (versions move only with batches)."""
+        there at the earliest. If what is left would not fit by its deadlines, the learner waits while any group's
+        outcomes are pending (they cannot use a batch slot before), and otherwise is served only the queued
+        corrections, the most urgent first: holding costs no staleness (versions move only with batches)."""
         if not self._guard_on():
             return "serve"
         self.batch_tokens = request.max_tokens
@@ -500,18 +499,11 @@ class ReplayService:
         next_version = self.policy_version + self.algo.ppo_epochs
         if self._fits(work, next_version, request.max_tokens):
             return "serve"
-        bound = self.algo.max_correction_staleness
-        pending = [(g.leased_version if g.oldest_version is None else g.oldest_version) + bound
-                   for g in self.groups.values() if not g.finalized]
-        earliest_pending = min(pending, default=None)
+        pending = any(not group.finalized for group in self.groups.values())
         due = sorted((q for q in self.queue if q.kind == "correction"), key=lambda q: q.oldest_version)
-        if earliest_pending is not None and (
-            earliest_pending < next_version or not due or earliest_pending < due[0].oldest_version + bound
-        ):
-            # The most urgent work is a pending group's: this batch slot is its (earliest deadline first), and
-            # anything else served now would take it. Wait for its outcomes.
-            return "hold"
-        if not due:
+        if pending or not due:
+            # A pending group cannot use a batch slot before its outcomes are in, and whatever is served now takes
+            # one: wait for them (holding ages nothing). With all the work queued: the most urgent first.
             return "hold"
         self.queue.move_to_front(due)
         return "corrections"

@@ -96,9 +96,12 @@ def test_corrections_that_cannot_wait_another_batch_go_before_immediates():
     send_all(service, stage_records(worker, young, version=2))  # immediates of a younger group queue first
     send_all(service, outcome_messages(worker, old))  # the old group's corrections queue behind them
     # 45 tokens hold 3 of the old group's 4 corrections: after a FIFO batch of immediates (version 3) they would
-    # need 2 batches by their deadline 0 + 3: not possible, so corrections go first, and only corrections.
-    batch = request_batch(service, version=2, max_tokens=45)
-    assert batch is not None and {(item.kind, item.group_id) for item in batch.items} == {("correction", old.group_id)}
+    # need 2 batches by their deadline 0 + 3: not possible. The young group's outcomes are pending (they could not
+    # use a batch now), so the learner waits; once they are in, corrections go first, the most urgent first.
+    assert request_batch(service, version=2, max_tokens=45) is None
+    batches = send_all(service, outcome_messages(worker, young), now=1.0)
+    assert len(batches) == 1
+    assert {(item.kind, item.group_id) for item in batches[0].items} == {("correction", old.group_id)}
 
 
 def test_lock_step_rounds_generate_then_train_then_open_the_next_round():
