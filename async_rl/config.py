@@ -127,6 +127,9 @@ class ReplayConfig(_Section):
     max_version_lead: NonNegInt = 2
     vocab_size: PosInt | None = None  # token ids >= this are refused when set (the replay does not load the model)
     max_message_bytes: PosInt = 64 * 2**20  # ZMQ_MAXMSGSIZE of the replay's ROUTER: a bigger frame drops the peer
+    # The correction-staleness guard (algo.correction_guard) never holds the learner longer than this for one
+    # group: its unfinished trajectories are then abandoned (a judge that never answers cannot stall the run).
+    guard_abandon_s: PosFloat = 300.0
 
 
 class LearnerConfig(_Section):
@@ -172,10 +175,23 @@ class AlgoConfig(_Section):
     ppo_epochs: PosInt = 1  # > 1 switches to the decoupled PPO loss
     clip_low: Fraction = 0.2
     clip_high: NonNegFloat = 0.28
-    aggregation: Literal["token-mean", "seq-mean-token-sum"] = "token-mean"
+    # token-mean: Σ ℓ / (the batch's action tokens); seq-mean-token-sum: Σ ℓ / (items · seq_norm) (Dr. GRPO);
+    # token-sum: Σ ℓ / token_norm, a per-token weight that does not depend on what the batch holds.
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "token-sum"] = "token-mean"
     seq_norm: PosFloat = 8.0  # fixed normalizer of seq-mean-token-sum (Dr. GRPO)
+    token_norm: PosFloat = 256.0  # fixed normalizer of token-sum (action tokens)
     kl_beta: NonNegFloat = 0.0  # KL to the initial policy (k3); 0 = off
     entropy_coef: NonNegFloat = 0.0  # − coef · H(π) per action token (exploration bonus); 0 = off (docs/algorithm.md)
+    # step: on every trained action token (immediate+correction trains a token twice, over ~5× the steps);
+    # new-token: once per token of data, on the item that carries its final credit (the correction; immediate
+    # items in immediate-only), so every arm gets the same bonus per token generated.
+    entropy_per: Literal["step", "new-token"] = "step"
+    # Never let the learner run so far ahead of outcomes still being judged that their corrections would pass
+    # max_correction_staleness (docs/algorithm.md, "Staleness"): credit_dropped stays 0.
+    correction_guard: bool = True
+    # async: rollout runs ahead of the learner (admission by max_staleness); sync: lock-step rounds of
+    # groups_per_step groups: generate the round, train exactly its items, then the next round.
+    mode: Literal["async", "sync"] = "async"
 
 
 class WandbConfig(_Section):

@@ -73,11 +73,23 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
-    """Token mean over all action tokens of the batch, or Dr. GRPO's seq-mean-token-sum / seq_norm."""
+    """Token mean over all action tokens of the batch, Dr. GRPO's seq-mean-token-sum / seq_norm, or token-sum /
+    token_norm: a fixed weight per token, whatever else the batch holds (docs/algorithm.md, "Loss")."""
     mask = mask.to(token_loss.dtype)
     if algo.aggregation == "token-mean":
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if algo.aggregation == "token-sum":
+        return (token_loss * mask).sum() / algo.token_norm
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
+
+
+def bonus_rows(is_correction: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
+    """Where the entropy bonus applies, given the correction flags (per row, or per token of packed rows): all
+    (None) with entropy_per=step; with new-token, each token of data once: on the item that carries its final
+    credit, the correction (immediate items only in immediate-only)."""
+    if algo.entropy_per == "step" or algo.updates == "immediate-only":
+        return None
+    return is_correction
 
 
 @dataclass
@@ -100,11 +112,13 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    entropy_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1).
 
-    With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to every action token's
-    loss (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss)."""
+    With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to the action tokens' loss
+    (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss): of every row, or with
+    `entropy_rows` ((B,) per row or (B, T) per token) only where it is 1 (algo.entropy_per=new-token: `bonus_rows`)."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:
@@ -117,7 +131,12 @@ def policy_loss(
     entropy_value = 0.0
     if entropy is not None:
         if algo.entropy_coef > 0:
-            token_loss = token_loss - algo.entropy_coef * entropy
+            if entropy_rows is None:
+                bonus = entropy
+            else:  # (B,) a flag per row, or (B, T) per token (packed rows mix item kinds)
+                rows = entropy_rows.to(entropy.dtype)
+                bonus = entropy * (rows.unsqueeze(-1) if rows.dim() == 1 else rows)
+            token_loss = token_loss - algo.entropy_coef * bonus
         entropy_value = float(aggregate(entropy.detach(), mask, algo))
     loss = aggregate(token_loss, mask, algo)
     on = mask.bool()

@@ -32,6 +32,7 @@ class TrainBatch:
     behaviour_logp: torch.Tensor  # (B, T−1) float32: log μ
     versions: torch.Tensor  # (B, T−1) int64: v_t of the weights that produced each token
     is_correction: torch.Tensor  # (B,) bool: item kind (padded layout; a packed row is marked by its first item)
+    correction_tokens: torch.Tensor  # (B, T-1) float: 1 on the positions of correction items (packed rows mix kinds)
     position_ids: torch.Tensor | None = None  # (B, T) int64 when packed: restarting at 0 for every item
 
     def staleness(self, version: int) -> torch.Tensor:
@@ -81,6 +82,7 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
     advantages = np.zeros((count, length), dtype=np.float32)
     behaviour = np.zeros((count, length), dtype=np.float32)
     versions = np.zeros((count, length), dtype=np.int64)
+    correction = np.zeros((count, length), dtype=np.float32)
     for row, indices in enumerate(rows):
         start = 0
         for index in indices:
@@ -95,6 +97,7 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
             advantages[row, start:end] = item.advantage_values()
             behaviour[row, start:end] = item.logprobs()
             versions[row, start:end] = item.versions()
+            correction[row, start:end] = item.kind == "correction"
             start = end
         positions[row, start:] = np.arange(length - start)  # the padding tail: a block of its own, loss mask 0
     return TrainBatch(
@@ -105,5 +108,6 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
         behaviour_logp=torch.from_numpy(behaviour[:, 1:].copy()),
         versions=torch.from_numpy(versions[:, 1:].copy()),
         is_correction=torch.tensor([items[row[0]].kind == "correction" for row in rows], dtype=torch.bool),
+        correction_tokens=torch.from_numpy(correction[:, 1:].copy()),
         position_ids=torch.from_numpy(positions) if packed else None,
     )

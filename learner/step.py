@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgoConfig, Config
-from async_rl.loss import LossStats, aggregate, policy_loss, token_logprobs_and_entropy
+from async_rl.loss import LossStats, aggregate, bonus_rows, policy_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate, collate_micro_batch
 from learner.engine import rank, world_size
@@ -193,6 +193,7 @@ def train_on_micro_batches(
             loss, stats = policy_loss(
                 logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
                 prox_logp=prox_logp[m], ref_logp=ref_logp[m], entropy=entropy,
+                entropy_rows=bonus_rows(batch.correction_tokens, algo),
             )
             scaled = loss * scale
             if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):

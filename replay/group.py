@@ -35,6 +35,8 @@ class Group:
     dropped_stages: set[Stage] = field(default_factory=set)  # credit lost to max_correction_staleness
     finalized: bool = False
     task_id: str | None = None  # the worker's task, fixed by the group's first stage record
+    oldest_version: int | None = None  # the oldest policy version among the group's stored action tokens
+    leased_version: int = 0  # the learner's version when leased (or its worker's, if older): before any record
 
     @property
     def group_size(self) -> int:
@@ -75,6 +77,10 @@ class Group:
         if trajectory is None:
             trajectory = self.trajectories[i] = Trajectory(record.trajectory_id, i)
         trajectory.add(k, StageTokens.from_record(record))
+        versions = record.versions()
+        if len(versions):
+            oldest = int(versions.min())
+            self.oldest_version = oldest if self.oldest_version is None else min(self.oldest_version, oldest)
         self.ledger.add_stage(i, k, record.stage_reward, record.terminal)
         if not track_stage_group or k in self.ledger.immediate_done or k in self.stage_group_started:
             return False

@@ -36,6 +36,11 @@ class ItemQueue:
             self._items[queued.item_id] = queued
             self._items.move_to_end(queued.item_id, last=False)
 
+    def move_to_front(self, items: Iterable[QueuedItem]) -> None:
+        """Move queued items to the front, keeping their order (they must be in the queue)."""
+        for queued in reversed(list(items)):
+            self._items.move_to_end(queued.item_id, last=False)
+
     def remove(self, item_id: int) -> None:
         self._items.pop(item_id, None)
 

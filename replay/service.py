@@ -103,6 +103,15 @@ class ReplayService:
         self.admission = AdmissionClock()  # lease waits, for the metrics line (replay/telemetry.py)
         self.item_ids = itertools.count()
         self.batch_ids = itertools.count()
+        # The correction-staleness guard (algo.correction_guard): when the current hold began (None: not holding),
+        # and when the group holding it is abandoned (replay.guard_abandon_s).
+        self.guard_since: float | None = None
+        self.guard_abandon_at: float | None = None
+        self.batch_tokens = config.learner.batch_tokens  # the learner's token budget (its latest BatchRequest)
+        self.longest_trajectory = 0  # tokens of the longest trajectory stored so far (the guard's size estimate)
+        self.worker_versions: dict[str, int] = {}  # worker id -> the newest token version of its latest record
+        # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
+        self.round_groups: set[str] = set()
 
     # --- the two entry points ---------------------------------------------------------------------
 
@@ -142,6 +151,8 @@ class ReplayService:
             case _:
                 reply = self._unexpected(message)
         replies = [(identity, reply)] if reply is not None else []
+        if self.guard_since is not None and isinstance(message, StageRecord | Heartbeat | LeaseRequest):
+            return replies  # more work cannot release a held learner: outcomes, acks, requests and ticks can
         return replies + self._answer_parked(now)
 
     def tick(self, now: float) -> list[Reply]:
@@ -149,6 +160,7 @@ class ReplayService:
         self._expire_leases(now)
         self._time_out_stage_groups(now)
         self._requeue_unacked(now)
+        self._abandon_guard_blocker(now)
         return self._answer_parked(now)
 
     def reject_frame(self, identity: bytes | None, detail: str) -> list[Reply]:
@@ -196,7 +208,14 @@ class ReplayService:
         # a stretch of zero-variance groups (a random policy's usual output), or of immediate-only groups whose items
         # all went stale, stalled admission for good while the learner waited for items.
         admitted = self.counters.groups_started - self.counters.groups_empty
-        if not admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step):
+        if algo.mode == "sync":
+            allowed = self._round_open()
+        else:
+            allowed = admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step)
+            if allowed and not self._guard_admits(request.worker_id):
+                allowed = False
+                self.counters.guard_leases_denied += 1
+        if not allowed:
             self.counters.leases_denied += 1
             return LeaseDenied(
                 msg_id=request.msg_id, reason="staleness", retry_after_s=STALENESS_RETRY_S, policy_version=v
@@ -204,7 +223,10 @@ class ReplayService:
         group_id = f"g{self.counters.groups_started}"
         self.counters.groups_started += 1
         group_size = self.config.rollout.group_size
-        self.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size))
+        self.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size),
+                                      leased_version=self.new_group_version(request.worker_id))
+        if algo.mode == "sync":
+            self.round_groups.add(group_id)
         self.leases.setdefault(request.worker_id, set()).add(group_id)
         self.worker_seen[request.worker_id] = now
         grant = LeaseGrant(msg_id=request.msg_id, group_id=group_id, group_size=group_size, policy_version=v)
@@ -234,6 +256,8 @@ class ReplayService:
             deadline = now + self.config.replay.stage_group_timeout_s
             self.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
         self.counters.env_steps += 1
+        self.longest_trajectory = max(self.longest_trajectory, group.trajectories[record.member].num_tokens)
+        self.worker_versions[record.worker_id] = int(record.versions().max())  # the weights it generates with
         self._advance(group, now)
         return Ack(msg_id=record.msg_id)
 
@@ -420,16 +444,163 @@ class ReplayService:
                     del self.parked[identity]
                     replies.append((identity, self._empty_batch(request, now)))
                 continue
-            if len(self.queue) < max(1, request.min_items) and not waited:
+            if self.algo.mode == "sync":
+                if not self._round_generated():
+                    continue  # lock-step: nothing is trained before the whole round is in; then all of it at once
+            elif len(self.queue) < max(1, request.min_items) and not waited:
                 continue
-            batch = self._serve(request, now)
+            guard = self._guard(request)
+            if guard == "hold":
+                self._guard_hold(now)
+                continue
+            batch = self._serve(request, now, corrections_only=guard == "corrections")
             if batch is not None:
+                self._guard_release(now)
                 del self.parked[identity]
                 replies.append((identity, batch))
         return replies
 
-    def _serve(self, request: BatchRequest, now: float) -> Batch | None:
-        """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v)."""
+    # --- the correction-staleness guard (docs/algorithm.md, "Staleness") -------------------------------
+
+    def _guard_on(self) -> bool:
+        return self.algo.correction_guard and corrections_on(self.algo.updates) and self.algo.mode == "async"
+
+    def _length_estimate(self) -> int:
+        """How long a trajectory still being generated may get: the longest finished so far, and before any has
+        finished, model.max_seq_len (at the start every trajectory is short; the first groups must not overfill)."""
+        if self.counters.trajectories_finished == 0:
+            return self.config.model.max_seq_len
+        return max(1, self.longest_trajectory)
+
+    def _correction_work(self) -> list[tuple[int, int, int]]:
+        """(deadline, items, longest item's tokens) of every correction still to be served: the queued ones, and the
+        pending groups' (one per member not abandoned, as long as the longest trajectory seen; a group with no
+        record yet from its lease version, its worker's weights). The deadline is the last learner version at which
+        it is trainable: oldest token version + the bound."""
+        bound = self.algo.max_correction_staleness
+        work = [(q.oldest_version + bound, 1, q.num_tokens) for q in self.queue if q.kind == "correction"]
+        for group in self.groups.values():
+            if not group.finalized:
+                oldest = group.leased_version if group.oldest_version is None else group.oldest_version
+                members = group.group_size - len(group.ledger.abandoned)
+                # Its trajectories are still growing: as long as the longest seen so far in any group.
+                work.append((oldest + bound, members, self._length_estimate()))
+        return work
+
+    def _fits(self, work: list[tuple[int, int, int]], first_version: int, max_tokens: int) -> bool:
+        """Earliest deadline first: can every correction in `work` be served by its deadline, one batch every
+        ppo_epochs versions from `first_version` on, a batch holding max_tokens // (its longest item) items?"""
+        items = longest = 0
+        for deadline, n, length in sorted(work):
+            items, longest = items + n, max(longest, length)
+            per_batch = max(1, max_tokens // max(1, longest))
+            slots = (deadline - first_version) // self.algo.ppo_epochs + 1
+            if deadline < first_version or -(-items // per_batch) > slots:
+                return False
+        return True
+
+    def _guard_blocker(self) -> Group | None:
+        """The pending group (outcomes not all in) with the oldest tokens: what a held learner waits for."""
+        pending = [g for g in self.groups.values() if not g.finalized and g.oldest_version is not None]
+        return min(pending, key=lambda g: g.oldest_version, default=None)
+
+    def _guard(self, request: BatchRequest) -> str:
+        """'serve' (FIFO), 'corrections' (only corrections, earliest deadline first) or 'hold' (nothing).
+
+        Serving a batch at version v moves the learner to v + ppo_epochs; every correction not in it is served
+        there at the earliest. If what is left would not fit by its deadlines, the learner waits while any group's
+        outcomes are pending (they cannot use a batch slot before), and otherwise is served only the queued
+        corrections, the most urgent first: holding costs no staleness (versions move only with batches)."""
+        if not self._guard_on():
+            return "serve"
+        self.batch_tokens = request.max_tokens
+        work = self._correction_work()
+        next_version = self.policy_version + self.algo.ppo_epochs
+        if self._fits(work, next_version, request.max_tokens):
+            return "serve"
+        pending = any(not group.finalized for group in self.groups.values())
+        due = sorted((q for q in self.queue if q.kind == "correction"), key=lambda q: q.oldest_version)
+        if pending or not due:
+            # A pending group cannot use a batch slot before its outcomes are in, and whatever is served now takes
+            # one: wait for them (holding ages nothing). With all the work queued: the most urgent first.
+            return "hold"
+        self.queue.move_to_front(due)
+        return "corrections"
+
+    def new_group_version(self, worker_id: str) -> int:
+        """The oldest version a new group's tokens can have: the learner's, or the worker's weights if older."""
+        return min(self.policy_version, self.worker_versions.get(worker_id, self.policy_version))
+
+    def _guard_admits(self, worker_id: str) -> bool:
+        """Admission by correction capacity: a new group (its tokens at the learner's version or later) must leave
+        every correction still to come trainable in time, even after one more batch without any of them (the
+        serving check's worst case). With none to come, any group is admitted."""
+        if not self._guard_on():
+            return True
+        work = self._correction_work()
+        if not work:
+            return True
+        size = self.config.rollout.group_size
+        new = (self.new_group_version(worker_id) + self.algo.max_correction_staleness, size, self._length_estimate())
+        return self._fits([*work, new], self.policy_version + self.algo.ppo_epochs, self.batch_tokens)
+
+    def _guard_hold(self, now: float) -> None:
+        if self.guard_since is None:
+            self.guard_since = now
+            self.counters.guard_holds += 1
+        if self.guard_abandon_at is None:
+            self.guard_abandon_at = now + self.config.replay.guard_abandon_s
+
+    def _guard_release(self, now: float) -> None:
+        if self.guard_since is not None:
+            self.counters.guard_held_s += now - self.guard_since
+            self.guard_since = self.guard_abandon_at = None
+
+    def _abandon_guard_blocker(self, now: float) -> None:
+        """A group that held the learner replay.guard_abandon_s: its unfinished trajectories are abandoned (as if
+        their lease expired), so it finalizes over the finished ones and the guard lets go."""
+        if self.guard_abandon_at is None or now < self.guard_abandon_at:
+            return
+        self.guard_abandon_at = None if self.guard_since is None else now + self.config.replay.guard_abandon_s
+        blocker = self._guard_blocker()
+        if blocker is None:
+            return
+        unfinished = blocker.unfinished_members()
+        log.warning("group %s held the learner %.0f s for its outcomes: abandoning its %d unfinished trajectories",
+                    blocker.group_id, self.config.replay.guard_abandon_s, len(unfinished))
+        for i in unfinished:
+            self._abandon(blocker, i, "its outcome held the learner past replay.guard_abandon_s")
+        self.counters.guard_abandoned += len(unfinished)
+        self._end_lease(blocker)
+        self._advance(blocker, now)
+
+    # --- lock-step rounds (algo.mode=sync) ----------------------------------------------------------
+
+    def _round_generated(self) -> bool:
+        """Every group of the current round has all its outcomes in (finalized or closed), and the round is full
+        (or the env-step budget stopped it)."""
+        budget = self.config.run.max_env_steps
+        full = len(self.round_groups) >= self.algo.groups_per_step or (
+            budget is not None and self.counters.env_steps >= budget
+        )
+        return full and bool(self.round_groups) and all(
+            gid not in self.groups or self.groups[gid].finalized for gid in self.round_groups
+        )
+
+    def _round_open(self) -> bool:
+        """May a group start in the current round? A round that is over (every item of it trained: its groups
+        closed and their items acknowledged) is replaced by the next one first."""
+        if len(self.round_groups) < self.algo.groups_per_step:
+            return True
+        if all(gid not in self.groups and gid not in self.item_tally for gid in self.round_groups):
+            self.round_groups = set()
+            self.counters.sync_rounds += 1
+            return True
+        return False
+
+    def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Batch | None:
+        """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v); with
+        `corrections_only` (the guard), stop at the first item that is not a correction."""
         v, algo = self.policy_version, self.algo
         served: list[QueuedItem] = []
         longest = 0
@@ -447,7 +618,9 @@ class ReplayService:
             ):
                 self._drop_correction(group, queued, now)
                 continue
-            if served and max(longest, queued.num_tokens) * (len(served) + 1) > request.max_tokens:
+            if (served and max(longest, queued.num_tokens) * (len(served) + 1) > request.max_tokens) or (
+                corrections_only and queued.kind != "correction"
+            ):
                 self.queue.push_front([queued])
                 break
             longest = max(longest, queued.num_tokens)

@@ -36,6 +36,8 @@ def test_async_vs_sync_quick():
     result = run_benchmark("async_vs_sync.py", timeout_s=300)
     assert {"throughput_ratio", "time_to_target_ratio", "learner_busy"} <= result.keys()
     assert result["learner_busy"].keys() == {"sync", "async"}
+    sync = result["runs"]["sync"][0]
+    assert sync["sync_rounds"] >= 1 and sync["leases_denied"] > 0  # a real lock-step run: rounds, and waits
 
 
 @pytest.mark.slow
@@ -85,3 +87,15 @@ def test_sglang_interrupt_quick():
         assert partial["updates"] > 0 and discard["updates"] > 0
         assert partial["wasted_tokens"] == 0 and discard["kept_tokens"] == 0  # partial keeps, discard throws away
         assert partial["actions"] > 0
+
+
+@pytest.mark.slow
+def test_delay_quick():
+    result = run_benchmark("delay.py", timeout_s=300)
+    calibration = result["calibration"]["2"]
+    assert calibration["trajectories_per_s"] > 0 and calibration["trajectories_per_update"] > 0
+    runs = result["runs"].values()
+    assert {run["arm"] for run in runs} == {"outcome-only+step", "immediate+correction"}
+    assert all(run["delay_s"] > 0 and run["d_measured"] is not None for run in runs)  # D is measured, not assumed
+    assert result["credit_dropped_total"] == 0  # the guard at the default bound
+    assert "traps2-D5" in result["ratios"]

@@ -423,9 +423,10 @@ def test_stop_reasons():
     assert stop_reason(config, 0, ReplayStats(), 1.0, idle) == "stop_requested"
 
 
-def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path):
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "token-sum"])
+def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path, aggregation):
     """Two ranks' rescaled share losses average to the whole-batch loss (DeepSpeed averages gradients)."""
-    config = make_config(tmp_path)
+    config = make_config(tmp_path, algo={"aggregation": aggregation})
     items = Sequences(config).items(config)
     model = load_model(prepare_model_dir(config))
 

@@ -15,7 +15,7 @@ import torch
 
 from async_rl.config import Config, config_from_dict
 from async_rl.errors import ConfigError
-from async_rl.loss import policy_loss, token_logprobs_and_entropy
+from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model
 from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
 from learner.batch import collate, collate_rows
@@ -62,7 +62,7 @@ def loss_and_grads(model: torch.nn.Module, batch, config: Config, scale: float =
     logits = model(**batch.model_inputs()).logits
     logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, entropy=True)
     loss, _ = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.staleness(0), batch.loss_mask,
-                          config.algo, entropy=entropy)
+                          config.algo, entropy=entropy, entropy_rows=bonus_rows(batch.correction_tokens, config.algo))
     (loss * scale).backward()
     return float(loss.detach()) * scale, logp
 
@@ -77,9 +77,12 @@ def setup(tmp_path_factory):
     return config, random_items(config)
 
 
-def test_packed_and_padded_losses_and_gradients_match(setup):
-    """One packed row of all items (position ids, no attention mask) against one right-padded row per item."""
-    config, items = setup
+@pytest.mark.parametrize("entropy_per", ["step", "new-token"])
+def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
+    """One packed row of all items (position ids, no attention mask) against one right-padded row per item; with
+    the entropy bonus on correction items only (new-token), which a packed row mixes with immediate ones."""
+    base, items = setup
+    config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "entropy_per": entropy_per})
     padded, packed = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
     padded_batch = collate(items)
     packed_batch = collate_rows(items, [list(range(len(items)))], packed=True)
@@ -97,7 +100,7 @@ def test_packed_and_padded_losses_and_gradients_match(setup):
         torch.testing.assert_close(g_packed[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "token-sum"])
 @pytest.mark.parametrize("packing", [True, False])
 def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, aggregation, packing):
     """Two ranks' micro-batches (32-token budget), scaled and summed, then averaged over ranks as DeepSpeed does,

@@ -9,6 +9,7 @@ import torch
 from async_rl.config import AlgoConfig, load_config
 from async_rl.loss import (
     aggregate,
+    bonus_rows,
     importance_weights,
     k3_kl,
     policy_loss,
@@ -154,3 +155,38 @@ def test_entropy_bonus_raises_the_policy_entropy_and_is_off_by_default(model):
         optimizer.step()
     _, after = token_logprobs_and_entropy(model(tokens).logits, tokens)
     assert float(aggregate(after.detach(), mask, AlgoConfig())) > stats.entropy
+
+
+def test_token_sum_weighs_a_token_the_same_whatever_else_the_batch_holds():
+    """token-sum: the loss of a batch is the sum of its items' losses (a fixed weight per token); token-mean gives
+    a one-token item the weight of a whole sequence when it shares a batch with fewer tokens."""
+    token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    token_sum = AlgoConfig(aggregation="token-sum", token_norm=4.0)
+    whole = float(aggregate(token_loss, mask, token_sum))
+    assert whole == pytest.approx(10.0 / 4.0)
+    parts = [float(aggregate(token_loss[r : r + 1], mask[r : r + 1], token_sum)) for r in range(2)]
+    assert sum(parts) == pytest.approx(whole)
+    mean = AlgoConfig()  # token-mean: the one-token item alone weighs 4.0, in the batch a quarter of it
+    assert float(aggregate(token_loss[1:], mask[1:], mean)) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("updates", ["immediate+correction", "outcome-only", "immediate-only"])
+def test_entropy_per_new_token_gives_each_token_of_data_the_bonus_once(model, updates):
+    """entropy_per=new-token: with immediate+correction only the correction rows get the bonus (their tokens were
+    also trained as immediates); with one item kind, every row; entropy_per=step: every row."""
+    tokens, mask, _, staleness = batch(2)
+    is_correction = torch.tensor([False, True, True]) if updates == "immediate+correction" else (
+        torch.full((3,), updates == "outcome-only"))
+    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
+    zero_adv = torch.zeros_like(mask)
+    per_token = AlgoConfig(updates=updates, entropy_coef=0.5, entropy_per="new-token", aggregation="token-sum")
+    rows = bonus_rows(is_correction, per_token)
+    loss, _ = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, per_token, entropy=entropy,
+                          entropy_rows=rows)
+    bonus_mask = mask.clone()
+    if updates == "immediate+correction":
+        bonus_mask[0] = 0  # the immediate row
+    expected = -0.5 * float((entropy.detach() * bonus_mask).sum()) / per_token.token_norm
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+    assert bonus_rows(is_correction, AlgoConfig(entropy_per="step")) is None

@@ -166,6 +166,19 @@ def test_step_and_outcome_simulate_latency():
     assert time.monotonic() - start >= 0.1
 
 
+def test_step_latency_sigma_draws_a_long_tailed_factor_per_trajectory_with_mean_one():
+    env = TrapEnv(TrapSettings(step_latency_s=0.0, step_latency_sigma=1.0))
+    env._rng.seed(0)
+    factors = []
+    for _ in range(4000):
+        env.reset(as_task(0))
+        factors.append(env.latency_factor)
+    factors.sort()
+    assert abs(sum(factors) / len(factors) - 1.0) < 0.1  # the mean step latency is step_latency_s
+    assert factors[len(factors) // 2] < 0.7 and factors[int(0.99 * len(factors))] > 5.0  # a long right tail
+    assert TrapEnv(TrapSettings()).latency_factor == 1.0
+
+
 def test_bad_usage_raises_a_clear_error():
     env = TrapEnv(TrapSettings(num_tasks=4, retries=0))
     with pytest.raises(ValueError, match="task_id"):

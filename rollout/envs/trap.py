@@ -15,6 +15,7 @@ word-level):  `task7 stage1` → `C` → `ok stage2` → `A` → `miss stage2` �
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class TrapSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     traps: Annotated[int, msgspec.Meta(ge=0)] = 2  # stages that also have a trap symbol
     retries: Annotated[int, msgspec.Meta(ge=0)] = 1  # extra attempts at a stage after a miss
     step_latency_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # simulated tool time per step
+    # Long-tailed trajectory durations: each trajectory's steps take step_latency_s × m, m drawn once per trajectory
+    # from a log-normal with this σ and mean 1 (0: every step takes step_latency_s; 1: p99 ≈ 6×, max of 128 ≈ 8×).
+    step_latency_sigma: Annotated[float, msgspec.Meta(ge=0.0, le=4.0)] = 0.0
     outcome_delay_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # simulated judge time before the outcome
 
     def __post_init__(self) -> None:
@@ -84,6 +88,8 @@ class TrapEnv:
         self.trapped = False
         self.failed = False
         self.done = False
+        self.latency_factor = 1.0  # this trajectory's step_latency_s multiplier (step_latency_sigma)
+        self._rng = random.Random()  # only the latency is drawn here: the task and its code stay deterministic
 
     def reset(self, task: Task) -> str:
         task_id = int(task.data["task"])
@@ -91,15 +97,17 @@ class TrapEnv:
         self.stage = 0
         self.retries_left = self.settings.retries
         self.trapped = self.failed = self.done = False
+        sigma = self.settings.step_latency_sigma
+        self.latency_factor = math.exp(sigma * self._rng.gauss(0.0, 1.0) - sigma**2 / 2) if sigma > 0 else 1.0
         return f"{task_word(task_id)} {stage_word(0)}"
 
     def step(self, action: str) -> StepResult:
-        """Apply one action. Sleeps `step_latency_s` (a tool call)."""
+        """Apply one action. Sleeps `step_latency_s` × this trajectory's latency factor (a tool call)."""
         if self.task is None:
             raise RuntimeError("TrapEnv.step called before reset(task)")
         if self.done:
             raise RuntimeError("TrapEnv.step called after the episode ended; call reset(task) first")
-        time.sleep(self.settings.step_latency_s)
+        time.sleep(self.settings.step_latency_s * self.latency_factor)
         choice = self._symbols.get(action.strip())  # anything but exactly one known symbol is a miss
         if choice is not None and choice == self.task.code[self.stage]:
             return self._advance()

@@ -1,0 +1,216 @@
+"""Immediate credit against late outcomes: env steps and wall time to 0.8 as the judge delay grows.
+
+The gain of immediate updates can only come from timing (the sum of credit is the same either way): it should grow
+with D, the number of outcome-only learner updates' worth of data generated while a group's outcome is pending,
+
+    D ≈ judge delay × trajectories/s ÷ trajectories per outcome-only update.
+
+This script first measures, per trap setting, trajectories/s and trajectories per update of `outcome-only+step`
+with an instant judge (the calibration run), sets each judge delay from the D asked for, and prints the D each run
+got (its own trajectories/s × delay ÷ the calibrated trajectories per update). Arms, all with `credit=outcome+step`:
+  outcome-only+step      the final credit, trained once a group's outcomes are in
+  immediate+correction   this project: stage credit at once, corrected when the outcome lands
+  immediate-only         stage credit only (the trap check: it should learn the traps and stall)
+Every run: the trap env (`env.kwargs.traps`), `learner.lr` from the sweep, `algo.aggregation` and
+`algo.entropy_per` as given (default the fixed-per-token learner: token-sum, new-token), the default
+`algo.max_correction_staleness` (16) with the correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
+admission must let D updates' worth of groups be in flight, or it, not the rule, sets the pace (the default 4
+throttles an outcome-only arm while the judge is pending). A run stops at 0.8 success over the last 2,048
+trajectories (`replay.long_success_window`, the learner's stop rule), the env-step budget or the wall cap.
+Reported per (traps, D, arm): the best lr (fewest median env steps to 0.8, a missed seed counting as infinite) and
+its median env steps and wall seconds to 0.8; the ratios immediate+correction ÷ outcome-only+step, best lr vs best
+lr; `credit_dropped` and the seconds the guard held the learner, per run.
+
+    python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
+    python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run as `python benchmarks/NAME.py`
+    OUT_DIR,
+    RunResult,
+    console,
+    emit,
+    first_at_target,
+    fmt,
+    machine,
+    markdown_table,
+    median_or_none,
+    print_table,
+    ratio,
+    train,
+)
+
+ARMS = {
+    "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
+    "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],
+    "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
+}
+TARGET, WINDOW = 0.8, 2048
+STEP_LATENCY_S = 0.01  # a tool call: every trajectory waits a little, as in slow_judge
+
+
+def throughput(run: RunResult) -> tuple[float | None, float | None]:
+    """(trajectories/s, trajectories per learner update) between the learner's first and last metrics line."""
+    if len(run.lines) < 2:
+        return None, None
+    first, last = run.lines[0], run.lines[-1]
+    finished = last["trajectories_finished"] - first["trajectories_finished"]
+    return ratio(finished, last["wall_s"] - first["wall_s"]), ratio(finished, last["version"] - first["version"])
+
+
+def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
+    hit = first_at_target(run.lines, TARGET, WINDOW, key="success_rate_long")
+    last = run.lines[-1] if run.lines else {}
+    per_s, _ = throughput(run)
+    return {
+        "env_steps_to_target": hit and hit["env_steps"],
+        "wall_s_to_target": hit and round(hit["wall_s"], 1),
+        "d_measured": None if per_s is None else round(delay_s * per_s / per_update, 1),
+        "trajectories_per_s": per_s and round(per_s, 1),
+        "credit_dropped": last.get("credit_dropped", 0),
+        "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
+        "versions": run.summary["versions"],
+        "final_success_long": last.get("success_rate_long", 0.0),
+        "stop_reason": run.summary["stop_reason"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="traps 2, D 5, 2 arms at once, 1 seed, 2k env steps")
+    parser.add_argument("--d", default="0,20,50", help="the D values asked for (default 0,20,50)")
+    parser.add_argument("--traps", default="2,0", help="env.kwargs.traps settings (default 2,0)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"arms (default all: {', '.join(ARMS)})")
+    parser.add_argument("--lrs", default="2.5e-4,5e-4,1e-3", help="learner.lr sweep per arm")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=400_000, help="env steps per run")
+    parser.add_argument("--max-wall-s", type=float, default=900.0, help="wall cap per run")
+    parser.add_argument("--calibrate-steps", type=int, default=30_000, help="env steps of the calibration run")
+    parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
+    parser.add_argument("--entropy-per", default="new-token", help="algo.entropy_per of every arm")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
+    args = parser.parse_args()
+    if args.quick:
+        args.d, args.traps, args.arms, args.lrs, args.seeds = "5", "2", "outcome-only+step,immediate+correction", \
+            "5e-4", 1
+        args.budget, args.calibrate_steps, args.max_wall_s, args.parallel = 2_000, 2_000, 120.0, 2
+    ds = [float(d) for d in args.d.split(",")]
+    traps_list = [int(t) for t in args.traps.split(",")]
+    arms = args.arms.split(",")
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
+    lrs = [float(lr) for lr in args.lrs.split(",")]
+    out_dir = OUT_DIR / ("delay-quick" if args.quick else "delay")
+    info = machine()
+    learner = [f"algo.aggregation={args.aggregation}", f"algo.entropy_per={args.entropy_per}"]
+    common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
+
+    result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},
+                    "runs": {}, "best": {}, "ratios": {}}
+    jobs: list[tuple[str, list[str], dict]] = []
+    for traps in traps_list:
+        # Calibration: outcome-only+step, instant judge, the middle lr: trajectories/s and per update.
+        name = f"calibrate-traps{traps}"
+        console.print(f"[bold]delay[/] {name}: {args.calibrate_steps:,} env steps, instant judge")
+        run = train(out_dir, name, [*ARMS["outcome-only+step"], *common, f"env.kwargs.traps={traps}",
+                                    f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"],
+                    timeout_s=args.max_wall_s + 120)
+        per_s, per_update = throughput(run)
+        if not per_s or not per_update:
+            raise SystemExit(f"{name}: too few learner steps to calibrate; raise --calibrate-steps")
+        result["calibration"][traps] = {"trajectories_per_s": round(per_s, 1),
+                                        "trajectories_per_update": round(per_update, 1)}
+        console.print(f"  {per_s:.1f} trajectories/s, {per_update:.1f} per outcome-only update")
+        for d in ds:
+            delay = round(d * per_update / per_s, 2)
+            max_staleness = math.ceil(d) + 4
+            for arm in arms:
+                for lr in lrs:
+                    for seed in range(args.seeds):
+                        key = f"traps{traps}-D{d:g}-{arm}-lr{lr:g}-seed{seed}"
+                        overrides = [*ARMS[arm], *common, f"env.kwargs.traps={traps}",
+                                     f"env.kwargs.outcome_delay_s={delay}", f"algo.max_staleness={max_staleness}",
+                                     f"learner.lr={lr}", f"run.seed={seed}", f"env.kwargs.seed={seed}",
+                                     f"env.seed={seed}", f"run.max_env_steps={args.budget}",
+                                     f"run.max_wall_s={args.max_wall_s}"]
+                        meta = {"traps": traps, "d": d, "arm": arm, "lr": lr, "seed": seed, "delay_s": delay,
+                                "max_staleness": max_staleness, "per_update": per_update}
+                        jobs.append((key, overrides, meta))
+
+    def one(job: tuple[str, list[str], dict]) -> tuple[str, dict]:
+        key, overrides, meta = job
+        console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}")
+        run = train(out_dir, key, overrides, timeout_s=args.max_wall_s + 180)
+        measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"])}
+        console.print(f"  {measured}")
+        return key, measured
+
+    if args.parallel > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.parallel) as pool:
+            done = list(pool.map(one, jobs))
+    else:
+        done = [one(job) for job in jobs]
+    result["runs"] = dict(done)
+
+    rows = []
+    for traps in traps_list:
+        for d in ds:
+            best: dict[str, dict] = {}
+            for arm in arms:
+                per_lr = {}
+                for lr in lrs:
+                    runs = [m for m in result["runs"].values()
+                            if (m["traps"], m["d"], m["arm"], m["lr"]) == (traps, d, arm, lr)]
+                    per_lr[lr] = {
+                        "env_steps": median_or_none([m["env_steps_to_target"] for m in runs]),
+                        "wall_s": median_or_none([m["wall_s_to_target"] for m in runs]),
+                        "reached": sum(m["env_steps_to_target"] is not None for m in runs),
+                        "seeds": len(runs),
+                        "d_measured": median_or_none([m["d_measured"] for m in runs]),
+                        "credit_dropped": sum(m["credit_dropped"] for m in runs),
+                        "guard_held_s": median_or_none([m["guard_held_s"] for m in runs]),
+                    }
+                lr_best = min(lrs, key=lambda lr: (per_lr[lr]["env_steps"] is None, per_lr[lr]["env_steps"] or 0))
+                best[arm] = {"lr": lr_best, **per_lr[lr_best], "per_lr": per_lr}
+                b = best[arm]
+                rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"), arm, f"{lr_best:g}",
+                             f"{b['reached']}/{b['seeds']}", fmt(b["env_steps"], ",.0f"), fmt(b["wall_s"], ".0f"),
+                             str(b["credit_dropped"]), fmt(b["guard_held_s"], ".0f", "n/a")])
+            cell = f"traps{traps}-D{d:g}"
+            result["best"][cell] = best
+            if {"immediate+correction", "outcome-only+step"} <= best.keys():
+                ours, theirs = best["immediate+correction"], best["outcome-only+step"]
+                result["ratios"][cell] = {"env_steps": ratio(ours["env_steps"], theirs["env_steps"]),
+                                          "wall_s": ratio(ours["wall_s"], theirs["wall_s"])}
+    result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
+    result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    columns = ["traps", "D asked", "D measured", "arm", "best lr", "reached", "env steps to 0.8", "wall s to 0.8",
+               "credit dropped", "guard held s"]
+    caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall): " + "; ".join(
+        f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}"
+        for cell, r in result["ratios"].items())
+    print_table("delay: immediate credit vs late outcomes", columns, rows, caption)
+    command = "python benchmarks/delay.py" + (" --quick" if args.quick else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.md").write_text(markdown_table(columns, rows, command) + f"\n{caption}\n")
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

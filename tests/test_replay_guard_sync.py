@@ -1,0 +1,153 @@
+"""The replay core's correction-staleness guard and lock-step mode (docs/algorithm.md, "Staleness" and "Lock-step
+mode"), through `handle`/`tick` with an explicit clock."""
+
+from __future__ import annotations
+
+import pytest
+from test_replay import (
+    LEARNER,
+    OUTCOMES,
+    REWARDS,
+    WORKER,
+    Worker,
+    ack_batch,
+    expected_final_credit,
+    lease,
+    make_config,
+    only_reply,
+    outcome_messages,
+    request_batch,
+    send_all,
+    stage_records,
+)
+
+from async_rl.protocol import Batch, LeaseDenied, LeaseGrant
+from replay.service import ReplayService
+
+
+def stage(worker: Worker, grant: LeaseGrant, k: int, version: int) -> list:
+    """Stage k of every member that has one, produced by policy version `version`."""
+    return [worker.stage(grant, i, k, rewards[k], terminal=k == len(rewards) - 1, version=version)
+            for i, rewards in REWARDS.items() if k < len(rewards)]
+
+
+def step_through_immediates(service: ReplayService, worker: Worker, grant: LeaseGrant) -> None:
+    """Stages 0 and 1 arrive one learner step apart; their immediate items are trained at versions 0 and 1."""
+    for k in (0, 1):
+        send_all(service, stage(worker, grant, k, version=k))
+        batch = request_batch(service, version=k)
+        assert batch is not None and {item.kind for item in batch.items} == {"immediate"}
+        ack_batch(service, batch, version=k + 1)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_guard_holds_immediates_until_the_outcome_and_no_correction_is_dropped(guard):
+    config = make_config(algo={"max_correction_staleness": 2, "correction_guard": guard})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    step_through_immediates(service, worker, grant)
+    send_all(service, stage(worker, grant, 2, version=2))
+    # One more step (to version 3) would make the group's version-0 tokens 3 > 2 versions old before its outcome.
+    batch = request_batch(service, version=2)
+    if not guard:  # without the guard the learner goes on, and the correction is later dropped
+        assert batch is not None
+        ack_batch(service, batch, version=3)
+        send_all(service, outcome_messages(worker, grant), now=5.0)
+        assert request_batch(service, version=3) is None
+        assert service.stats_snapshot().credit_dropped > 0
+        return
+    assert batch is None
+    stats = service.stats_snapshot()
+    assert stats.guard_holds == 1 and stats.guard_held_s == 0.0
+    # The outcomes land 5 s later: the parked request is answered with the corrections, nothing is dropped.
+    corrections = send_all(service, outcome_messages(worker, grant), now=5.0)
+    assert len(corrections) == 1 and {item.kind for item in corrections[0].items} == {"correction"}
+    ack_batch(service, corrections[0], version=3, now=5.0)
+    stats = service.stats_snapshot()
+    assert stats.credit_dropped == 0 and stats.guard_held_s == pytest.approx(5.0) and stats.groups_closed == 1
+    assert stats.ledger_residual_max < 1e-9
+
+
+def test_the_guard_abandons_a_group_whose_outcome_never_comes():
+    config = make_config(algo={"max_correction_staleness": 2}, replay={"guard_abandon_s": 60.0})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    step_through_immediates(service, worker, grant)
+    send_all(service, stage(worker, grant, 2, version=2))
+    # Members 0, 1 and 3 finish; member 2's judge never answers (its worker keeps heartbeating).
+    send_all(service, [worker.outcome(grant, i, len(REWARDS[i]), OUTCOMES[i]) for i in (0, 1, 3)])
+    assert request_batch(service, version=2, now=1.0) is None
+    assert service.tick(30.0) == []
+    replies = service.tick(61.0)
+    assert len(replies) == 1 and replies[0][0] == LEARNER and isinstance(replies[0][1], Batch)
+    assert {item.kind for item in replies[0][1].items} == {"correction"}
+    stats = service.stats_snapshot()
+    assert stats.guard_abandoned == 1 and stats.trajectories_abandoned == 1 and stats.credit_dropped == 0
+    assert stats.guard_held_s == pytest.approx(60.0)
+
+
+def test_corrections_that_cannot_wait_another_batch_go_before_immediates():
+    config = make_config(algo={"max_correction_staleness": 3})
+    service, worker = ReplayService(config), Worker()
+    old = lease(service, worker)
+    step_through_immediates(service, worker, old)
+    send_all(service, stage(worker, old, 2, version=2))
+    young = lease(service, worker)
+    send_all(service, stage_records(worker, young, version=2))  # immediates of a younger group queue first
+    send_all(service, outcome_messages(worker, old))  # the old group's corrections queue behind them
+    # 45 tokens hold 3 of the old group's 4 corrections: after a FIFO batch of immediates (version 3) they would
+    # need 2 batches by their deadline 0 + 3: not possible. The young group's outcomes are pending (they could not
+    # use a batch now), so the learner waits; once they are in, corrections go first, the most urgent first.
+    assert request_batch(service, version=2, max_tokens=45) is None
+    batches = send_all(service, outcome_messages(worker, young), now=1.0)
+    assert len(batches) == 1
+    assert {(item.kind, item.group_id) for item in batches[0].items} == {("correction", old.group_id)}
+
+
+def test_lock_step_rounds_generate_then_train_then_open_the_next_round():
+    config = make_config(algo={"mode": "sync", "groups_per_step": 2})
+    service, worker = ReplayService(config), Worker()
+    first, second = lease(service, worker), lease(service, worker)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)  # the round is full
+    send_all(service, stage_records(worker, first) + outcome_messages(worker, first))
+    send_all(service, stage_records(worker, second))
+    # Items of the first group are queued, but nothing is served before the whole round is in.
+    assert request_batch(service, version=0, min_items=1) is None
+    batches = send_all(service, outcome_messages(worker, second))
+    assert len(batches) == 1
+    items = batches[0].items
+    assert {item.kind for item in items} == {"correction"}, "a round is trained whole: immediates are superseded"
+    assert {item.group_id for item in items} == {first.group_id, second.group_id}
+    members_with_credit = {i for (i, _), a in expected_final_credit(config).items() if abs(a) > 1e-8}
+    assert len(items) == 2 * len(members_with_credit) > 0
+    # No lease for the next round until the learner has acknowledged the round's batches.
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 1.0)), LeaseDenied)
+    ack_batch(service, batches[0], version=1)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 2.0)), LeaseGrant)
+    stats = service.stats_snapshot()
+    assert stats.sync_rounds == 1 and stats.groups_closed == 2 and stats.ledger_residual_max < 1e-9
+
+
+def test_admission_refuses_a_group_whose_corrections_could_not_be_trained_in_time():
+    """Many groups generated at one version all come due at once: the guard counts the batches their corrections
+    need (earliest deadline first) and refuses a lease that would not fit, instead of dropping credit later."""
+    longest = max(sum(sum(Worker.lengths(i, k)) for k in range(len(rewards))) for i, rewards in REWARDS.items())
+    budget = 2 * longest  # a batch holds 2 corrections: 3 batches (versions 0, 1, 2) hold 6 by the bound 2
+    config = make_config(algo={"max_correction_staleness": 2}, learner={"batch_tokens": budget})
+    service, worker = ReplayService(config), Worker()
+    first = lease(service, worker)
+    send_all(service, stage_records(worker, first))
+    # 4 corrections to come, and 4 more for a new group: 8 > 6. Refused, and again once the outcomes are in.
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+    send_all(service, outcome_messages(worker, first))
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
+    assert service.stats_snapshot().guard_leases_denied == 2
+    version = 0
+    while service.queue:
+        batch = request_batch(service, version=version, max_tokens=budget)
+        assert batch is not None and len(batch.items) <= 2
+        version += 1
+        ack_batch(service, batch, version=version)
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseGrant)
+    stats = service.stats_snapshot()
+    assert stats.credit_dropped == 0 and stats.groups_closed == 1 and stats.ledger_residual_max < 1e-9
