@@ -71,12 +71,23 @@ def step_metrics(
     }
 
 
+def _drop_partial_line(path: Path) -> None:
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsLog:
     """Appends lines to metrics.jsonl (flushed per line) and mirrors them to W&B unless it is disabled."""
 
     def __init__(self, config: Config, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics.jsonl").open("a")
+        path = run_dir / "metrics.jsonl"
+        _drop_partial_line(path)  # a learner killed mid-line; a resumed one appends (docs/architecture.md)
+        self._file = path.open("a")
         self._wandb = None
         if config.wandb.mode != "disabled":
             import wandb  # slow to import; only when used
