@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     for role, text in ROLES.items():
         sub = roles.add_parser(role, help=text.split(". ")[0], description=text)
         sub.add_argument("--config", default=None, metavar="FILE", help="YAML config (default: configs/local.yaml)")
+        if role == "train":
+            sub.add_argument("--resume", default=None, metavar="RUN_DIR",
+                             help="continue the run in RUN_DIR (its config.yaml; overrides apply on top): the learner "
+                                  "resumes from its latest checkpoint, logs and metrics.jsonl continue")
         if role == "rollout":
             sub.add_argument("--index", type=int, default=0, help="this worker's index N (its id is rollout-N)")
         if role == "evaluate":
@@ -68,8 +72,16 @@ def configure_logging(role: str, config: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    resume = getattr(args, "resume", None)
     try:
-        config = load_config(args.config, args.overrides)
+        if resume is not None and args.config is not None:
+            raise AsyncRLError("--resume RUN_DIR takes the run's own config.yaml; leave out --config")
+        if resume is not None:
+            from async_rl.launcher import resume_config
+
+            config = resume_config(resume, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
     except AsyncRLError as exc:
         print(f"async-rl: config error: {exc}", file=sys.stderr)
         return 2
@@ -92,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         from async_rl.launcher import preflight
 
         try:
-            preflight(config)  # before torch is imported: a wrong model.path or run.dir is reported at once
+            # before torch is imported: a wrong model.path or run.dir is reported at once
+            preflight(config, resume is not None)
         except AsyncRLError as exc:
             print(f"async-rl train: {exc}", file=sys.stderr)
             return 2
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "train":
             from async_rl.launcher import train
 
-            return train(config)
+            return train(config, resume=resume is not None)
         if args.role == "replay":
             from replay.service import run as run_replay
 
