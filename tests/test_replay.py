@@ -1107,7 +1107,7 @@ def test_a_rollback_past_a_group_s_immediates_finalizes_it_again():
     assert service.counters.ledger_residual_max < 1e-9
 
 
-def test_admission_after_a_rollback_counts_from_the_version_it_went_back_from():
+def test_admission_after_a_rollback_counts_the_versions_it_took_back_as_steps():
     """The groups admitted for versions the dead learner reached are in the system already; the resumed learner
     may retrain their items in fewer steps, so admission must not wait for it to reach that version again (a
     real run stalled so: tests/test_faults.py)."""
