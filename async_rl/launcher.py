@@ -328,7 +328,7 @@ def train(config: Config, resume: bool = False) -> int:
         again = f" after {restarts[failed.name]} restart(s)" if restarts.get(failed.name) else ""
         console.print(f"[red bold]{failed.name} died (exit code {code}){again}; the run is stopped[/] (continue it "
                       f"with async-rl train --resume {run_dir}). Last lines of {failed.log_path}:\n"
-                      f"{_tail(failed.log_path)}")
+                      f"{_tail(failed.log_path)}", soft_wrap=True)  # unwrapped: the command must copy-paste
         return 1
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
