@@ -1,8 +1,10 @@
 """The learner's loop: pull a batch from the replay service, take the optimizer step(s), ack, publish, log.
 
-    v = number of optimizer steps taken (the policy version), 0 at start
-    repeat: BatchRequest(v) → Batch → ppo_epochs × (loss, backward, step; v += 1) → BatchAck(v)
-            → every publish_every: weights + latest.json + WeightsPublished(v) → metrics line
+    v = number of optimizer steps taken (the policy version): 0 at start, or the latest checkpoint's (resume)
+    repeat: BatchRequest(v, checkpoint) → Batch → ppo_epochs × (loss, backward, step; v += 1) → BatchAck(v)
+            → every publish_every: weights + latest.json + WeightsPublished(v)
+            → every checkpoint_every: checkpoint (after the ack: docs/architecture.md, "Resume after a crash")
+            → metrics line
     until a budget, the target success rate, a stop event or SIGTERM/SIGINT; then checkpoint, publish, summary.
 
 With several ranks (torchrun) rank 0 alone talks to the replay service and publishes; it broadcasts each batch
