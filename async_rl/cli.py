@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     for role, text in ROLES.items():
         sub = roles.add_parser(role, help=text.split(". ")[0], description=text)
         sub.add_argument("--config", default=None, metavar="FILE", help="YAML config (default: configs/local.yaml)")
+        if role == "train":
+            sub.add_argument("--resume", default=None, metavar="RUN_DIR",
+                             help="continue the run in RUN_DIR (its config.yaml; overrides apply on top): the learner "
+                                  "resumes from its latest checkpoint, logs and metrics.jsonl continue")
         if role == "rollout":
             sub.add_argument("--index", type=int, default=0, help="this worker's index N (its id is rollout-N)")
         if role == "evaluate":
@@ -83,8 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print("\n".join(str(path) for path in written))
         return 0
+    resume = getattr(args, "resume", None)
     try:
-        config = load_config(args.config, args.overrides)
+        if resume is not None and args.config is not None:
+            raise AsyncRLError("--resume RUN_DIR takes the run's own config.yaml; leave out --config")
+        if resume is not None:
+            from async_rl.launcher import resume_config
+
+            config = resume_config(resume, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
     except AsyncRLError as exc:
         print(f"async-rl: config error: {exc}", file=sys.stderr)
         return 2
@@ -107,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         from async_rl.launcher import preflight
 
         try:
-            preflight(config)  # before torch is imported: a wrong model.path or run.dir is reported at once
+            # before torch is imported: a wrong model.path or run.dir is reported at once
+            preflight(config, resume is not None)
         except AsyncRLError as exc:
             print(f"async-rl train: {exc}", file=sys.stderr)
             return 2
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "train":
             from async_rl.launcher import train
 
-            return train(config)
+            return train(config, resume=resume is not None)
         if args.role == "replay":
             from replay.service import run as run_replay
 

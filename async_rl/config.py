@@ -46,6 +46,8 @@ class RunConfig(_Section):
     eval_max_tasks: PosInt | None = None  # evaluate on at most this many eval tasks (None: all)
     metrics_every_s: PosFloat = 10.0  # the rollout workers and the replay write a metrics line this often
     threads_per_process: PosInt = 1  # torch threads per process (2 cores are shared by all roles locally)
+    # async-rl train starts a learner or rollout worker that died again, at most this many times each, then stops
+    max_restarts: NonNegInt = 3
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
@@ -142,7 +144,12 @@ class LearnerConfig(_Section):
     min_batch_items: PosInt = 64  # wait for at least this many items ...
     batch_wait_s: NonNegFloat = 2.0  # ... or this long, whichever comes first
     publish_every: PosInt = 1  # write weights and announce a version every N steps
-    checkpoint_every: NonNegInt = 0  # DeepSpeed checkpoint every N steps (0: only at the end)
+    # DeepSpeed checkpoint (weights, optimizer, RNG) every N versions and at the end (0: only at the end). A learner
+    # restarted in the run directory resumes from the latest; the replay keeps what it needs to roll back the acks
+    # above it, so N bounds the work a crash loses (docs/architecture.md, "Resume after a crash").
+    checkpoint_every: NonNegInt = 50
+    keep_checkpoints: PosInt = 2  # the newest N checkpoints are kept on disk
+    log_item_ids: bool = False  # each metrics line lists the replay item ids it trained (tests/test_faults.py)
     keep_weights: PosInt = 3  # published weight files kept on disk
     # A BatchRequest with no Batch after this long is sent again (the replay may have restarted and lost it).
     request_timeout_s: PosFloat = 30.0

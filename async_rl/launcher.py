@@ -2,8 +2,11 @@
 
 Each child runs `python -m async_rl.cli ROLE --config <run_dir>/config.yaml` (the same command a cluster pod
 runs), in its own session so that Ctrl-C reaches the launcher alone, which then stops the learner first (it
-writes the summary) and the others after it. A child that dies is reported by name with the tail of its log,
-and the run stops with a non-zero exit. The last stdout line is one JSON object with the run's result.
+writes the summary) and the others after it. A learner or rollout worker that dies is started again, at most
+`run.max_restarts` times each (the learner resumes from its latest checkpoint, the replay rolls back to it and
+abandons what a dead worker held); a replay that dies, or a role past its restarts, is reported by name with the
+tail of its log, and the run stops with a non-zero exit (`async-rl train --resume RUN_DIR` continues it).
+The last stdout line is one JSON object with the run's result.
 """
 
 from __future__ import annotations
@@ -111,14 +114,30 @@ def _check_run_dir_creatable(run_dir: Path) -> None:
         ) from None
 
 
-def preflight(config: Config) -> None:
+def preflight(config: Config, resume: bool = False) -> None:
     """What `async-rl train` can refuse before importing torch (seconds on a busy machine) or creating anything:
     a missing or invalid model.path, missing CURVE keys, a run directory that cannot be created. Raises ConfigError
     naming the path."""
     configured_model_path(config)
     for role in ROLES:  # security.curve_dir: every role's key files are there (all roles run here)
         load_keys(config, role)
-    _check_run_dir_creatable(_fresh_run_dir(config).run_dir)
+    if not resume:
+        _check_run_dir_creatable(_fresh_run_dir(config).run_dir)
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of the run in `run_dir` (its config.yaml, with `overrides` on top), pointed at that directory
+    wherever the command runs from. Raises ConfigError naming what is missing."""
+    import msgspec
+
+    from async_rl.config import load_config
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
+    config = load_config(run_dir / "config.yaml", list(overrides))
+    run = msgspec.structs.replace(config.run, dir=str(run_dir.resolve().parent), name=run_dir.resolve().name)
+    return msgspec.structs.replace(config, run=run)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -268,17 +287,20 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def train(config: Config) -> int:
+def train(config: Config, resume: bool = False) -> int:
+    """Run every role until the learner stops. `resume`: `config` is a run's own (`resume_config`): its directory is
+    reused (logs and metrics.jsonl appended) and the learner resumes from its latest checkpoint there."""
     # The rollout side owns the environment (rollout/prepare.py); the launcher only composes the roles. A bad
     # env.name or env.kwargs stops here, before the run directory or any process exists.
     from rollout.prepare import load_env, prepare_model_dir
 
-    preflight(config)
+    preflight(config, resume)
     factory = load_env(config)
-    config = _fresh_run_dir(config)
+    if not resume:
+        config = _fresh_run_dir(config)
     run_dir = config.run_dir
     try:
-        (run_dir / "logs").mkdir(parents=True)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=resume)
     except OSError as exc:
         raise ConfigError(f"run.dir: cannot create the run directory {run_dir}: {exc}") from None
     config_path = run_dir / "config.yaml"
@@ -286,12 +308,16 @@ def train(config: Config) -> int:
     prepare_model_dir(config, factory)  # once, before the roles race for it (its tokenizer depends on the env)
     env = dict(os.environ, ASYNC_RL_RUN_START=str(time.time()), OMP_NUM_THREADS=str(config.run.threads_per_process))
     console = Console(stderr=True)
-    console.print(f"[bold]async-rl[/] run dir [cyan]{run_dir}[/] (logs in {run_dir / 'logs'})")
+    console.print(f"[bold]async-rl[/] {'resuming' if resume else 'run dir'} [cyan]{run_dir}[/] (logs in "
+                  f"{run_dir / 'logs'})")
 
     roles = [("learner", ["learner"]), ("replay", ["replay"])]
     roles += [(f"rollout-{i}", ["rollout", "--index", str(i)]) for i in range(config.rollout.workers)]
     children = [_start(name, args, config_path, run_dir, env) for name, args in roles]
     (run_dir / "processes.json").write_text(json.dumps({c.name: c.process.pid for c in children}))
+    # The learner and the workers are started again when they die (the learner resumes from its checkpoint and the
+    # replay rolls back to it); the replay is not: its state lives in its memory.
+    restarts = {name: 0 for name, _ in roles if name != "replay"}
     interrupted = failed = None
     started = time.monotonic()
     metrics = MetricsTail(run_dir / "metrics.jsonl")
@@ -314,6 +340,18 @@ def train(config: Config) -> int:
                 if learner == 0:
                     break
                 dead = [c for c in children if c.process.poll() is not None]
+                for child in dead[:]:
+                    if child.name in restarts and restarts[child.name] < config.run.max_restarts:
+                        restarts[child.name] += 1
+                        log.warning("%s died (exit code %s); starting it again (restart %d of %d)", child.name,
+                                    child.process.returncode, restarts[child.name], config.run.max_restarts)
+                        console.print(f"[yellow]{child.name} died (exit code {child.process.returncode}); "
+                                      f"restart {restarts[child.name]} of {config.run.max_restarts}[/]")
+                        child.log_file.close()
+                        index = children.index(child)
+                        children[index] = _start(child.name, dict(roles)[child.name], config_path, run_dir, env)
+                        (run_dir / "processes.json").write_text(json.dumps({c.name: c.process.pid for c in children}))
+                        dead.remove(child)
                 if dead:
                     failed = dead[0]
                     break
@@ -327,8 +365,10 @@ def train(config: Config) -> int:
 
     if failed is not None:
         code = failed.process.returncode
-        console.print(f"[red bold]{failed.name} died (exit code {code}); the run is stopped.[/] Last lines of "
-                      f"{failed.log_path}:\n{_tail(failed.log_path)}")
+        again = f" after {restarts[failed.name]} restart(s)" if restarts.get(failed.name) else ""
+        console.print(f"[red bold]{failed.name} died (exit code {code}){again}; the run is stopped[/] (continue it "
+                      f"with async-rl train --resume {run_dir}). Last lines of {failed.log_path}:\n"
+                      f"{_tail(failed.log_path)}", soft_wrap=True)  # unwrapped: the command must copy-paste
         return 1
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():

@@ -91,6 +91,16 @@ class GroupLedger:
             self.issued[(i, k)] = self.issued.get((i, k), 0.0) + advantage
         self.trained[(i, k)] = self.trained.get((i, k), 0.0) + advantage
 
+    def undo_trained(self, i: int, k: int, advantage: float, immediate: bool) -> None:
+        """A rollback (the learner resumed from a checkpoint older than the ack) takes the item's credit back."""
+        if immediate:
+            self.issued[(i, k)] -= advantage
+        self.trained[(i, k)] -= advantage
+
+    def unfinalize(self) -> None:
+        """A rollback took back an immediate item trained before A_final was fixed: C must be computed again."""
+        self.a_final = None
+
     # --- final credit and correction --------------------------------------------------------------
 
     def finished_members(self) -> list[int]:

@@ -30,7 +30,8 @@ from async_rl.errors import ProtocolError
 
 # 2: tasks belong to the rollout side (string ids), outcomes carry success
 # 3: ReplayStats.rejected (counts by reason); BatchAck.trained (False: the learner skipped a non-finite step)
-PROTOCOL_VERSION = 3
+# 4: resume after a crash: BatchRequest.session/checkpoint, LeaseRequest/Heartbeat.session, ReplayStats.rollbacks
+PROTOCOL_VERSION = 4
 
 TOKEN = np.dtype("<i4")  # token ids and policy versions
 LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
@@ -65,6 +66,9 @@ class LeaseRequest(Message, tag="lease_request"):
 
     worker_id: str
     msg_id: int
+    # The worker process (0: not told). A new session under a known worker id is a restarted worker: the replay
+    # abandons what the previous process held at once instead of waiting for replay.lease_timeout_s.
+    session: int = 0
 
 
 class LeaseGrant(Message, tag="lease_grant"):
@@ -155,6 +159,7 @@ class Heartbeat(Message, tag="heartbeat"):
 
     worker_id: str
     group_ids: list[str] = []
+    session: int = 0  # as in LeaseRequest
 
 
 class Ack(Message, tag="ack"):
@@ -172,6 +177,11 @@ class BatchRequest(Message, tag="batch_request"):
     max_tokens: int  # token budget: padded length x items
     min_items: int
     max_wait_s: float
+    # The learner process (0: not told). The first request of a new session is a (re)started learner: batches in
+    # flight to the previous one are requeued, and if it comes back at a version below what the replay saw acked,
+    # the replay rolls back to it (docs/architecture.md, "Resume after a crash").
+    session: int = 0
+    checkpoint: int = -1  # the version of the learner's latest durable checkpoint (-1: none)
 
 
 class TrainItem(Message, tag="train_item"):
@@ -244,6 +254,9 @@ class ReplayStats(Message, tag="replay_stats"):
     sync_rounds: int = 0  # lock-step rounds trained (algo.mode=sync)
     eval_metrics: dict[str, float] = {}  # the latest EvalReport's metrics (eval_version among them); {} if none
     rejected: dict[str, int] = {}  # messages refused, by reason (the metrics line has them as rejected_<reason>)
+    rollbacks: int = 0  # learner restarts below the acked version, rolled back to its checkpoint
+    items_rolled_back: int = 0  # trained items whose acks a rollback undid (requeued, trained again once)
+    workers_restarted: int = 0  # rollout worker ids seen under a new session (their old leases were abandoned)
 
 
 class Batch(Message, tag="batch"):
@@ -355,6 +368,8 @@ def value_problem(message: Message) -> tuple[str, str] | None:
                 return "bad_request", f"min_items {message.min_items} out of [0, {MAX_MIN_ITEMS}]"
             if not 0.0 <= message.max_wait_s <= MAX_WAIT_S:  # NaN fails too
                 return "bad_request", f"max_wait_s {message.max_wait_s} out of [0, {MAX_WAIT_S}]"
+            if not -1 <= message.checkpoint <= message.policy_version:
+                return "bad_version", f"checkpoint {message.checkpoint} out of [-1, policy_version]"
         case BatchAck():
             if not 0 <= message.policy_version <= MAX_VERSION:
                 return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"

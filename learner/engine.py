@@ -13,17 +13,25 @@ import copy
 import datetime
 import logging
 import os
+import random
+import re
+import shutil
 from pathlib import Path
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from async_rl.config import Config, LearnerConfig
-from async_rl.errors import ConfigError
+from async_rl.errors import AsyncRLError, ConfigError
 from async_rl.model import load_model, wait_for_model_dir
 
 log = logging.getLogger("async_rl.learner")
+
+
+class CheckpointError(AsyncRLError):
+    """A checkpoint that exists but cannot be resumed from."""
 
 # Rank 0 may wait a long time for the replay service to have items while the other ranks sit in a broadcast;
 # the default collective timeout (10 min) would kill a healthy but idle run.
@@ -180,7 +188,47 @@ def _to_cpu(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
 
 
-def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int) -> None:
-    """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`; every rank must call it."""
-    engine.save_checkpoint(str(directory), tag=f"v{version}")
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None) -> None:
+    """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version and the torch,
+    numpy and python RNG states in its client state; every rank must call it. DeepSpeed points `latest` at it
+    only once it is written, so a learner killed mid-save resumes from the one before. `keep`: delete all but the
+    newest `keep` checkpoints (rank 0)."""
+    engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={"version": version, "rng": _rng_state()})
     log.info("checkpoint v%d written to %s", version, directory)
+    if keep is not None and rank() == 0:
+        tags = sorted((p for p in directory.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name)),
+                      key=lambda p: int(p.name[1:]))
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(directory: Path) -> int | None:
+    """The version of the checkpoint DeepSpeed's `latest` names in `directory`, or None (no checkpoint)."""
+    try:
+        tag = (directory / "latest").read_text().strip()
+    except OSError:
+        return None
+    if not re.fullmatch(r"v\d+", tag) or not (directory / tag).is_dir():
+        raise CheckpointError(f"{directory / 'latest'} names {tag!r}, which is not a checkpoint in {directory}")
+    return int(tag[1:])
+
+
+def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int | None:
+    """Restore the latest checkpoint in `directory` (weights, optimizer, RNG states); its version, or None when
+    there is none (a fresh start). Every rank must call it."""
+    version = latest_checkpoint(directory)
+    if version is None:
+        return None
+    path, client_state = engine.load_checkpoint(str(directory), tag=f"v{version}")
+    if path is None or client_state.get("version") != version:
+        raise CheckpointError(f"checkpoint v{version} in {directory} could not be loaded")
+    rng = client_state["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    log.info("resumed from checkpoint v%d in %s", version, directory)
+    return version

@@ -74,12 +74,23 @@ def step_metrics(
     }
 
 
+def _drop_partial_line(path: Path) -> None:
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsLog:
     """Appends the learner's lines to metrics.jsonl (flushed per line), mirrored to the learner's W&B run
     (async_rl/telemetry.py: one W&B run per role, grouped per training run)."""
 
     def __init__(self, config: Config, run_dir: Path) -> None:
-        self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
+        path = run_dir / "metrics.jsonl"
+        _drop_partial_line(path)  # a learner killed mid-line; a resumed one appends (docs/architecture.md)
+        self._metrics = RoleMetrics(config, "learner", path=path, histograms=("staleness_hist",))
 
     def write(self, line: dict[str, Any]) -> None:
         self._metrics.write(line, step=line["version"])

@@ -19,12 +19,17 @@ from collections.abc import Callable
 import zmq
 
 from async_rl.config import LearnerConfig
+from async_rl.errors import AsyncRLError
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import CurveKeys
 from async_rl.transport import BadFrame, connect_dealer, poll, receive, send
 
 log = logging.getLogger("async_rl.learner")
+
+
+class ResumeRefused(AsyncRLError):
+    """The replay cannot roll back to this learner's checkpoint (docs/architecture.md, "Resume after a crash")."""
 
 POLL_SLICE_S = 0.1
 RETRY_AFTER_ERROR_S = 0.5
@@ -44,6 +49,11 @@ class ReplayClient:
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
         self._resend_log = RateLimitedLog(log, RESEND_LOG_EVERY_S)
+        # This process (time-based, so a restarted learner's is larger): its first request tells the replay that a
+        # learner (re)started; `checkpoint` is the version of the latest durable checkpoint, reported with every
+        # request (docs/architecture.md, "Resume after a crash").
+        self.session = time.time_ns()
+        self.checkpoint = -1
 
     def next_batch(
         self, version: int, learner: LearnerConfig, should_stop: Callable[[], bool], while_idle: Callable[[], None],
@@ -60,6 +70,8 @@ class ReplayClient:
             if isinstance(reply, Error) and reply.msg_id in self._open:
                 self._open.remove(reply.msg_id)
                 log.warning("replay rejected batch request %d (%s): %s", reply.msg_id, reply.code, reply.detail)
+                if reply.detail.startswith(("bad_resume", "old_session")):
+                    raise ResumeRefused(f"the replay refused this learner's resume: {reply.detail}")
                 if reply.msg_id == msg_id:
                     time.sleep(RETRY_AFTER_ERROR_S)
                     msg_id, sent_at = self._request(version, learner), time.monotonic()
@@ -94,7 +106,8 @@ class ReplayClient:
         msg_id = next(self._msg_ids)
         send(self._socket, BatchRequest(
             learner_id=self.learner_id, msg_id=msg_id, policy_version=version, max_tokens=learner.batch_tokens,
-            min_items=learner.min_batch_items, max_wait_s=learner.batch_wait_s,
+            min_items=learner.min_batch_items, max_wait_s=learner.batch_wait_s, session=self.session,
+            checkpoint=min(self.checkpoint, version),
         ))
         self._open.append(msg_id)
         return msg_id

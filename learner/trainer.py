@@ -1,8 +1,10 @@
 """The learner's loop: pull a batch from the replay service, take the optimizer step(s), ack, publish, log.
 
-    v = number of optimizer steps taken (the policy version), 0 at start
-    repeat: BatchRequest(v) → Batch → ppo_epochs × (loss, backward, step; v += 1) → BatchAck(v)
-            → every publish_every: weights + latest.json + WeightsPublished(v) → metrics line
+    v = number of optimizer steps taken (the policy version): 0 at start, or the latest checkpoint's (resume)
+    repeat: BatchRequest(v, checkpoint) → Batch → ppo_epochs × (loss, backward, step; v += 1) → BatchAck(v)
+            → every publish_every: weights + latest.json + WeightsPublished(v)
+            → every checkpoint_every: checkpoint (after the ack: docs/architecture.md, "Resume after a crash")
+            → metrics line
     until a budget, the target success rate, a stop event or SIGTERM/SIGINT; then checkpoint, publish, summary.
 
 With several ranks (torchrun) rank 0 alone talks to the replay service and publishes; it broadcasts each batch
@@ -31,7 +33,15 @@ from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, decode, encode
 from async_rl.security import load_keys
 from learner.batch import collate
-from learner.engine import build_engine, full_state_dict, leave_distributed, rank, save_checkpoint, world_size
+from learner.engine import (
+    build_engine,
+    full_state_dict,
+    leave_distributed,
+    load_checkpoint,
+    rank,
+    save_checkpoint,
+    world_size,
+)
 from learner.metrics import MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher
 from learner.replay_client import ReplayClient
@@ -141,8 +151,22 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
         publisher = make_publisher(context, config, wait_for_model_dir(config))
         metrics = MetricsLog(config, run_dir)
     checkpoints = run_dir / "checkpoints"
-    version, stats, reason = 0, ReplayStats(), None
+    # Resume (docs/architecture.md, "Resume after a crash"): the latest checkpoint in the run directory, with its
+    # version numbering, optimizer and RNG states; the replay rolls back to it if it saw later versions acked.
+    resumed = load_checkpoint(engine, checkpoints)
+    version, stats, reason = resumed or 0, ReplayStats(), None
     checkpointed = published = -1  # the same on every rank: the final gather must be collective or skipped by all
+    keep = config.learner.keep_checkpoints
+    if resumed is not None:
+        checkpointed = resumed
+        if leader:
+            client.checkpoint = resumed
+        if leader:  # weights of versions above the checkpoint died with the learner that wrote them
+            for dead in (run_dir / "weights").glob("v*.safetensors"):
+                if dead.stem[1:].isdigit() and int(dead.stem[1:]) > version:
+                    dead.unlink(missing_ok=True)
+        _publish(engine, publisher, version)  # the workers may hold weights of versions that died with the learner
+        published = version
     bad_items = 0
     skipped_nonfinite = 0  # optimizer steps refused for a non-finite loss or gradient
 
@@ -188,20 +212,27 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
             if version % config.learner.publish_every == 0:
                 _publish(engine, publisher, version)
                 published = version
-            if config.learner.checkpoint_every and version % config.learner.checkpoint_every == 0:
-                save_checkpoint(engine, checkpoints, version)
+            every = config.learner.checkpoint_every
+            if every and version - max(checkpointed, 0) >= every:
+                # After the ack: a learner killed before this completes resumes from the previous checkpoint, and
+                # the replay rolls back the acks above it. The next BatchRequest reports it durable.
+                save_checkpoint(engine, checkpoints, version, keep)
                 checkpointed = version
+                if leader:
+                    client.checkpoint = version
             if leader:
                 layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
                 batch_line = {**batch_metrics(collate(items), trained_at), **layout}
                 line = step_metrics(version, stats, batch_line, losses, step_s,
                                     wall_s(), client.bad_messages + bad_items, skipped_nonfinite,
                                     lr=float(engine.get_lr()[0]))
+                if config.learner.log_item_ids:
+                    line["item_ids"] = [item.item_id for item in items]
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
                          stats.env_steps)
         if checkpointed != version:
-            save_checkpoint(engine, checkpoints, version)
+            save_checkpoint(engine, checkpoints, version, keep)
         if published != version:
             _publish(engine, publisher, version)
         summary = _share_summary({

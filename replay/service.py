@@ -112,6 +112,20 @@ class ReplayService:
         self.worker_versions: dict[str, int] = {}  # worker id -> the newest token version of its latest record
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
+        # Resume after a learner crash (docs/architecture.md, "Resume after a crash"): with learner checkpoints on,
+        # trained acks above the learner's latest reported checkpoint stay undoable (the journal), and a group
+        # whose items were acked above it stays open, so a learner that comes back at that checkpoint can be
+        # rolled back to it exactly.
+        self.checkpoints_on = config.learner.checkpoint_every > 0
+        self.learner_session = 0  # the learner process the replay last heard from (BatchRequest.session)
+        self.checkpointed = 0  # the learner's latest reported durable checkpoint (version 0 is rebuilt from config)
+        self.journal: deque[tuple[int, list[QueuedItem]]] = deque()  # (ack version, items) above `checkpointed`
+        self.unconfirmed: dict[str, int] = {}  # group id -> its newest trained ack version above `checkpointed`
+        self.worker_sessions: dict[str, int] = {}  # worker id -> the newest session seen
+        # Versions rollbacks took back: admission counts them as steps taken. The groups admitted for them are in
+        # the system already, and the resumed learner may retrain their items in fewer steps; counted from its
+        # version alone, admission would wait for steps that no item is left to make (a stall, tests/test_faults.py).
+        self.admission_offset = 0
 
     # --- the two entry points ---------------------------------------------------------------------
 
@@ -127,6 +141,8 @@ class ReplayService:
         problem = value_problem(message)
         if problem is not None:
             return self._refuse(identity, message, "malformed", *problem, now)
+        if isinstance(message, LeaseRequest | Heartbeat):
+            self._worker_session(message.worker_id, message.session, now)
         if isinstance(message, LeaseRequest | StageRecord | Outcome | Heartbeat):
             self._renew(message.worker_id, now)
         match message:
@@ -211,7 +227,9 @@ class ReplayService:
         if algo.mode == "sync":
             allowed = self._round_open()
         else:
-            allowed = admission_allowed(admitted + 1, v, algo.max_staleness, algo.groups_per_step)
+            # rolled-back versions count as steps taken (see admission_offset)
+            allowed = admission_allowed(admitted + 1, v + self.admission_offset, algo.max_staleness,
+                                        algo.groups_per_step)
             if allowed and not self._guard_admits(request.worker_id):
                 allowed = False
                 self.counters.guard_leases_denied += 1
@@ -310,16 +328,31 @@ class ReplayService:
 
     def _expire_leases(self, now: float) -> None:
         timeout_s = self.config.replay.lease_timeout_s
-        for worker_id, group_ids in list(self.leases.items()):
+        for worker_id in list(self.leases):
             if now - self.worker_seen[worker_id] < timeout_s:
                 continue
             log.warning("worker %s silent for %.1f s: abandoning its unfinished trajectories", worker_id, timeout_s)
-            for group_id in list(group_ids):
-                group = self.groups[group_id]
-                for i in group.unfinished_members():
-                    self._abandon(group, i, f"lease of worker {worker_id} expired")
-                self._end_lease(group)
-                self._advance(group, now)
+            self._abandon_worker(worker_id, f"lease of worker {worker_id} expired", now)
+
+    def _abandon_worker(self, worker_id: str, reason: str, now: float) -> None:
+        for group_id in list(self.leases.get(worker_id, ())):
+            group = self.groups[group_id]
+            for i in group.unfinished_members():
+                self._abandon(group, i, reason)
+            self._end_lease(group)
+            self._advance(group, now)
+
+    def _worker_session(self, worker_id: str, session: int, now: float) -> None:
+        """A worker id seen under a newer session is a restarted worker: the old process's leases are abandoned
+        now (it will never send their outcomes), not after replay.lease_timeout_s of heartbeats from the new one."""
+        known = self.worker_sessions.get(worker_id)
+        if session == 0 or (known is not None and session <= known):
+            return  # not told, the same process, or a late message of an older one
+        self.worker_sessions[worker_id] = session
+        if known is not None:
+            self.counters.workers_restarted += 1
+            log.warning("worker %s restarted: abandoning what its previous process held", worker_id)
+            self._abandon_worker(worker_id, f"worker {worker_id} restarted", now)
 
     def _eval_report(self, report: EvalReport) -> Ack:
         self.latest_eval = {**report.metrics, "eval_version": float(report.policy_version)}
@@ -347,7 +380,7 @@ class ReplayService:
             for item in group.finalize(self.algo, self.item_ids, with_corrections=corrections_on(updates)):
                 self.queue.append(item)
                 self._tally(group.group_id)[0] += 1
-        if group.closable():
+        if group.closable() and self._confirmed(group):
             residual = group.residual()
             if not residual <= self.counters.ledger_residual_max:  # NaN-aware: a NaN residual must show, not vanish
                 self.counters.ledger_residual_max = residual
@@ -383,7 +416,9 @@ class ReplayService:
     # --- learners -----------------------------------------------------------------------------------
 
     def _park(self, identity: bytes, request: BatchRequest, now: float) -> Error | None:
-        refused = self._learner_version(request.msg_id, request.policy_version)
+        refused = self._learner_session(request, now)
+        if refused is None:
+            refused = self._learner_version(request.msg_id, request.policy_version)
         if refused is not None:
             return refused
         # A newer request from the same learner replaces its older one (among them a request re-sent after
@@ -603,6 +638,7 @@ class ReplayService:
         `corrections_only` (the guard), stop at the first item that is not a correction."""
         v, algo = self.policy_version, self.algo
         served: list[QueuedItem] = []
+        stale_groups: dict[str, Group] = {}  # a group held open for its immediates may close now (_confirmed)
         longest = 0
         while self.queue:
             queued = self.queue.pop_front()
@@ -611,6 +647,8 @@ class ReplayService:
                 self.counters.immediate_skipped_stale += 1  # issued stays 0: the correction carries its credit
                 if group is not None:
                     group.queued_immediates.discard(queued.item_id)
+                    if self._retaining():
+                        stale_groups[group.group_id] = group
                 self._item_done(queued.group_id, trained=False)
                 continue
             if queued.kind == "correction" and not correction_trainable(
@@ -628,6 +666,9 @@ class ReplayService:
             if queued.kind == "immediate" and group is not None:
                 group.queued_immediates.discard(queued.item_id)
                 group.in_flight_immediates.add(queued.item_id)
+        for group in stale_groups.values():
+            if group.group_id in self.groups:
+                self._advance(group, now)
         if not served:
             return None
         batch_id = next(self.batch_ids)
@@ -673,6 +714,7 @@ class ReplayService:
         if not ack.trained:
             self._untrained(batch, now)
             return Ack(msg_id=ack.msg_id)
+        self._journal_ack(ack.policy_version, batch.items)
         touched: dict[str, Group] = {}
         for queued in batch.items:
             tally = self._tally(queued.group_id)
@@ -707,13 +749,20 @@ class ReplayService:
             if group.group_id in self.groups:
                 self._advance(group, now)
 
-    def _requeue_unacked(self, now: float) -> None:
+    def _requeue_unacked(self, now: float, everything: bool = False) -> None:
+        """Batches not acked within replay.batch_ack_timeout_s (`everything`: all of them, their learner is gone)
+        go back to the front of the queue."""
         timeout_s = self.config.replay.batch_ack_timeout_s
-        expired = [batch_id for batch_id, batch in self.in_flight.items() if now - batch.sent_at >= timeout_s]
+        expired = [batch_id for batch_id, batch in self.in_flight.items()
+                   if everything or now - batch.sent_at >= timeout_s]
         touched: dict[str, Group] = {}
         for batch_id in reversed(expired):  # the oldest batch ends up first
             batch = self.in_flight.pop(batch_id)
-            log.warning("batch %d not acked within %.1f s: back to the front of the queue", batch_id, timeout_s)
+            if everything:
+                log.warning("batch %d was in flight to a learner that restarted: back to the front of the queue",
+                            batch_id)
+            else:
+                log.warning("batch %d not acked within %.1f s: back to the front of the queue", batch_id, timeout_s)
             self.queue.push_front(batch.items)
             for queued in batch.items:
                 group = self.groups.get(queued.group_id)
@@ -723,6 +772,131 @@ class ReplayService:
                     touched[group.group_id] = group
         for group in touched.values():
             self._advance(group, now)
+
+    # --- resume after a learner crash (docs/architecture.md, "Resume after a crash") -----------------------
+
+    def _learner_session(self, request: BatchRequest, now: float) -> Error | None:
+        """Take the learner's checkpoint report; on the first request of a new learner process, requeue what was in
+        flight to the old one and, if it came back below the acked version, roll back to its checkpoint."""
+        if request.session == 0 or request.session == self.learner_session:
+            self._confirm_checkpoint(request.checkpoint, now)
+            return None
+        if request.session < self.learner_session:  # sessions are start times: a newer learner already spoke
+            return self._reject(request.msg_id, "bad_state", "old_session",
+                                f"learner session {request.session} is older than {self.learner_session}")
+        r = request.policy_version
+        if r < self.policy_version:
+            problem = self._rollback_problem(r)
+            if problem is not None:
+                return self._reject(request.msg_id, "bad_state", "bad_resume", problem)
+        log.info("learner session %d starts at version %d (the replay had %d, checkpoint %d)",
+                 request.session, r, self.policy_version, self.checkpointed)
+        self.learner_session = request.session
+        self._requeue_unacked(now, everything=True)
+        if r < self.policy_version:
+            self._roll_back(r, now)
+        self._confirm_checkpoint(request.checkpoint, now)
+        return None
+
+    def _rollback_problem(self, version: int) -> str | None:
+        """Why a learner restarted at `version` (below the replay's) cannot be rolled back to, or None. The only
+        target is the learner's latest reported checkpoint: a forged restart can at most undo the acks above it
+        (they are trained again), never a group that closed."""
+        if not self._retaining():
+            return (f"the learner restarted at version {version} below {self.policy_version}, and with "
+                    "learner.checkpoint_every 0 the replay keeps nothing to roll back: restart the replay as well")
+        if version != self.checkpointed:
+            return (f"the learner restarted at version {version}, but its latest reported checkpoint is "
+                    f"{self.checkpointed}: the replay can only roll back to that one")
+        return None
+
+    def _retaining(self) -> bool:
+        """Keep what a rollback needs: learner checkpoints are on, and the learner tells its session (a client that
+        does not, e.g. a test driving the service by hand, gets the plain service: groups close at once)."""
+        return self.checkpoints_on and self.learner_session != 0
+
+    def _journal_ack(self, version: int, items: list[QueuedItem]) -> None:
+        if not self._retaining() or not items:
+            return
+        self.journal.append((version, items))
+        for queued in items:
+            self.unconfirmed[queued.group_id] = max(version, self.unconfirmed.get(queued.group_id, version))
+
+    def _confirmed(self, group: Group) -> bool:
+        """May `group` close? Not while a rollback could still take back one of its acks, nor (immediate-only)
+        while its immediate items wait: a rollback would requeue them into a group that is gone."""
+        if not self._retaining():
+            return True
+        if group.queued_immediates or group.in_flight_immediates:
+            return False
+        return self.unconfirmed.get(group.group_id, -1) <= self.checkpointed
+
+    def _confirm_checkpoint(self, version: int, now: float) -> None:
+        """The learner's checkpoint at `version` is durable: acks at or below it are final."""
+        if version <= self.checkpointed or version > self.policy_version:
+            return
+        self.checkpointed = version
+        released: set[str] = set()
+        while self.journal and self.journal[0][0] <= version:
+            released.update(queued.group_id for queued in self.journal.popleft()[1])
+        for group_id in released:
+            if self.unconfirmed.get(group_id, -1) <= version:
+                self.unconfirmed.pop(group_id, None)
+                group = self.groups.get(group_id)
+                if group is not None:
+                    self._advance(group, now)
+
+    def _roll_back(self, version: int, now: float) -> None:
+        """Undo every trained ack above `version`: its credit leaves the ledger and its items go back to the front of
+        the queue, to be trained once more by the resumed learner. A finalized group that loses an immediate's credit
+        is finalized again (its corrections are withdrawn and C = A_final − issued recomputed)."""
+        undone: list[QueuedItem] = []
+        while self.journal and self.journal[-1][0] > version:
+            undone[:0] = self.journal.pop()[1]
+        refinalize: dict[str, Group] = {}
+        touched: dict[str, Group] = {}
+        kept: list[QueuedItem] = []
+        for queued in undone:
+            group = self.groups.get(queued.group_id)  # kept open by _confirmed
+            if group is None:  # cannot happen (a bug if it does): the item is not requeued, its group is gone
+                log.error("rollback: group %s of item %d is closed; not requeued", queued.group_id, queued.item_id)
+                continue
+            kept.append(queued)
+            immediate = queued.kind == "immediate"
+            for k, advantage in queued.credit.items():
+                group.ledger.undo_trained(queued.member, k, advantage, immediate=immediate)
+            tally = self._tally(queued.group_id)
+            tally[0] += 1
+            tally[1] -= 1
+            if immediate:
+                group.queued_immediates.add(queued.item_id)
+                if group.finalized:
+                    refinalize[group.group_id] = group
+            else:
+                group.open_corrections.add(queued.item_id)
+            touched[group.group_id] = group
+        self.queue.push_front(kept)
+        for group in refinalize.values():
+            for item_id in group.open_corrections:
+                self.queue.remove(item_id)  # every correction came after the immediate's ack: none was final
+            self._tally(group.group_id)[0] -= len(group.open_corrections)
+            group.open_corrections.clear()
+            group.dropped_stages.clear()
+            group.finalized = False
+            group.ledger.unfinalize()
+        self.unconfirmed.clear()
+        for ack_version, items in self.journal:
+            for queued in items:
+                self.unconfirmed[queued.group_id] = max(ack_version, self.unconfirmed.get(queued.group_id, ack_version))
+        self.counters.rollbacks += 1
+        self.counters.items_rolled_back += len(undone)
+        log.warning("learner resumed at version %d below %d: rolled back %d trained item(s) (%d group(s) finalized "
+                    "again)", version, self.policy_version, len(undone), len(refinalize))
+        self.admission_offset += self.policy_version - version
+        self.policy_version = version
+        for group in touched.values():
+            if group.group_id in self.groups:
+                self._advance(group, now)
 
     # --- errors ---------------------------------------------------------------------------------------
 

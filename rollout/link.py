@@ -46,6 +46,7 @@ class ReplayLink:
         self.heartbeat_s = heartbeat_s
         # msg_ids start at the wall clock in microseconds so a restarted worker never reuses an id replay has seen.
         self._next_msg_id = time.time_ns() // 1000
+        self.session = time.time_ns()  # this process: a restarted worker's old leases are abandoned at once
         self.unacked: dict[int, _Unacked] = {}
         self.lease_request: LeaseRequest | None = None  # awaiting its LeaseGrant / LeaseDenied
         self._lease_sent_at = 0.0
@@ -62,7 +63,7 @@ class ReplayLink:
         self._send(message)
 
     def request_lease(self) -> None:
-        self.lease_request = LeaseRequest(worker_id=self.worker_id, msg_id=self.next_msg_id())
+        self.lease_request = LeaseRequest(worker_id=self.worker_id, msg_id=self.next_msg_id(), session=self.session)
         self._lease_sent_at = time.monotonic()
         self._send(self.lease_request)
 
@@ -105,7 +106,7 @@ class ReplayLink:
             self._send(self.lease_request)
         if now >= self._heartbeat_at:
             self._heartbeat_at = now + self.heartbeat_s
-            self._send(Heartbeat(worker_id=self.worker_id, group_ids=group_ids))
+            self._send(Heartbeat(worker_id=self.worker_id, group_ids=group_ids, session=self.session))
 
     def _rejected(self, error: Error) -> None:
         """Replay refused a message: resending the same bytes cannot help, so stop resending it."""

@@ -117,7 +117,9 @@ class WeightsFollower:
         self._catch_up(run_dir / "weights" / "latest.json")
 
     def sync(self) -> None:
-        """Drain every announcement waiting on SUB; load only the newest one (skipped versions are superseded)."""
+        """Drain every announcement waiting on SUB; load only the last one (skipped versions are superseded). The last,
+        not the highest: a learner that resumed from a checkpoint announces a version below the engine's, and the
+        weights of the versions above it died with the old learner (docs/architecture.md, "Resume after a crash")."""
         newest: WeightsPublished | None = None
         while self.socket.poll(0):
             try:
@@ -129,7 +131,7 @@ class WeightsFollower:
             if not isinstance(message, WeightsPublished):
                 self.bad_messages += 1
                 log.warning("ignoring an unexpected %s on the weights channel", type(message).__name__)
-            elif newest is None or message.version > newest.version:
+            else:
                 newest = message
         if newest is not None:
             self._load(newest.version, newest.path)
@@ -146,7 +148,7 @@ class WeightsFollower:
         self._load(version, path)
 
     def _load(self, version: int, path: str) -> None:
-        if version <= self.engine.version:
+        if version == self.engine.version:
             return
         try:
             self.engine.update_weights(version, path)

@@ -54,3 +54,12 @@ def test_a_wrong_role_or_option_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--index", "2"])  # --index belongs to rollout
     assert info.value.code == 2
+
+
+def test_resume_names_what_is_wrong_before_anything_starts(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert f"--resume: {tmp_path / 'nowhere'} is not a run directory (no config.yaml)" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path), "--config", "configs/local.yaml"]) == 2
+    assert "leave out --config" in capsys.readouterr().err
+    args = parse_args(["train", "--resume", "runs/local", "run.max_versions=20"])
+    assert args.resume == "runs/local" and args.overrides == ["run.max_versions=20"]

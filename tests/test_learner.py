@@ -615,3 +615,24 @@ def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path
     first, second = replay.requests
     assert (first.policy_version, second.policy_version) == (3, 3) and second.msg_id != first.msg_id
     assert batch.msg_id == second.msg_id and client.resent_requests == 1
+
+
+@pytest.mark.slow
+def test_a_restarted_learner_resumes_from_its_last_checkpoint_exactly(tmp_path):
+    """4 versions, then a second learner in the same run dir: it resumes at v4 (weights, Adam state, RNG) and its
+    v6 is bit-identical to an uninterrupted run's; it tells the replay its session and checkpoint."""
+    keep = {"checkpoint_every": 2, "keep_checkpoints": 1}
+    first = LearnerRun(make_config(tmp_path / "a", learner=keep)).start().finish()
+    assert sorted(p.name for p in (first.run_dir / "checkpoints").iterdir() if p.is_dir()) == ["v4"]
+    assert [r.checkpoint for r in first.replay.requests] == [-1, -1, 2, 2]
+    resumed = LearnerRun(make_config(tmp_path / "a", learner=keep, run={"max_versions": 6})).start().finish()
+    assert resumed.replay.requests[0].policy_version == 4 and resumed.replay.requests[0].checkpoint == 4
+    assert resumed.replay.requests[0].session > first.replay.requests[0].session
+    assert [ack.policy_version for ack in resumed.replay.acks] == [5, 6]
+    assert [line["version"] for line in resumed.metrics()] == [1, 2, 3, 4, 5, 6]  # metrics.jsonl continues
+    straight = LearnerRun(make_config(tmp_path / "b", learner=keep, run={"max_versions": 6})).start().finish()
+    fresh, again = load_model(prepare_model_dir(straight.config)), load_model(prepare_model_dir(straight.config))
+    load_weights(fresh, straight.run_dir / "weights" / "v6.safetensors")
+    load_weights(again, resumed.run_dir / "weights" / "v6.safetensors")
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -49,7 +49,7 @@ def assert_children_gone(run_dir: Path) -> None:
 
 
 def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
-    done, run_dir = train(tmp_path, "run.max_versions=25")
+    done, run_dir = train(tmp_path, "run.max_versions=25", "learner.checkpoint_every=10")  # groups close at checkpoints
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["versions"] == 25 and result["run_dir"] == str(run_dir)
@@ -107,15 +107,16 @@ def test_ctrl_c_stops_every_child_cleanly(tmp_path):
     assert_children_gone(tmp_path / "t")
 
 
-def test_a_dead_child_is_named_and_stops_the_run(tmp_path):
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
+def test_a_dead_child_past_its_restarts_is_named_and_stops_the_run(tmp_path):
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN,
+            "run.max_restarts=0"]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(tmp_path / "t" / "metrics.jsonl")
     pids = json.loads((tmp_path / "t" / "processes.json").read_text())
     os.kill(pids["rollout-1"], signal.SIGKILL)
     out, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 1
-    assert "rollout-1 died" in err
+    assert "rollout-1 died" in err and f"async-rl train --resume {tmp_path / 't'}" in err
     assert_children_gone(tmp_path / "t")
 
 

@@ -948,3 +948,179 @@ def test_a_wire_fuzz_of_hostile_values_is_refused_by_reason_and_the_service_keep
     assert sum(rejected.values()) == errors + sent_errors, "every refusal counted once, by reason"
     assert errors > 5_000
     assert_ledgers_finite(service)
+
+
+# --- resume after a learner crash (docs/architecture.md, "Resume after a crash") ---------------------------------
+
+
+def session_request(service: ReplayService, version: int, session: int, checkpoint: int, max_tokens: int = 10**6):
+    request = BatchRequest(learner_id="learner", msg_id=7, policy_version=version, max_tokens=max_tokens, min_items=1,
+                           max_wait_s=0.0, session=session, checkpoint=checkpoint)
+    replies = service.handle(LEARNER, request, 0.0)
+    assert len(replies) <= 1
+    return replies[0][1] if replies else None
+
+
+def surviving_credit(lineage: list[tuple[int, list[TrainItem]]]) -> dict[tuple[str, int, int], float]:
+    credit: dict[tuple[str, int, int], float] = {}
+    for _, items in lineage:
+        for item in items:
+            member = int(item.trajectory_id.split("/")[1])
+            for k, a in stage_credit(item).items():
+                credit[(item.group_id, member, k)] = credit.get((item.group_id, member, k), 0.0) + a
+    return credit
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_learner_that_resumes_from_its_checkpoint_is_rolled_back_exactly(seed):
+    """Random interleavings of records, outcomes and learner steps; the learner checkpoints every 2, 3 or 5
+    versions (after the ack) and is killed once at a random point, then resumes from its last checkpoint. In the
+    surviving lineage (what the checkpoint trained, then what the resumed learner trained) every item is trained at
+    most once and every stage's credit sums to A_final; every group closes."""
+    rng = random.Random(seed)
+    config = make_config(algo={"max_staleness": 100, "max_correction_staleness": 100},
+                         learner={"checkpoint_every": 2})
+    service, worker = ReplayService(config), Worker()
+    grants = [lease(service, worker) for _ in range(3)]
+    pending = [m for grant in grants for m in stage_records(worker, grant)]
+    outcomes = [m for grant in grants for m in outcome_messages(worker, grant)]
+    lineage: list[tuple[int, list[TrainItem]]] = []  # (version after the step, items) of the surviving lineage
+    version, checkpoint, session, killed = 0, -1, 1, False
+    kill_at, every = rng.randrange(1, 12), rng.choice([2, 3, 5])
+    for _ in range(400):
+        batches = []  # a parked request is answered when a worker's message brings items
+        if pending and rng.random() < 0.6:
+            batches += send_all(service, [pending.pop(rng.randrange(min(3, len(pending))))])
+        elif not pending and outcomes and rng.random() < 0.5:
+            batches += send_all(service, [outcomes.pop(rng.randrange(len(outcomes)))])
+        if not batches:
+            batches = [session_request(service, version, session, checkpoint, max_tokens=rng.choice([20, 40, 80]))]
+        if batches == [None]:
+            if not pending and not outcomes and len(service.queue) == 0:
+                if killed:
+                    break
+                kill_at = version  # nothing left: the crash comes now, after the last ack
+            else:
+                continue
+        else:
+            (batch,) = batches
+            assert isinstance(batch, Batch), batch
+            version += 1
+            lineage.append((version, batch.items))
+            assert isinstance(ack_batch(service, batch, version), Ack)
+        died_before_save = not killed and version == kill_at and rng.random() < 0.5
+        if version % every == 0 and not died_before_save:
+            checkpoint = version
+        if not killed and version == kill_at:  # SIGKILL: what was trained after the checkpoint dies with it
+            killed, session = True, 2
+            lineage = [(v, items) for v, items in lineage if v <= max(checkpoint, 0)]
+            version = max(checkpoint, 0)
+    else:
+        pytest.fail("the run did not finish")
+    session_request(service, version, session, version)  # the final checkpoint, reported
+    stats = service.stats_snapshot()
+    assert killed, (version, kill_at)
+    assert stats.groups_closed == 3 and not service.groups and len(service.queue) == 0, (stats, service.groups)
+    ids = [item.item_id for _, items in lineage for item in items]
+    assert len(ids) == len(set(ids)), "an item trained twice in the surviving lineage"
+    expected = expected_final_credit(config)
+    trained = surviving_credit(lineage)
+    for grant in grants:
+        for (i, k), a_final in expected.items():
+            assert math.isclose(trained.get((grant.group_id, i, k), 0.0), a_final, abs_tol=1e-9), (grant, i, k)
+    assert service.counters.ledger_residual_max < 1e-9
+
+
+def test_a_resume_below_or_above_the_reported_checkpoint_is_refused():
+    config = make_config(learner={"checkpoint_every": 2})
+    service, worker = ReplayService(config), Worker()
+    first = lease(service, worker)
+    send_all(service, stage_records(worker, first))
+    ack_batch(service, session_request(service, 0, 1, -1), 1)  # first's immediates
+    send_all(service, outcome_messages(worker, first))
+    ack_batch(service, session_request(service, 1, 1, -1), 2)  # its corrections; then checkpoint v2
+    second = lease(service, worker)
+    send_all(service, stage_records(worker, second))
+    ack_batch(service, session_request(service, 2, 1, 2), 3)  # reports v2 durable; second's immediates at v3
+    assert service.checkpointed == 2 and service.policy_version == 3
+    assert service.stats_snapshot().groups_closed == 1  # first: all its acks are at or below the checkpoint
+    for wrong in (0, 1):  # below the reported checkpoint: the acks at 1 and 2 are final
+        error = session_request(service, wrong, 2, wrong)
+        assert isinstance(error, Error) and "bad_resume" in error.detail, error
+    assert service.policy_version == 3 and service.counters.rollbacks == 0
+    batch = session_request(service, 2, 2, 2)  # the resume at the checkpoint: second's immediates come back
+    assert isinstance(batch, Batch) and {item.group_id for item in batch.items} == {second.group_id}
+    assert service.counters.rollbacks == 1 and service.counters.items_rolled_back == len(batch.items)
+    assert service.policy_version == 2
+    error = session_request(service, 2, 1, 2)  # the dead process's session: older than the resumed one
+    assert isinstance(error, Error) and "old_session" in error.detail
+
+
+def test_without_learner_checkpoints_a_restart_below_the_acked_version_is_refused():
+    service, worker = ReplayService(make_config(learner={"checkpoint_every": 0})), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    batch = session_request(service, 0, 1, -1)
+    ack_batch(service, batch, 1)
+    error = session_request(service, 0, 2, -1)
+    assert isinstance(error, Error) and "checkpoint_every 0" in error.detail
+
+
+def test_a_restarted_worker_s_old_leases_are_abandoned_at_once():
+    service = ReplayService(make_config())
+    grant = only_reply(service.handle(WORKER, LeaseRequest(worker_id="worker-0", msg_id=1, session=10), 0.0))
+    assert isinstance(grant, LeaseGrant)
+    service.handle(WORKER, Heartbeat(worker_id="worker-0", session=10), 1.0)
+    assert not service.groups[grant.group_id].ledger.abandoned
+    service.handle(WORKER, Heartbeat(worker_id="worker-0", session=5), 2.0)  # a late message of an older process
+    assert not service.groups[grant.group_id].ledger.abandoned
+    service.handle(WORKER, Heartbeat(worker_id="worker-0", session=20), 3.0)  # the restarted process
+    assert service.counters.workers_restarted == 1
+    assert grant.group_id not in service.groups  # every member abandoned: the group closed with nothing trained
+    assert service.counters.trajectories_abandoned == 4
+
+
+def test_a_rollback_past_a_group_s_immediates_finalizes_it_again():
+    """Immediates acked at v1, the group finalized, its corrections acked at v2, no checkpoint yet: the learner
+    restarts at version 0. Both acks are undone, the corrections are withdrawn and the group is finalized again:
+    its new corrections carry all of A_final (issued is back to 0), trained once."""
+    config = make_config(learner={"checkpoint_every": 2})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    immediates = session_request(service, 0, 1, -1)
+    assert {item.kind for item in immediates.items} == {"immediate"}
+    ack_batch(service, immediates, 1)
+    send_all(service, outcome_messages(worker, grant))
+    old_corrections = session_request(service, 1, 1, -1)
+    ack_batch(service, old_corrections, 2)
+    assert service.groups, "acked above the checkpoint: the group stays open"
+    batch = session_request(service, 0, 2, -1)  # the learner restarted with no checkpoint: version 0
+    assert service.counters.rollbacks == 1 and service.counters.items_rolled_back == len(immediates.items) + len(
+        old_corrections.items)
+    assert {item.kind for item in batch.items} == {"correction"}
+    assert not {item.item_id for item in batch.items} & {item.item_id for item in old_corrections.items}
+    trained = surviving_credit([(1, batch.items)])
+    for (i, k), a_final in expected_final_credit(config).items():
+        assert math.isclose(trained.get((grant.group_id, i, k), 0.0), a_final, abs_tol=1e-9), (i, k)
+    ack_batch(service, batch, 1)
+    assert service.groups  # not yet: the ack at v1 is above the checkpoint
+    session_request(service, 1, 2, 1)  # checkpoint v1 reported
+    assert not service.groups and service.stats_snapshot().groups_closed == 1
+    assert service.counters.ledger_residual_max < 1e-9
+
+
+def test_admission_after_a_rollback_counts_the_versions_it_took_back_as_steps():
+    """The groups admitted for versions the dead learner reached are in the system already; the resumed learner
+    may retrain their items in fewer steps, so admission must not wait for it to reach that version again (a
+    real run stalled so: tests/test_faults.py)."""
+    config = make_config(learner={"checkpoint_every": 2}, algo={"groups_per_step": 1, "max_staleness": 0})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    ack_batch(service, session_request(service, 0, 1, -1), 1)
+    assert isinstance(session_request(service, 0, 2, -1), Batch)  # restarted at 0: rolled back, items re-served
+    assert service.policy_version == 0
+    assert isinstance(lease(service, worker), LeaseGrant)  # 2 groups <= (1 + 0 + 1) x 1, as before the crash
+    denied = only_reply(service.handle(WORKER, worker.lease(), 0.0))
+    assert isinstance(denied, LeaseDenied) and denied.reason == "staleness"

@@ -479,7 +479,8 @@ def test_a_worker_with_no_server_left_stops_the_run_with_a_clear_message(tmp_pat
     # The run ends in seconds; the limit only catches a hang (a loaded machine starts the roles slowly).
     done = subprocess.run(
         [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *TRAIN,
-         "rollout.workers=1", f"rollout.sglang.urls=[{dead}]", "rollout.sglang.unavailable_timeout_s=3"],
+         "rollout.workers=1", f"rollout.sglang.urls=[{dead}]", "rollout.sglang.unavailable_timeout_s=3",
+         "run.max_restarts=0"],
         capture_output=True, text=True, timeout=400,
     )
     assert done.returncode == 1

@@ -1,0 +1,177 @@
+"""Fault injection: `async-rl train` with a role SIGKILLed at a random (seeded) point, then restarted or resumed
+(docs/architecture.md, "Resume after a crash"). Every trial checks that the run reaches its budget, that no acked
+record is lost (the replay's counts of acked records never go back), that no item is trained twice in the surviving
+lineage (the learner lists the item ids it trained, `learner.log_item_ids`), that the ledger stays exact across the
+restart, and that no process of the run is left behind.
+
+One trial per fault in CI; `ASYNC_RL_FAULT_TRIALS=5 python -m pytest tests/test_faults.py` is the full form
+(docs/benchmarks.md, "Fault injection").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TRIALS = int(os.environ.get("ASYNC_RL_FAULT_TRIALS", "1"))
+MAX_VERSIONS = 30
+FAULT_RUN = [
+    "wandb.mode=disabled",
+    "run.target_success=null",
+    "run.eval_samples_per_task=0",
+    "rollout.workers=2",
+    "rollout.group_size=4",
+    "env.kwargs.num_tasks=4",
+    "env.kwargs.step_latency_s=0.01",
+    "env.kwargs.outcome_delay_s=0.3",
+    "learner.min_batch_items=4",
+    "learner.batch_wait_s=0.2",
+    "learner.checkpoint_every=5",
+    "learner.log_item_ids=true",
+    "algo.max_staleness=2",
+    "replay.lease_timeout_s=5",
+]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_versions(run_dir: Path, versions: int, launcher: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, "the run ended before the fault"
+        if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= versions:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no version {versions} within {timeout_s} s")
+
+
+def surviving_lineage(lines: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the lines of the lineage that survived, the lines of versions that died with a killed learner): a resumed
+    learner writes again from its checkpoint's version + 1, so earlier lines at or above that version died."""
+    surviving: list[dict] = []
+    died: list[dict] = []
+    for line in lines:
+        while surviving and surviving[-1]["version"] >= line["version"]:
+            died.append(surviving.pop())
+        surviving.append(line)
+    return surviving, died
+
+
+def processes_of(run_dir: Path) -> list[psutil.Process]:
+    """Every live process started for this run (its roles name the run's config.yaml on their command line)."""
+    target = (run_dir / "config.yaml").resolve()
+    found = []
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        for part in process.info["cmdline"] or []:
+            if part.endswith("config.yaml") and (Path(process.info["cwd"] or "/") / part).resolve() == target:
+                found.append(process)
+                break
+    return found
+
+
+def check_run(run_dir: Path, max_versions: int) -> dict:
+    """The invariants every trial must keep; returns the numbers the docs table reports."""
+    lines = metrics(run_dir)
+    surviving, died = surviving_lineage(lines)
+    assert [line["version"] for line in surviving] == list(range(1, max_versions + 1)), "the budget is reached"
+    trained = [item for line in surviving for item in line["item_ids"]]
+    assert len(trained) == len(set(trained)), "an item was trained twice in the surviving lineage"
+    for key in ("env_steps", "trajectories_finished", "groups_started"):  # acked records are never lost
+        counts = [line[key] for line in lines]
+        assert counts == sorted(counts), f"{key} went back: the replay lost acked records"
+    assert max(line["ledger_residual_max"] for line in lines) < 1e-6
+    last = surviving[-1]
+    assert last["groups_closed"] > 0
+    if died:  # acks above the checkpoint were rolled back, once
+        assert last["rollbacks"] == 1 and last["items_rolled_back"] >= 1
+    assert not processes_of(run_dir), "a process of the run is still running"
+    return {"versions_lost": len(died), "items_rolled_back": last["items_rolled_back"],
+            "trajectories_abandoned": last["trajectories_abandoned"], "items_trained": len(trained)}
+
+
+def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str) -> tuple[subprocess.CompletedProcess,
+                                                                                     Path, int]:
+    """`async-rl train` with `role` SIGKILLed after a random number of versions; the launcher restarts it."""
+    run_dir = tmp_path / "t"
+    kill_after = random.Random(seed).randint(6, 20)
+    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *FAULT_RUN,
+            f"run.max_versions={MAX_VERSIONS}", f"run.seed={seed}", *overrides]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_versions(run_dir, kill_after, launcher)
+        os.kill(json.loads((run_dir / "processes.json").read_text())[role], signal.SIGKILL)
+        out, err = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:  # a failed test must not leave a run behind (its children follow it)
+            launcher.kill()
+            launcher.wait()
+    return subprocess.CompletedProcess(args, launcher.returncode, out, err), run_dir, kill_after
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_a_killed_learner_is_restarted_and_resumes_from_its_checkpoint(tmp_path, trial):
+    done, run_dir, kill_after = train_with_fault(tmp_path, "learner", seed=trial)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "learner died (exit code -9); restart 1 of 3" in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["versions"] == MAX_VERSIONS
+    numbers = check_run(run_dir, MAX_VERSIONS)
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "resumed from checkpoint" in learner_log or numbers["versions_lost"] < 5  # killed before v5: no checkpoint
+    print(json.dumps({"fault": "learner", "trial": trial, "killed_after_versions": kill_after, **numbers}))
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_a_killed_rollout_worker_is_restarted_and_its_leases_abandoned(tmp_path, trial):
+    # The only worker: the run cannot reach its budget without the restarted one.
+    done, run_dir, kill_after = train_with_fault(tmp_path, "rollout-0", 100 + trial, "rollout.workers=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rollout-0 died (exit code -9); restart 1 of 3" in done.stderr
+    numbers = check_run(run_dir, MAX_VERSIONS)
+    last = metrics(run_dir)[-1]
+    assert last["workers_restarted"] == 1 and last["rollbacks"] == 0 and last["trajectories_abandoned"] > 0
+    print(json.dumps({"fault": "rollout-0", "trial": trial, "killed_after_versions": kill_after, **numbers}))
+
+
+@pytest.mark.skip(reason="the replay keeps its state in memory: a restarted replay rebuilds it only with the "
+                         "write-ahead log of the durable-replay work (B1), not merged yet")
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_a_killed_replay_is_restarted_and_rebuilds_its_state(tmp_path, trial):
+    done, run_dir, kill_after = train_with_fault(tmp_path, "replay", seed=200 + trial)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_run(run_dir, MAX_VERSIONS)
+
+
+def test_resume_continues_a_stopped_run_in_its_run_directory(tmp_path):
+    """`async-rl train --resume runs/local run.max_versions=20` (README) after a run that stopped at 10: the same
+    directory, and versions and metrics.jsonl continue."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    first = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", *FAULT_RUN, "rollout.workers=1",
+                            "run.max_versions=10"],
+                           capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "local"
+    resumed = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "--resume", "runs/local",
+                              "run.max_versions=20"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                             env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert result["versions"] == 20 and result["run_dir"] == str(run_dir.resolve())
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["local"], "no fresh run directory"
+    assert [line["version"] for line in metrics(run_dir)] == list(range(1, 21))
+    assert "resumed from checkpoint v10" in (run_dir / "logs" / "learner.log").read_text()
+    assert "max_versions: 20" in (run_dir / "config.yaml").read_text()
+    assert not processes_of(run_dir)
