@@ -123,6 +123,12 @@ class ReplayConfig(_Section):
     max_version_lead: NonNegInt = 2
     vocab_size: PosInt | None = None  # token ids >= this are refused when set (the replay does not load the model)
     max_message_bytes: PosInt = 64 * 2**20  # ZMQ_MAXMSGSIZE of the replay's ROUTER: a bigger frame drops the peer
+    # A write-ahead log in <run dir>/replay/ (docs/architecture.md, "A durable replay"): each poll round's inputs
+    # are written before its replies are sent, so nothing acknowledged is lost to a crash, and the replay started
+    # again with the same config rebuilds its state from the log. false: memory only.
+    durable: bool = True
+    fsync: bool = True  # fsync the log once per round (false: a killed process loses nothing, a power cut may)
+    compact_every: PosInt = 100_000  # log entries between snapshots (a snapshot replaces the log before it)
 
 
 class LearnerConfig(_Section):

@@ -8,7 +8,7 @@ back to the front; an ordered dict gives all three in O(1).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from replay.store import QueuedItem
@@ -20,6 +20,10 @@ class ItemQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __iter__(self) -> Iterator[QueuedItem]:
+        """The items front to back."""
+        return iter(self._items.values())
 
     def append(self, queued: QueuedItem) -> None:
         self._items[queued.item_id] = queued

@@ -578,7 +578,8 @@ def test_an_empty_queue_parks_the_request_until_items_arrive():
 @pytest.fixture
 def served(tmp_path: Path):
     """`run` in a background thread on an ipc:// endpoint; yields (config, context)."""
-    config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2})
+    config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2},
+                         run={"dir": str(tmp_path)})
     stop = threading.Event()
     thread = threading.Thread(target=run, args=(config, stop), daemon=True)
     thread.start()
@@ -650,7 +651,7 @@ def test_sigterm_stops_a_replay_process(tmp_path: Path):
     code = (
         "import logging; logging.basicConfig(level='INFO');"
         "from async_rl.config import config_from_dict; from replay.service import run;"
-        f"run(config_from_dict({{'replay': {{'endpoint': '{endpoint}'}}}}))"
+        f"run(config_from_dict({{'replay': {{'endpoint': '{endpoint}'}}, 'run': {{'dir': '{tmp_path}'}}}}))"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen(
@@ -899,7 +900,8 @@ def hostile_messages(rng: random.Random, grants: list[LeaseGrant], count: int):
 
 
 def test_a_wire_fuzz_of_hostile_values_is_refused_by_reason_and_the_service_keeps_serving(tmp_path):
-    config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2})
+    config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2},
+                         run={"dir": str(tmp_path)})
     service, stop = ReplayService(config), threading.Event()
     thread = threading.Thread(target=run, args=(config, stop, service), daemon=True)
     thread.start()
