@@ -247,8 +247,12 @@ class ReplayLog:
         self.directory = Path(directory)
         self.fsync = fsync
         self.compact_every = compact_every
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.directory / "lock", "a+b")  # noqa: SIM115 - held until close()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.directory / "lock", "a+b")  # noqa: SIM115 - held until close()
+        except OSError as exc:
+            raise WalError(f"replay.durable: cannot keep the replay's log in {self.directory}: {exc.strerror} (set "
+                           "run.dir to a writable directory, or replay.durable=false)") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -209,12 +209,15 @@ def test_each_start_is_a_new_epoch_and_old_ids_stay_valid_for_rebuilt_groups(tmp
     restarted.wal.close()
 
 
-def test_a_second_replay_on_the_same_log_is_refused(tmp_path: Path):
+def test_a_second_replay_on_the_same_log_is_refused_and_an_unusable_dir_is_named(tmp_path: Path):
     wal = ReplayLog(tmp_path / "replay")
     with pytest.raises(WalError, match="another replay process"):
         ReplayLog(tmp_path / "replay")
     wal.close()
     ReplayLog(tmp_path / "replay").close()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WalError, match=r"replay.durable: cannot keep the replay's log in .*file/replay"):
+        ReplayLog(tmp_path / "file" / "replay")
 
 
 def test_compaction_bounds_the_log_over_a_long_run_and_the_state_rebuilds(tmp_path: Path):
@@ -243,6 +246,16 @@ def test_compaction_bounds_the_log_over_a_long_run_and_the_state_rebuilds(tmp_pa
     assert comparable(service) == expected
     assert len(list((tmp_path / "replay").glob("*"))) == 3, "one snapshot, one segment, the lock"
     wal.close()
+
+
+def test_the_log_settings_are_validated_by_their_dotted_key():
+    from async_rl.config import config_from_dict
+    from async_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"replay.compact_every: expected int >= 1, got 0"):
+        config_from_dict({"replay": {"compact_every": 0}})
+    with pytest.raises(ConfigError, match=r"replay.durable: expected bool"):
+        config_from_dict({"replay": {"durable": "sometimes"}})
 
 
 # --- a real replay process, killed and started again ----------------------------------------------------------
