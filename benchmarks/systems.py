@@ -29,8 +29,8 @@ baseline alternate in rounds; a ratio is the median over back-to-back pairs.
 
 Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 
-    python benchmarks/systems.py            # about 3 minutes (the 10^6-record fill is most of it)
-    python benchmarks/systems.py --quick    # about 1 minute
+    python benchmarks/systems.py            # about 3 minutes on an idle machine, plus the durable part's fsyncs
+    python benchmarks/systems.py --quick    # about 1-2 minutes
 
 The last stdout line is JSON: {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token",
 "durable_ratio", ...}.

@@ -318,7 +318,9 @@ class ReplayService:
                 continue
             expired = True
             log.warning("worker %s silent for %.1f s: abandoning its unfinished trajectories", worker_id, timeout_s)
-            for group_id in list(group_ids):
+            # Sorted, not in set order: a str's hash differs between processes, and a replay rebuilt from its log
+            # must make the same items in the same order (docs/architecture.md, "A durable replay").
+            for group_id in sorted(group_ids):
                 group = self.groups[group_id]
                 for i in group.unfinished_members():
                     self._abandon(group, i, f"lease of worker {worker_id} expired")
