@@ -372,7 +372,10 @@ class ReplayLog:
 
     def close(self) -> None:
         if self._file is not None:
-            self.commit()
+            try:
+                self.commit()  # entries whose replies were never sent: nothing is lost without them
+            except OSError as exc:
+                log.error("could not write the last %d log entries: %s", len(self._pending), exc)
             self._file.close()
             self._file = None
         self._lock.close()  # releases the flock
