@@ -2,7 +2,8 @@
 
 `ReplayService` is the whole logic with the clock passed in: `handle(identity, message, now)` answers one message
 and `tick(now)` runs the timers (lease expiry, stage-group timeouts, unacked batches, parked batch requests);
-both return the replies to send as (peer identity, message). `run` wraps it in one ROUTER socket.
+both return the replies to send as (peer identity, message). `run` wraps it in one ROUTER socket and, with
+`replay.durable`, the write-ahead log of replay/wal.py (each round's inputs are on disk before its replies leave).
 
 Delivery of credit is at most once per item: only the ack of the batch currently holding an item counts. A batch
 not acked within `replay.batch_ack_timeout_s` is put back at the front of the queue and a late ack for it is
