@@ -128,7 +128,9 @@ class ReplayConfig(_Section):
     # again with the same config rebuilds its state from the log. false: memory only.
     durable: bool = True
     fsync: bool = True  # fsync the log once per round (false: a killed process loses nothing, a power cut may)
-    compact_every: PosInt = 100_000  # log entries between snapshots (a snapshot replaces the log before it)
+    # Log entries between snapshots (a snapshot replaces the log before it). A restart replays at most this many
+    # (28 000 took 1.2 s of CPU); each snapshot writes the live state (open groups, queue).
+    compact_every: PosInt = 20_000
 
 
 class LearnerConfig(_Section):

@@ -243,7 +243,7 @@ class ReplayLog:
     """The log of one replay in `directory`. `recover` rebuilds a service from it, `append` + `commit` make a
     round's inputs durable, `compact` starts a new segment from a snapshot."""
 
-    def __init__(self, directory: Path, fsync: bool = True, compact_every: int = 100_000) -> None:
+    def __init__(self, directory: Path, fsync: bool = True, compact_every: int = 20_000) -> None:
         self.directory = Path(directory)
         self.fsync = fsync
         self.compact_every = compact_every
