@@ -69,6 +69,8 @@ def configure_logging(role: str, config: Config) -> None:
         force=True,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if role == "replay":
+        return  # the replay imports neither transformers nor torch: a restarted replay is back in about a second
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -130,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
         warn_if_insecure(config)
     try:
-        import torch
+        if args.role != "replay":
+            import torch
 
-        torch.set_num_threads(config.run.threads_per_process)
+            torch.set_num_threads(config.run.threads_per_process)
         if args.role == "train":
             from async_rl.launcher import train
 

@@ -132,6 +132,14 @@ class ReplayConfig(_Section):
     # The correction-staleness guard (algo.correction_guard) never holds the learner longer than this for one
     # group: its unfinished trajectories are then abandoned (a judge that never answers cannot stall the run).
     guard_abandon_s: PosFloat = 300.0
+    # A write-ahead log in <run dir>/replay/ (docs/architecture.md, "A durable replay"): each poll round's inputs
+    # are written before its replies are sent, so nothing acknowledged is lost to a crash, and the replay started
+    # again with the same config rebuilds its state from the log. false: memory only.
+    durable: bool = True
+    fsync: bool = True  # fsync the log once per round (false: a killed process loses nothing, a power cut may)
+    # Log entries between snapshots (a snapshot replaces the log before it). A restart replays at most this many
+    # (28 000 took 1.2 s of CPU); each snapshot writes the live state (open groups, queue).
+    compact_every: PosInt = 20_000
 
 
 class LearnerConfig(_Section):

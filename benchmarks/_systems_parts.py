@@ -145,6 +145,18 @@ class ReplayDriver:
         return batches
 
 
+class RecordingDriver(ReplayDriver):
+    """A ReplayDriver that keeps every (identity, message) it hands to the service: a stream to play again."""
+
+    def __init__(self, service, config: Config, seed: int) -> None:  # noqa: ANN001 - replay.service.ReplayService
+        super().__init__(service, config, seed)
+        self.stream: list[tuple[bytes, Message]] = []
+
+    def handle(self, identity: bytes, message: Message) -> list:
+        self.stream.append((identity, message))
+        return super().handle(identity, message)
+
+
 # --- transport: the two ends of one DEALER -> ROUTER pipe ------------------------------------------------
 
 

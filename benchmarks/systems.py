@@ -21,13 +21,21 @@ baseline alternate in rounds; a ratio is the median over back-to-back pairs.
              outcomes, batch requests and acks until its corrections are trained), while 10^3 versus 10^6 other
              records are held in open groups (10^5 with --quick). Ratio large ÷ small, target <= 1.5. Memory per
              stored token: tracemalloc over a fill of open groups ÷ the tokens they hold (RSS delta as a check).
+  durable    stage records/s of ReplayService.handle with the write-ahead log (replay/wal.py: each message
+             appended, one write + fsync per round of N messages, as the socket loop does per poll round) ÷
+             the same service in memory, on one recorded message stream (30 groups: leases, records, outcomes,
+             batch requests and acks), fresh services alternating. Wall clock: fsync waits for the disk, it
+             uses no CPU. N = 1 (an idle replay: one message per round) to 256; the headline is N = 64, a busy
+             replay's round (the loop takes what arrived during the last fsync, so rounds grow with load).
+             Target >= 0.5.
 
 Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 
-    python benchmarks/systems.py            # about 3 minutes (the 10^6-record fill is most of it)
-    python benchmarks/systems.py --quick    # about 1 minute
+    python benchmarks/systems.py            # about 3 minutes on an idle machine, plus the durable part's fsyncs
+    python benchmarks/systems.py --quick    # about 1-2 minutes
 
-The last stdout line is JSON: {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token", ...}.
+The last stdout line is JSON: {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token",
+"durable_ratio", ...}.
 """
 
 from __future__ import annotations
@@ -55,11 +63,19 @@ from async_rl.config import Config, load_config  # noqa: E402
 from async_rl.protocol import LOGPROB, TOKEN, StageRecord, encode, pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _systems_parts import ReplayDriver, Round, open_sender, receiver, send_round  # noqa: E402
+from _systems_parts import (  # noqa: E402
+    RecordingDriver,
+    ReplayDriver,
+    Round,
+    open_sender,
+    receiver,
+    send_round,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "out" / "systems"
-TARGETS = {"transport": 0.5, "learner": 0.9, "replay": 1.5, "padding": 0.10}
+TARGETS = {"transport": 0.5, "learner": 0.9, "replay": 1.5, "padding": 0.10, "durable": 0.5}
+HEADLINE_ROUND = 64  # messages per fsync of the durable replay's headline ratio (one poll round of a busy replay)
 
 
 def free_endpoint() -> str:
@@ -265,10 +281,65 @@ def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, m
             "ratio": paired_ratio(cost[large], cost[small]), "rounds_s_per_record": cost, **memory}
 
 
+# --- durability: the write-ahead log -------------------------------------------------------------------
+
+
+def measure_durability(groups: int, rounds: int, round_sizes: tuple[int, ...]) -> dict:
+    """One recorded message stream (whole groups: leases, records, outcomes, batch requests and acks) played into
+    a fresh ReplayService per round, in memory and durable (replay.service.run's logging: every message appended,
+    one write + fsync per `round_size` messages, as the socket loop does per poll round), alternating."""
+    import shutil
+
+    from replay.service import ReplayService, handle_safely
+    from replay.wal import Received, ReplayLog
+
+    config = base_config("wal", ["algo.groups_per_step=100000000"])
+    recorder = RecordingDriver(ReplayService(config), config, seed=0)
+    for _ in range(groups):
+        recorder.play_group("worker-0")
+        recorder.train_all(config.learner.batch_tokens)
+    stream, records = recorder.stream, recorder.records
+    directory = OUT / "wal"
+
+    def in_memory(_: int) -> None:
+        service = ReplayService(config)
+        for identity, message in stream:
+            service.handle(identity, message, 0.0)
+
+    def durable(round_size: int) -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        service, wal = ReplayService(config), ReplayLog(directory, fsync=True)
+        wal.compact(service, 0.0)  # opens the first segment, as a start does
+        for n, (identity, message) in enumerate(stream, 1):
+            wal.append(Received(identity, 0.0, encode(message)))
+            handle_safely(service, identity, message, 0.0)
+            if n % round_size == 0:
+                wal.commit()
+        wal.commit()
+        wal.close()
+
+    results: dict = {"messages": len(stream), "records": records, "round_sizes": list(round_sizes)}
+    for round_size in round_sizes:
+        wall: dict[str, list[float]] = {"memory": [], "durable": []}
+        for _ in range(rounds):
+            for name, play in (("memory", in_memory), ("durable", durable)):
+                started = time.perf_counter()
+                play(round_size)
+                wall[name].append(time.perf_counter() - started)
+        results[str(round_size)] = {
+            "memory_records_per_s": records / statistics.median(wall["memory"]),
+            "durable_records_per_s": records / statistics.median(wall["durable"]),
+            "ratio": paired_ratio(wall["memory"], wall["durable"]),  # records/s durable ÷ memory
+            "rounds_wall_s": wall,
+        }
+    shutil.rmtree(directory, ignore_errors=True)
+    return results
+
+
 # --- report ------------------------------------------------------------------------------------------
 
 
-def report(transport: dict | None, learner: dict | None, replay: dict | None) -> None:
+def report(transport: dict | None, learner: dict | None, replay: dict | None, durability: dict | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -305,19 +376,27 @@ def report(transport: dict | None, learner: dict | None, replay: dict | None) ->
                       f"{replay['ratio']:.2f}", "<= 1.5", met(replay["ratio"], 1.5, higher_is_better=False))
         table.add_row("replay memory / stored token", f"{replay['bytes_per_token']:.0f} B (tracemalloc)",
                       f"{replay['rss_bytes_per_token']:.0f} B (RSS)", "", "", "")
+    if durability:
+        for round_size in durability["round_sizes"]:
+            d = durability[str(round_size)]
+            table.add_row(f"durable replay, {round_size} messages per fsync, wall clock",
+                          f"{d['durable_records_per_s']:,.0f} rec/s",
+                          f"{d['memory_records_per_s']:,.0f} rec/s (memory)",
+                          f"{d['ratio']:.2f}", f">= {TARGETS['durable']}" if round_size == HEADLINE_ROUND else "",
+                          met(d["ratio"], TARGETS["durable"]) if round_size == HEADLINE_ROUND else "")
     Console(width=160).print(table)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages and rounds; 10^5 records, not 10^6")
-    parser.add_argument("--only", choices=("transport", "learner", "replay"), action="append",
+    parser.add_argument("--only", choices=("transport", "learner", "replay", "durability"), action="append",
                         help="measure only this part (repeatable); default: all three")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     OUT.mkdir(parents=True, exist_ok=True)
-    quick, parts = args.quick, set(args.only or ("transport", "learner", "replay"))
-    transport = learner = replay = None
+    quick, parts = args.quick, set(args.only or ("transport", "learner", "replay", "durability"))
+    transport = learner = replay = durability = None
     if "transport" in parts:
         transport = measure_transport(messages=20_000 if quick else 50_000, rounds_per_size=5 if quick else 11)
     if "learner" in parts:
@@ -325,10 +404,13 @@ def main() -> int:
     if "replay" in parts:
         replay = measure_replay((10**3, 10**5 if quick else 10**6), groups_per_round=30, rounds=5 if quick else 11,
                                 memory_records=20_000)
-    report(transport, learner, replay)
-    raw = {"transport": transport, "learner": learner, "replay": replay, "quick": quick,
+    if "durability" in parts:
+        durability = measure_durability(groups=30, rounds=3 if quick else 7,
+                                        round_sizes=(1, HEADLINE_ROUND) if quick else (1, 16, HEADLINE_ROUND, 256))
+    report(transport, learner, replay, durability)
+    raw = {"transport": transport, "learner": learner, "replay": replay, "durability": durability, "quick": quick,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    name = "systems" + ("-quick" if quick else "") + ("" if len(parts) == 3 else "-" + "-".join(sorted(parts)))
+    name = "systems" + ("-quick" if quick else "") + ("" if len(parts) == 4 else "-" + "-".join(sorted(parts)))
     (OUT / f"{name}.json").write_text(json.dumps(raw, indent=1))
     headline = {}
     if transport:
@@ -342,6 +424,10 @@ def main() -> int:
     if replay:
         headline.update(replay_scale_ratio=replay["ratio"], bytes_per_token=replay["bytes_per_token"],
                         replay_us_per_record=replay["us_per_record"], rss_bytes_per_token=replay["rss_bytes_per_token"])
+    if durability:
+        headline.update(durable_ratio=durability[str(HEADLINE_ROUND)]["ratio"],
+                        durable_ratio_by_round={size: durability[str(size)]["ratio"]
+                                                for size in durability["round_sizes"]})
     print(msgspec.json.encode(headline).decode())
     return 0
 

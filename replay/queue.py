@@ -22,6 +22,7 @@ class ItemQueue:
         return len(self._items)
 
     def __iter__(self) -> Iterator[QueuedItem]:
+        """The items front to back."""
         return iter(self._items.values())
 
     def append(self, queued: QueuedItem) -> None:

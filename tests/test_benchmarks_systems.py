@@ -31,7 +31,8 @@ def run_quick(script: str, timeout_s: float) -> dict:
 
 def test_systems_quick():
     headline = run_quick("systems.py", timeout_s=600)
-    assert {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token"} <= headline.keys()
+    assert {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token", "durable_ratio"} <= (
+        headline.keys())
 
 
 @pytest.mark.skipif(
