@@ -2,10 +2,11 @@
 
 Each child runs `python -m async_rl.cli ROLE --config <run_dir>/config.yaml` (the same command a cluster pod
 runs), in its own session so that Ctrl-C reaches the launcher alone, which then stops the learner first (it
-writes the summary) and the others after it. A learner or rollout worker that dies is started again, at most
-`run.max_restarts` times each (the learner resumes from its latest checkpoint, the replay rolls back to it and
-abandons what a dead worker held); a replay that dies, or a role past its restarts, is reported by name with the
-tail of its log, and the run stops with a non-zero exit (`async-rl train --resume RUN_DIR` continues it).
+writes the summary) and the others after it. A role that dies is started again, at most `run.max_restarts` times
+each (the learner resumes from its latest checkpoint, the replay rolls back to it and abandons what a dead worker
+held; a durable replay rebuilds its state from its write-ahead log); a role past its restarts (or a replay with
+`replay.durable=false`) is reported by name with the tail of its log, and the run stops with a non-zero exit
+(`async-rl train --resume RUN_DIR` continues it).
 The last stdout line is one JSON object with the run's result.
 """
 
@@ -315,9 +316,10 @@ def train(config: Config, resume: bool = False) -> int:
     roles += [(f"rollout-{i}", ["rollout", "--index", str(i)]) for i in range(config.rollout.workers)]
     children = [_start(name, args, config_path, run_dir, env) for name, args in roles]
     (run_dir / "processes.json").write_text(json.dumps({c.name: c.process.pid for c in children}))
-    # The learner and the workers are started again when they die (the learner resumes from its checkpoint and the
-    # replay rolls back to it); the replay is not: its state lives in its memory.
-    restarts = {name: 0 for name, _ in roles if name != "replay"}
+    # A role that dies is started again: the learner resumes from its checkpoint (the replay rolls back to it), a
+    # worker's leases are abandoned, and a durable replay rebuilds its state from its write-ahead log (a replay
+    # with replay.durable=false is not: its state died with it).
+    restarts = {name: 0 for name, _ in roles if name != "replay" or config.replay.durable}
     interrupted = failed = None
     started = time.monotonic()
     metrics = MetricsTail(run_dir / "metrics.jsonl")

@@ -41,6 +41,7 @@ FAULT_RUN = [
     "learner.log_item_ids=true",
     "algo.max_staleness=2",
     "replay.lease_timeout_s=5",
+    "learner.request_timeout_s=3",  # a request lost with a killed replay is sent again soon
 ]
 
 
@@ -145,13 +146,14 @@ def test_a_killed_rollout_worker_is_restarted_and_its_leases_abandoned(tmp_path,
     print(json.dumps({"fault": "rollout-0", "trial": trial, "killed_after_versions": kill_after, **numbers}))
 
 
-@pytest.mark.skip(reason="the replay keeps its state in memory: a restarted replay rebuilds it only with the "
-                         "write-ahead log of the durable-replay work (B1), not merged yet")
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_killed_replay_is_restarted_and_rebuilds_its_state(tmp_path, trial):
     done, run_dir, kill_after = train_with_fault(tmp_path, "replay", seed=200 + trial)
     assert done.returncode == 0, done.stderr[-3000:]
-    check_run(run_dir, MAX_VERSIONS)
+    assert "replay died (exit code -9); restart 1 of 3" in done.stderr
+    numbers = check_run(run_dir, MAX_VERSIONS)
+    assert "rebuilt the replay from" in (run_dir / "logs" / "replay.log").read_text()
+    print(json.dumps({"fault": "replay", "trial": trial, "killed_after_versions": kill_after, **numbers}))
 
 
 def test_resume_continues_a_stopped_run_in_its_run_directory(tmp_path):

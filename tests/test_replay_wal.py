@@ -378,13 +378,13 @@ def test_a_learner_rollback_and_the_guard_s_state_rebuild_from_the_log(tmp_path:
     for grant in grants:
         for message in stage_records(worker, grant):
             logged.handle(WORKER, message, 1.0)
-    version, msg_id = 0, 100
-    for checkpoint in (0, 0, 2):  # the learner reports its checkpoint at version 2 before its third step
+    msg_id = 100
+    for version, checkpoint in enumerate((0, 0, 2)):  # the learner reports its checkpoint at v2 before its third step
         msg_id += 2
         batch = only(logged.handle(LEARNER, _session_request(msg_id, version, 1, checkpoint), 2.0 + version), LEARNER)
         assert isinstance(batch, Batch) and batch.items, batch
-        version += 1
-        assert isinstance(only(logged.handle(LEARNER, _ack(msg_id + 1, batch, version), 2.5 + version), LEARNER), Ack)
+        ack = _ack(msg_id + 1, batch, version + 1)
+        assert isinstance(only(logged.handle(LEARNER, ack, 3.5 + version), LEARNER), Ack)
     for message in outcome_messages(worker, grants[0]):
         logged.handle(WORKER, message, 6.0)
     # SIGKILL after v3; a new learner process comes back at its checkpoint, v2: the v3 ack is undone.
