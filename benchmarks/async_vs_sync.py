@@ -81,6 +81,17 @@ def learner_busy(run: RunResult) -> float | None:
     return ratio(sum(line["step_s"] for line in run.lines[1:]), span(run))
 
 
+def sync_rounds(run: RunResult) -> int:
+    """Lock-step rounds completed, from the replay's last metrics line (written when it stops): the learner's lines
+    carry the count as of the batch they trained, before that batch's ack opened the next round."""
+    replay_lines = run.run_dir / "metrics" / "replay.jsonl"
+    if replay_lines.exists():
+        text = replay_lines.read_text().strip().splitlines()
+        if text:
+            return int(json.loads(text[-1]).get("sync_rounds", 0))
+    return run.lines[-1].get("sync_rounds", 0) if run.lines else 0
+
+
 def measure(run: RunResult) -> dict:
     lines = run.lines
     return {
@@ -96,7 +107,7 @@ def measure(run: RunResult) -> dict:
         "staleness_max_immediate": max((line["staleness_max_immediate"] for line in lines), default=None),
         # How synchronous the run really was: admission refusals, and immediate items too stale to train.
         "leases_denied": lines[-1]["leases_denied"] if lines else 0,
-        "sync_rounds": lines[-1].get("sync_rounds", 0) if lines else 0,
+        "sync_rounds": sync_rounds(run),
         "immediate_trained": sum(line["items_immediate"] for line in lines),
         "immediate_skipped_stale": lines[-1]["immediate_skipped_stale"] if lines else 0,
     }

@@ -684,11 +684,24 @@ class ReplayService:
         closed and their items acknowledged) is replaced by the next one first."""
         if len(self.round_groups) < self.algo.groups_per_step:
             return True
-        if all(gid not in self.groups and gid not in self.item_tally for gid in self.round_groups):
+        if all(self._round_group_over(gid) for gid in self.round_groups):
             self.round_groups = set()
             self.counters.sync_rounds += 1
             return True
         return False
+
+    def _round_group_over(self, group_id: str) -> bool:
+        """No item of the group is left to train: closed, or finalized with nothing queued or in flight. A group
+        held open only because its acks are above the learner's last checkpoint (`_confirmed`: a rollback could
+        still take them back) is over for the round; waiting for its close would wait for the next checkpoint."""
+        tally = self.item_tally.get(group_id)
+        if tally is not None and tally[0] > 0:
+            return False
+        group = self.groups.get(group_id)
+        if group is None:
+            return True
+        return group.finalized and not (group.queued_immediates or group.in_flight_immediates
+                                        or group.open_corrections)
 
     def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Batch | None:
         """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v); with

@@ -151,3 +151,23 @@ def test_admission_refuses_a_group_whose_corrections_could_not_be_trained_in_tim
     assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseGrant)
     stats = service.stats_snapshot()
     assert stats.credit_dropped == 0 and stats.groups_closed == 1 and stats.ledger_residual_max < 1e-9
+
+
+def test_a_lock_step_round_ends_when_its_items_are_acked_even_while_its_groups_wait_for_a_checkpoint():
+    """With learner checkpoints (the default), a group whose acks are above the learner's last checkpoint stays
+    open for a possible rollback; the round must not wait for that (a real run stalled until the next checkpoint)."""
+    from async_rl.protocol import BatchRequest
+
+    config = make_config(algo={"mode": "sync", "groups_per_step": 2}, learner={"checkpoint_every": 50})
+    service, worker = ReplayService(config), Worker()
+    first, second = lease(service, worker), lease(service, worker)
+    send_all(service, stage_records(worker, first) + outcome_messages(worker, first))
+    send_all(service, stage_records(worker, second) + outcome_messages(worker, second))
+    request = BatchRequest(learner_id="learner", msg_id=9, policy_version=0, max_tokens=10**6, min_items=1,
+                           max_wait_s=0.0, session=1, checkpoint=0)
+    (_, batch), = service.handle(LEARNER, request, 0.0)
+    assert isinstance(batch, Batch) and batch.items
+    ack_batch(service, batch, version=1)
+    assert service.groups, "held open: the ack at v1 is above the checkpoint (v0)"
+    assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 2.0)), LeaseGrant), "the next round opens"
+    assert service.stats_snapshot().sync_rounds == 1
