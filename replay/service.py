@@ -215,14 +215,15 @@ class ReplayService:
         return replies
 
     def start_epoch(self, epoch: int, now: float) -> None:
-        """A (re)start of the replay: every batch still in flight goes back to the front of the queue (its learner
-        may never ack it, and a late ack is refused: `batch_not_in_flight`), parked batch requests are dropped (a
+        """A (re)start of the replay: ids made from now on carry `epoch`, and parked batch requests are dropped (a
         batch sent before its learner reconnected would be lost: the learner re-sends after
-        learner.request_timeout_s), and ids made from now on carry `epoch`. Groups, ledgers, queues and leases
-        rebuilt from the log stay as they are: their ids stay valid."""
+        learner.request_timeout_s). Groups, ledgers, queues, leases and the batches in flight rebuilt from the log
+        stay as they are: their ids stay valid. A batch in flight at the crash keeps waiting for its ack (the
+        learner may well have trained it: requeueing it would train its items twice); if no ack comes within
+        replay.batch_ack_timeout_s it goes back to the queue as always, and a learner that restarted too requeues
+        it at once with its new session."""
         if not self.epoch < epoch < 2**31:
             raise ValueError(f"epoch {epoch}: expected in (current epoch {self.epoch}, 2**31)")
-        self._requeue_unacked(now, everything=True)
         self.parked.clear()
         self.epoch = epoch
         self.group_ids, self.item_ids, self.batch_ids = Ids(epoch), Ids(epoch), Ids(epoch)
