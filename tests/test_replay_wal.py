@@ -283,7 +283,9 @@ def test_a_sigkilled_replay_restarted_with_the_same_config_loses_no_acked_record
         # the replay was down) waits batch_ack_timeout_s before it is served again: keep that short.
         replay={"endpoint": f"ipc://{tmp_path}/replay.ipc", "batch_ack_timeout_s": 4.0},
         rollout={"ack_timeout_s": 0.5},
-        learner={"request_timeout_s": 2.0, "min_batch_items": 1, "batch_wait_s": 0.0,
+        # checkpoint_every 0: groups close at once (this learner client reports no checkpoints, so with learner
+        # checkpoints on the replay would hold every group open for a rollback that cannot come)
+        learner={"request_timeout_s": 2.0, "min_batch_items": 1, "batch_wait_s": 0.0, "checkpoint_every": 0,
                  "publish_endpoint": "tcp://127.0.0.1:5999"},  # not used by the replay; a pod needs one
         algo={"groups_per_step": 100},
     )
