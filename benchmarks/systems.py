@@ -152,7 +152,8 @@ def measure_transport(messages: int, rounds_per_size: int) -> dict:
 
 
 def base_config(name: str, extra: list[str] = ()) -> Config:
-    return load_config(None, [f"run.dir={OUT}", f"run.name={name}", "wandb.mode=disabled", "replay.durable=false", *extra])
+    return load_config(None, [f"run.dir={OUT}", f"run.name={name}", "wandb.mode=disabled", "replay.durable=false",
+                              *extra])
 
 
 def measure_learner(num_batches: int, rounds: int) -> dict:
