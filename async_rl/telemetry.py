@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config, config_to_dict
+from async_rl.protocol import ReplayStats
 
 GROUP_FILE = "wandb_group"
 
@@ -44,6 +45,31 @@ def scalars(line: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def stats_line(stats: ReplayStats) -> dict[str, Any]:
+    """The replay's counters as flat metrics, for the learner's line and the replay's own: every field, the latest
+    evaluation's metrics (eval_success_rate, ...), and the refused messages by reason (rejected_<reason>) with their
+    total (rejected)."""
+    line: dict[str, Any] = {
+        name: getattr(stats, name) for name in stats.__struct_fields__
+        if name not in ("protocol", "eval_metrics", "rejected")
+    }
+    line.update(stats.eval_metrics)
+    line.update({f"rejected_{reason}": count for reason, count in sorted(stats.rejected.items())})
+    line["rejected"] = sum(stats.rejected.values())
+    return line
+
+
+def _drop_partial_line(path: Path) -> None:
+    """A role killed mid-line left half a JSON object at the end of its file: cut it, so the restarted role appends
+    whole lines only."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class RoleMetrics:
     """`<run_dir>/metrics/<role>.jsonl` (flushed per line) and, unless `wandb.mode` is disabled, this role's W&B
     run in the training run's group. `histograms`: keys whose values are per-bucket counts (bucket i = value i),
@@ -55,6 +81,7 @@ class RoleMetrics:
         self.histograms = histograms
         path = path if path is not None else config.run_dir / "metrics" / f"{role}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_line(path)  # a restarted (or resumed) role appends to its file
         self._file = path.open("a")
         self._wandb = None
         if config.wandb.mode != "disabled":

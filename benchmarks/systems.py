@@ -60,7 +60,7 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
 from async_rl.config import Config, load_config  # noqa: E402
-from async_rl.protocol import LOGPROB, TOKEN, StageRecord, encode, pack  # noqa: E402
+from async_rl.protocol import LOGPROB, TOKEN, LeaseRequest, StageRecord, encode, pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _systems_parts import (  # noqa: E402
@@ -251,8 +251,10 @@ def fill(config: Config, records: int):  # noqa: ANN201 - (ReplayService, Replay
 
 
 def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, memory_records: int) -> dict:
-    # Admission would stop the fill at (v + max_staleness + 1) * groups_per_step groups: lift it.
-    config = base_config("replay", ["algo.groups_per_step=100000000"])
+    # Admission would stop the fill at (v + max_staleness + 1) * groups_per_step groups: lift it. The correction
+    # guard's admission too (it bounds open groups to what can be corrected in time, and its checks scan them:
+    # O(open groups) per lease, quadratic over this fill; measured on its own by measure_guard).
+    config = base_config("replay", ["algo.groups_per_step=100000000", "algo.correction_guard=false"])
     tracemalloc.start()
     _, driver = fill(config, memory_records)
     traced, _ = tracemalloc.get_traced_memory()
@@ -279,7 +281,34 @@ def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, m
             cost[size].append(driver.handle_s / driver.records)
     small, large = sizes
     return {"sizes": list(sizes), "us_per_record": {str(s): 1e6 * statistics.median(cost[s]) for s in sizes},
-            "ratio": paired_ratio(cost[large], cost[small]), "rounds_s_per_record": cost, **memory}
+            "ratio": paired_ratio(cost[large], cost[small]), "rounds_s_per_record": cost, **memory,
+            "guard": measure_guard(open_groups=(30, 300, 3000), leases=100, rounds=rounds)}
+
+
+def measure_guard(open_groups: tuple[int, ...], leases: int, rounds: int) -> dict:
+    """CPU per lease with the correction guard on ÷ off, with G groups open (their outcomes pending): the guard's
+    admission check scans the pending groups and queued corrections, O(G) per lease. The staleness bound is lifted
+    so that the guard admits every group (it still does all its work); in a real run it bounds G itself."""
+    from replay.service import ReplayService
+
+    result = {}
+    for count in open_groups:
+        per_lease: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds):
+            for guard in (True, False):
+                config = base_config("guard", ["algo.groups_per_step=100000000", f"algo.correction_guard={guard}",
+                                               "algo.max_correction_staleness=100000000"])
+                driver = ReplayDriver(ReplayService(config), config, seed=r)
+                for _ in range(count):
+                    assert driver.play_group("filler", members=1, outcomes=False), "the guard refused a lease"
+                driver.handle_s = 0.0
+                for i in range(leases):
+                    driver.handle(b"leaser", LeaseRequest(worker_id="leaser", msg_id=10**9 + i))
+                per_lease[guard].append(driver.handle_s / leases)
+        result[str(count)] = {"us_per_lease_on": 1e6 * statistics.median(per_lease[True]),
+                              "us_per_lease_off": 1e6 * statistics.median(per_lease[False]),
+                              "ratio": paired_ratio(per_lease[True], per_lease[False])}
+    return result
 
 
 # --- durability: the write-ahead log -------------------------------------------------------------------
@@ -375,6 +404,10 @@ def report(transport: dict | None, learner: dict | None, replay: dict | None, du
         table.add_row(f"replay µs/record, {large:.0e} ÷ {small:.0e} held",
                       f"{replay['us_per_record'][str(large)]:.1f} µs", f"{replay['us_per_record'][str(small)]:.1f} µs",
                       f"{replay['ratio']:.2f}", "<= 1.5", met(replay["ratio"], 1.5, higher_is_better=False))
+        for count, g in replay["guard"].items():
+            table.add_row(f"replay lease with the correction guard ÷ without, {count} groups open",
+                          f"{g['us_per_lease_on']:.0f} µs", f"{g['us_per_lease_off']:.0f} µs", f"{g['ratio']:.1f}",
+                          "", "")
         table.add_row("replay memory / stored token", f"{replay['bytes_per_token']:.0f} B (tracemalloc)",
                       f"{replay['rss_bytes_per_token']:.0f} B (RSS)", "", "", "")
     if durability:
@@ -424,6 +457,7 @@ def main() -> int:
                         packed_vs_padded_ratio=learner["packed_vs_padded_ratio"])
     if replay:
         headline.update(replay_scale_ratio=replay["ratio"], bytes_per_token=replay["bytes_per_token"],
+                        guard_lease_ratio={count: g["ratio"] for count, g in replay["guard"].items()},
                         replay_us_per_record=replay["us_per_record"], rss_bytes_per_token=replay["rss_bytes_per_token"])
     if durability:
         headline.update(durable_ratio=durability[str(HEADLINE_ROUND)]["ratio"],

@@ -14,7 +14,7 @@ import torch
 from async_rl.config import Config
 from async_rl.loss import LossStats
 from async_rl.protocol import ReplayStats
-from async_rl.telemetry import RoleMetrics
+from async_rl.telemetry import RoleMetrics, stats_line
 from learner.batch import TrainBatch
 
 log = logging.getLogger("async_rl.learner")
@@ -46,17 +46,9 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The full line. With ppo_epochs > 1 one line covers the batch's epochs: loss is their mean, ρ the first's."""
     first = losses[0][1]
-    replay_side = {
-        name: getattr(stats, name) for name in stats.__struct_fields__
-        if name not in ("protocol", "eval_metrics", "rejected")
-    }
-    replay_side.update(stats.eval_metrics)  # the latest evaluation (run.eval_every), flat: eval_success_rate, ...
-    # messages the replay refused, by reason, flat: rejected_nonfinite_reward, ... (and their total)
-    replay_side.update({f"rejected_{reason}": count for reason, count in sorted(stats.rejected.items())})
-    replay_side["rejected"] = sum(stats.rejected.values())
     return {
         "version": version,
-        **replay_side,
+        **stats_line(stats),  # the replay's counters, the latest evaluation, rejections by reason
         **batch_line,
         "learner_bad_messages": learner_bad_messages,
         "steps_skipped_nonfinite": steps_skipped_nonfinite,
@@ -74,23 +66,12 @@ def step_metrics(
     }
 
 
-def _drop_partial_line(path: Path) -> None:
-    if not path.exists():
-        return
-    with path.open("rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 class MetricsLog:
     """Appends the learner's lines to metrics.jsonl (flushed per line), mirrored to the learner's W&B run
     (async_rl/telemetry.py: one W&B run per role, grouped per training run)."""
 
     def __init__(self, config: Config, run_dir: Path) -> None:
-        path = run_dir / "metrics.jsonl"
-        _drop_partial_line(path)  # a learner killed mid-line; a resumed one appends (docs/architecture.md)
-        self._metrics = RoleMetrics(config, "learner", path=path, histograms=("staleness_hist",))
+        self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
 
     def write(self, line: dict[str, Any]) -> None:
         self._metrics.write(line, step=line["version"])

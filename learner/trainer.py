@@ -161,7 +161,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
         checkpointed = resumed
         if leader:
             client.checkpoint = resumed
-        if leader:  # weights of versions above the checkpoint died with the learner that wrote them
+            # weights of versions above the checkpoint died with the learner that wrote them
             for dead in (run_dir / "weights").glob("v*.safetensors"):
                 if dead.stem[1:].isdigit() and int(dead.stem[1:]) > version:
                     dead.unlink(missing_ok=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from async_rl.telemetry import stats_line
+
 if TYPE_CHECKING:
     from replay.service import ReplayService
 
@@ -45,10 +47,8 @@ def metrics_line(service: ReplayService, now: float) -> dict[str, Any]:
     queued = list(service.queue)
     kinds = Counter(q.kind for q in queued)
     staleness = [max(service.policy_version - q.oldest_version, 0) for q in queued]
-    line: dict[str, Any] = {
-        name: getattr(stats, name) for name in stats.__struct_fields__
-        if name not in ("protocol", "eval_metrics", "rejected")
-    }
+    counts = Counter(staleness)
+    line = stats_line(stats)
     line.update(
         policy_version=service.policy_version,
         queue_immediate=kinds["immediate"],
@@ -60,9 +60,7 @@ def metrics_line(service: ReplayService, now: float) -> dict[str, Any]:
         workers_holding_leases=len(service.leases),
         queue_staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
         queue_staleness_max=max(staleness, default=0),
-        queue_staleness_hist=[staleness.count(s) for s in range(max(staleness, default=-1) + 1)],
-        rejected=sum(stats.rejected.values()),
-        **{f"rejected_{reason}": count for reason, count in sorted(stats.rejected.items())},
+        queue_staleness_hist=[counts[s] for s in range(max(staleness, default=-1) + 1)],
         **service.admission.take(now),
     )
     return line

@@ -252,6 +252,7 @@ def command_line(config: Config) -> list[str]:
         f"learner.checkpoint_every={learner.checkpoint_every}", f"learner.min_batch_items={learner.min_batch_items}",
         f"learner.zero_stage={learner.zero_stage}", f"learner.lr={learner.lr}", "wandb.mode=disabled",
         f"learner.micro_batch_tokens={learner.micro_batch_tokens}",
+        f"learner.pack_row_tokens={'null' if learner.pack_row_tokens is None else learner.pack_row_tokens}",
         # load_config(None, ...) starts from configs/local.yaml, whose algo differs from the Struct defaults here
         f"algo.entropy_coef={config.algo.entropy_coef}",
     ]
