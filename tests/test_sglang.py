@@ -328,12 +328,23 @@ def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprob
 
 def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
     engine = engine_for(servers.urls)
+    victim = servers.servers[1]
+    sent = threading.Event()
+
+    def on_request(request) -> None:  # noqa: ANN001 - httpx.Request
+        if request.url.port == victim.port and request.url.path == "/generate":
+            sent.set()
+
+    # Killed 50 ms after its /generate left (a fixed 0.3 s after the call raced the server on an idle machine: its
+    # 20 rows were sometimes done before the kill, and nothing was retried); 200 tokens take it far longer.
+    engine.http.event_hooks = {"request": [on_request], "response": []}
     result = {}
     generating = threading.Thread(target=lambda: result.setdefault(
         "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
     generating.start()
-    time.sleep(0.3)
-    servers.servers[1].stop(signal.SIGKILL)
+    assert sent.wait(30), "the engine sent nothing to the second server"
+    time.sleep(0.05)
+    victim.stop(signal.SIGKILL)
     generating.join(60)
     assert [len(g.token_ids) for g in result["g"]] == [200] * len(PROMPTS) * 8
     assert engine.stages_retried > 0
