@@ -88,6 +88,11 @@ class RoleMetrics:
             import wandb  # slow to import; only when used
 
             group = run_group(config)
+            # This role owns its wandb-core service. A process that started one (a notebook, a test runner, a
+            # launcher that logged to W&B) leaves WANDB_SERVICE in its environment, and a child would share that
+            # service: a role SIGKILLed there leaves its run stream open in it, and the restarted role's init
+            # fails with "run ID ... is in use" (seen: a restarted replay died at start).
+            os.environ.pop("WANDB_SERVICE", None)
             wandb.init(
                 mode=config.wandb.mode,
                 project=config.wandb.project,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -112,3 +114,45 @@ def test_the_display_shows_progress_to_the_budget_eta_throughput_and_finished_ro
     assert "learner done" in text and "rollout-0 exited 3" in text
     for child in children:
         child.log_file.close()
+
+
+ROLE_SCRIPT = """
+import sys, time
+from async_rl.config import load_config
+from async_rl.telemetry import RoleMetrics
+metrics = RoleMetrics(load_config(None, [f"run.dir={sys.argv[1]}", "run.name=r", "wandb.mode=offline"]), "replay")
+metrics.write({"x": 1.0}, step=int(sys.argv[2]))
+print("ready", flush=True)
+if sys.argv[2] == "0":
+    time.sleep(120)  # SIGKILLed here
+metrics.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_role_killed_and_restarted_beside_a_shared_wandb_service_starts_again(tmp_path):
+    """A parent that started a wandb-core service (a notebook, a test runner) passes WANDB_SERVICE to its children.
+    A role SIGKILLed in that shared service left its run stream open there, and the restarted role died at init
+    ("run ID ... is in use"): each role now starts its own service."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, time, wandb; wandb.init(mode='offline', dir=os.getcwd(), id='holder'); "
+         "print(os.environ['WANDB_SERVICE'], flush=True); time.sleep(300)"],
+        cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        service = holder.stdout.readline().strip()
+        assert service, "the holder started no wandb service"
+        env = {**os.environ, "WANDB_SERVICE": service}
+        first = subprocess.Popen([sys.executable, "-c", ROLE_SCRIPT, str(tmp_path), "0"], env=env, cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert first.stdout.readline().strip() == "ready", first.stderr.read()
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        again = subprocess.run([sys.executable, "-c", ROLE_SCRIPT, str(tmp_path), "1"], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr[-3000:]
+    finally:
+        holder.kill()
+        holder.wait(10)
+    lines = (tmp_path / "r" / "metrics" / "replay.jsonl").read_text().splitlines()
+    assert len(lines) == 2, lines
