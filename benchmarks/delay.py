@@ -13,7 +13,8 @@ got (its own trajectories/s × delay ÷ the calibrated trajectories per update).
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
 Every run: the trap env (`env.kwargs.traps`), `learner.lr` from the sweep, `algo.aggregation` and
 `algo.entropy_per` as given (default the fixed-per-token learner: token-sum, new-token), the default
-`algo.max_correction_staleness` (16) with the correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
+`algo.max_correction_staleness` (16; `--max-correction-staleness auto`: ceil(D) + 16) with the
+correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
 admission must let D updates' worth of groups be in flight, or it, not the rule, sets the pace (the default 4
 throttles an outcome-only arm while the judge is pending). A run stops at 0.8 success over the last 2,048
 trajectories (`replay.long_success_window`, the learner's stop rule), the env-step budget or the wall cap.
@@ -23,6 +24,7 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
 
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
+    python benchmarks/delay.py --d 50 --max-correction-staleness auto    # the guard's bound above the D asked for
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
     }
 
 
+def bound_arg(value: str) -> str:
+    if value != "auto" and not (value.isdigit() and int(value) >= 0):
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer or auto, got {value!r}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="traps 2, D 5, 2 arms at once, 1 seed, 2k env steps")
@@ -100,6 +108,9 @@ def main() -> int:
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="new-token", help="algo.entropy_per of every arm")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
+    parser.add_argument("--max-correction-staleness", default="16", metavar="N|auto", type=bound_arg,
+                        help="algo.max_correction_staleness of every run (default 16, the config's); auto: "
+                             "ceil(D) + 16, so that the guard does not cut the D asked for (at 16 it cut D 50 to 4-10)")
     args = parser.parse_args()
     if args.quick:
         args.d, args.traps, args.arms, args.lrs, args.seeds = "5", "2", "outcome-only+step,immediate+correction", \
@@ -136,22 +147,26 @@ def main() -> int:
         for d in ds:
             delay = round(d * per_update / per_s, 2)
             max_staleness = math.ceil(d) + 4
+            bound = math.ceil(d) + 16 if args.max_correction_staleness == "auto" else int(args.max_correction_staleness)
             for arm in arms:
                 for lr in lrs:
                     for seed in range(args.seeds):
                         key = f"traps{traps}-D{d:g}-{arm}-lr{lr:g}-seed{seed}"
                         overrides = [*ARMS[arm], *common, f"env.kwargs.traps={traps}",
                                      f"env.kwargs.outcome_delay_s={delay}", f"algo.max_staleness={max_staleness}",
-                                     f"learner.lr={lr}", f"run.seed={seed}", f"env.kwargs.seed={seed}",
-                                     f"env.seed={seed}", f"run.max_env_steps={args.budget}",
+                                     f"algo.max_correction_staleness={bound}", f"learner.lr={lr}",
+                                     f"run.seed={seed}", f"env.kwargs.seed={seed}", f"env.seed={seed}",
+                                     f"run.max_env_steps={args.budget}",
                                      f"run.max_wall_s={args.max_wall_s}"]
                         meta = {"traps": traps, "d": d, "arm": arm, "lr": lr, "seed": seed, "delay_s": delay,
-                                "max_staleness": max_staleness, "per_update": per_update}
+                                "max_staleness": max_staleness, "max_correction_staleness": bound,
+                                "per_update": per_update}
                         jobs.append((key, overrides, meta))
 
     def one(job: tuple[str, list[str], dict]) -> tuple[str, dict]:
         key, overrides, meta = job
-        console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}")
+        console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}, "
+                      f"max_correction_staleness {meta['max_correction_staleness']}")
         run = train(out_dir, key, overrides, timeout_s=args.max_wall_s + 180)
         measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"])}
         console.print(f"  {measured}")
