@@ -91,7 +91,7 @@ def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     return flag
 
 
-def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> float | None:
+def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
     """The L2 norm of the accumulated gradient (inf or nan if any is not finite), read before the step. At ZeRO-0
     the gradients sit on the parameters after backward (this rank's: step() reduces them over ranks, and in a world
     of one that is the global norm, the one torch clips by); at ZeRO >= 1 they live in
@@ -101,8 +101,8 @@ def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> float | None:
         return None
     grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
     if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads)  # foreach kernels; the clipping below reuses it
 
 
 def _inputs_finite(batch: TrainBatch) -> bool:
@@ -203,7 +203,8 @@ def train_on_micro_batches(
             engine.backward(scaled)
             total += scaled.detach()
             parts.append((stats, float(batch.loss_mask.sum()), scale))
-        norm = None if refused else _gradient_norm(engine)
+        norm_tensor = None if refused else _gradient_norm(engine)
+        norm = None if norm_tensor is None else float(norm_tensor)
         if not refused and _on_any_rank(norm is not None and not math.isfinite(norm), device):
             log.warning("non-finite gradient at version %d: the step is skipped", version)
             refused = True
@@ -211,7 +212,10 @@ def train_on_micro_batches(
             _drop_gradients(engine)
             break
         if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:  # learner.engine.clips_itself
-            torch.nn.utils.clip_grad_norm_(engine.module.parameters(), config.learner.grad_clip)
+            if norm_tensor is None:
+                torch.nn.utils.clip_grad_norm_(engine.module.parameters(), config.learner.grad_clip)
+            else:  # the norm just read is the one to clip by (a world of one): not computed twice
+                torch.nn.utils.clip_grads_with_norm_(engine.module.parameters(), config.learner.grad_clip, norm_tensor)
         engine.step()
         version += 1
         reported = engine.get_global_grad_norm()  # DeepSpeed's, where it clipped or reduced (ZeRO >= 1)
