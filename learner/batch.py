@@ -73,8 +73,7 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
     """Rows of item indices → tensors; packed rows lay their items end to end (one item per row otherwise)."""
     if not packed and any(len(row) != 1 for row in rows):
         raise ValueError("collate_rows: an unpacked row holds exactly one item")
-    token_ids = {i: items[i].token_ids() for row in rows for i in row}  # each item's arrays unpacked once
-    length = max(sum(len(token_ids[i]) for i in row) for row in rows)
+    length = max(sum(len(items[i].token_ids()) for i in row) for row in rows)
     count = len(rows)
     tokens = np.full((count, length), PAD_ID, dtype=np.int64)
     attention = np.zeros((count, length), dtype=np.int64)
@@ -85,21 +84,22 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
     versions = np.zeros((count, length), dtype=np.int64)
     correction = np.zeros((count, length), dtype=np.float32)
     for row, indices in enumerate(rows):
-        # One assignment per array and row: the row's items concatenated end to end.
-        row_items = [items[i] for i in indices]
-        lengths = np.array([len(token_ids[i]) for i in indices])
-        starts = np.cumsum(lengths) - lengths
-        end = int(lengths.sum())
-        tokens[row, :end] = np.concatenate([token_ids[i] for i in indices])
-        attention[row, :end] = 1
-        positions[row, :end] = np.arange(end) - np.repeat(starts, lengths)
-        mask[row, :end] = np.concatenate([item.mask() for item in row_items])
-        mask[row, starts] = 0.0  # predicted from the previous item's last token (padded: sliced off below)
-        advantages[row, :end] = np.concatenate([item.advantage_values() for item in row_items])
-        behaviour[row, :end] = np.concatenate([item.logprobs() for item in row_items])
-        versions[row, :end] = np.concatenate([item.versions() for item in row_items])
-        correction[row, :end] = np.repeat([item.kind == "correction" for item in row_items], lengths)
-        positions[row, end:] = np.arange(length - end)  # the padding tail: a block of its own, loss mask 0
+        start = 0
+        for index in indices:
+            item = items[index]
+            n = len(item.token_ids())
+            end = start + n
+            tokens[row, start:end] = item.token_ids()
+            attention[row, start:end] = 1
+            positions[row, start:end] = np.arange(n)
+            mask[row, start:end] = item.mask()
+            mask[row, start] = 0.0  # predicted from the previous item's last token (padded: sliced off below)
+            advantages[row, start:end] = item.advantage_values()
+            behaviour[row, start:end] = item.logprobs()
+            versions[row, start:end] = item.versions()
+            correction[row, start:end] = item.kind == "correction"
+            start = end
+        positions[row, start:] = np.arange(length - start)  # the padding tail: a block of its own, loss mask 0
     return TrainBatch(
         tokens=torch.from_numpy(tokens),
         attention_mask=torch.from_numpy(attention),
