@@ -291,13 +291,13 @@ def measure_guard(open_groups: tuple[int, ...], leases: int, rounds: int) -> dic
     so that the guard admits every group (it still does all its work); in a real run it bounds G itself."""
     from replay.service import ReplayService
 
+    configs = {guard: base_config("guard", ["algo.groups_per_step=100000000", f"algo.correction_guard={guard}",
+                                            "algo.max_correction_staleness=100000000"]) for guard in (True, False)}
     result = {}
     for count in open_groups:
         per_lease: dict[bool, list[float]] = {True: [], False: []}
         for r in range(rounds):
-            for guard in (True, False):
-                config = base_config("guard", ["algo.groups_per_step=100000000", f"algo.correction_guard={guard}",
-                                               "algo.max_correction_staleness=100000000"])
+            for guard, config in configs.items():
                 driver = ReplayDriver(ReplayService(config), config, seed=r)
                 for _ in range(count):
                     assert driver.play_group("filler", members=1, outcomes=False), "the guard refused a lease"

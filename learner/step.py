@@ -212,10 +212,9 @@ def train_on_micro_batches(
             _drop_gradients(engine)
             break
         if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:  # learner.engine.clips_itself
-            if norm_tensor is None:
-                torch.nn.utils.clip_grad_norm_(engine.module.parameters(), config.learner.grad_clip)
-            else:  # the norm just read is the one to clip by (a world of one): not computed twice
-                torch.nn.utils.clip_grads_with_norm_(engine.module.parameters(), config.learner.grad_clip, norm_tensor)
+            # Only at ZeRO-0 in a world of one, where the norm just read is the one to clip by: not computed twice.
+            assert norm_tensor is not None, "torch clips only at ZeRO-0, where _gradient_norm reads the norm"
+            torch.nn.utils.clip_grads_with_norm_(engine.module.parameters(), config.learner.grad_clip, norm_tensor)
         engine.step()
         version += 1
         reported = engine.get_global_grad_norm()  # DeepSpeed's, where it clipped or reduced (ZeRO >= 1)
