@@ -24,7 +24,9 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
 
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
-    python benchmarks/delay.py --d 50 --max-correction-staleness auto    # the guard's bound above the D asked for
+    # the guard's bound above the D asked for (docs/benchmarks.md, the first such run; ~10 min):
+    python benchmarks/delay.py --d 50 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 --seeds 1 \
+        --max-correction-staleness auto --parallel 2 --max-wall-s 540 --calibrate-steps 20000
 """
 
 from __future__ import annotations
