@@ -213,6 +213,10 @@ class TrainItem(Message, tag="train_item"):
     def token_ids(self) -> np.ndarray:
         return unpack(self.tokens, TOKEN)
 
+    def num_tokens(self) -> int:
+        """len(token_ids()) without building the array (the learner plans every batch by lengths)."""
+        return len(self.tokens) // TOKEN.itemsize
+
     def mask(self) -> np.ndarray:
         return unpack(self.loss_mask, MASK)
 

@@ -160,6 +160,7 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
     from learner.batch import collate
     from learner.engine import build_engine
@@ -182,6 +183,16 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
     padded_engine, _ = build_engine(padded_config)
     bare = load_model(model_dir).train()
     optimizer = torch.optim.AdamW(bare.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
+    # Two more bare loops, so that the headline's baseline (torch's defaults) is not the only yardstick: the same
+    # fused AdamW step as the learner's, and the learner's whole math (the project's loss with IS weights and the
+    # entropy bonus, gradient clipping, the fused step) in plain torch: the latter's gap is the framework alone
+    # (planning and collating, finite checks, DeepSpeed's wrappers).
+    bare_fused = load_model(model_dir).train()
+    fused = torch.optim.AdamW(bare_fused.parameters(), lr=config.learner.lr,
+                              weight_decay=config.learner.weight_decay, fused=True)
+    bare_same = load_model(model_dir).train()
+    same = torch.optim.AdamW(bare_same.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay,
+                             fused=True)
 
     def ours(version: int = 0) -> None:
         for items in batches:
@@ -191,18 +202,32 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
         for items in batches:
             version, _ = train_on_items(padded_engine, None, items, version, padded_config)
 
-    def baseline() -> None:
+    def nll_loop(model: torch.nn.Module, step: torch.optim.Optimizer) -> None:
         for micro in tensors:
             for t in micro:
-                logits = bare(**t.model_inputs()).logits[:, :-1]
+                logits = model(**t.model_inputs()).logits[:, :-1]
                 nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.tokens[:, 1:].reshape(-1),
                                       reduction="none")
                 loss = (nll * t.loss_mask.reshape(-1)).sum() / t.loss_mask.sum()
                 loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step.step()
+            step.zero_grad(set_to_none=True)
 
-    runs = {"ours": ours, "bare": baseline, "padded": ours_padded}
+    def same_math(version: int = 0) -> None:
+        algo = config.algo
+        for micro in tensors:
+            for t in micro:
+                logp, entropy = token_logprobs_and_entropy(bare_same(**t.model_inputs()).logits, t.tokens,
+                                                           config.rollout.temperature, entropy=algo.entropy_coef > 0)
+                loss, _ = policy_loss(logp, t.behaviour_logp, t.advantages, t.staleness(version), t.loss_mask, algo,
+                                      entropy=entropy, entropy_rows=bonus_rows(t.correction_tokens, algo))
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(bare_same.parameters(), config.learner.grad_clip)
+            same.step()
+            same.zero_grad(set_to_none=True)
+
+    runs = {"ours": ours, "bare": lambda: nll_loop(bare, optimizer), "padded": ours_padded,
+            "bare_fused": lambda: nll_loop(bare_fused, fused), "bare_same": same_math}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     wall: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():  # warm-up: allocator, autograd graph caches
@@ -224,6 +249,10 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
         # throughput in real (trained) tokens per CPU second
         "ours_tokens_per_s": real / ours_s, "bare_tokens_per_s": real / bare_s, "padded_tokens_per_s": real / padded_s,
         "ratio": paired_ratio(cpu["bare"], cpu["ours"]),  # tokens/s ours ÷ bare = time bare ÷ ours
+        "fused_ratio": paired_ratio(cpu["bare_fused"], cpu["ours"]),
+        "same_math_ratio": paired_ratio(cpu["bare_same"], cpu["ours"]),
+        "bare_fused_tokens_per_s": real / statistics.median(cpu["bare_fused"]),
+        "bare_same_tokens_per_s": real / statistics.median(cpu["bare_same"]),
         "wall_ratio": paired_ratio(wall["bare"], wall["ours"]),
         "packed_vs_padded_ratio": paired_ratio(cpu["padded"], cpu["ours"]),
         "ours_ms_per_step": 1000 * ours_s / len(batches), "bare_ms_per_step": 1000 * bare_s / len(batches),
@@ -393,6 +422,12 @@ def report(transport: dict | None, learner: dict | None, replay: dict | None, du
                       f"{learner['ours_tokens_per_s']:,.0f} tok/s", f"{learner['bare_tokens_per_s']:,.0f} tok/s",
                       f"{learner['ratio']:.2f}", f">= {target}", met(learner["ratio"], target))
         table.add_row("learner, wall clock (shared cores)", "", "", f"{learner['wall_ratio']:.2f}", "", "")
+        table.add_row("learner ÷ bare with the learner's fused AdamW step",
+                      f"{learner['ours_tokens_per_s']:,.0f} tok/s", f"{learner['bare_fused_tokens_per_s']:,.0f} tok/s",
+                      f"{learner['fused_ratio']:.2f}", "", "")
+        table.add_row("learner ÷ bare with the learner's math (loss, entropy, clip, fused AdamW)",
+                      f"{learner['ours_tokens_per_s']:,.0f} tok/s", f"{learner['bare_same_tokens_per_s']:,.0f} tok/s",
+                      f"{learner['same_math_ratio']:.2f}", "", "")
         table.add_row("learner packed ÷ the same learner unpacked (one item per row)",
                       f"{learner['ours_tokens_per_s']:,.0f} tok/s", f"{learner['padded_tokens_per_s']:,.0f} tok/s",
                       f"{learner['packed_vs_padded_ratio']:.2f}", "", "")
@@ -453,6 +488,7 @@ def main() -> int:
                         transport_wall_ratio={name: t["wall_ratio"] for name, t in transport.items()})
     if learner:
         headline.update(learner_ratio=learner["ratio"], learner_wall_ratio=learner["wall_ratio"],
+                        learner_fused_ratio=learner["fused_ratio"], learner_same_math_ratio=learner["same_math_ratio"],
                         padding_frac=learner["padding_frac"], padding_frac_unpacked=learner["padding_frac_unpacked"],
                         packed_vs_padded_ratio=learner["packed_vs_padded_ratio"])
     if replay:

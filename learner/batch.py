@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from async_rl.protocol import TrainItem
+from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem
 from learner.pack import MicroBatch
 
 PAD_ID = 0
@@ -70,36 +70,47 @@ def collate_micro_batch(items: list[TrainItem], micro: MicroBatch, packed: bool)
 
 
 def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) -> TrainBatch:
-    """Rows of item indices → tensors; packed rows lay their items end to end (one item per row otherwise)."""
+    """Rows of item indices → tensors; packed rows lay their items end to end (one item per row otherwise).
+
+    Each per-token field of every item is read once, as one concatenation of the wire bytes, and scattered into
+    the (rows × longest row) arrays by a flat index: a handful of numpy calls per micro-batch, not one per item and
+    field (the learner collates every step, on the step's critical path)."""
     if not packed and any(len(row) != 1 for row in rows):
         raise ValueError("collate_rows: an unpacked row holds exactly one item")
-    length = max(sum(len(items[i].token_ids()) for i in row) for row in rows)
-    count = len(rows)
-    tokens = np.full((count, length), PAD_ID, dtype=np.int64)
-    attention = np.zeros((count, length), dtype=np.int64)
+    order = [items[i] for row in rows for i in row]  # items in layout order: row by row, end to end
+    lengths = np.fromiter((item.num_tokens() for item in order), dtype=np.int64, count=len(order))
+    row_of = np.repeat(np.arange(len(rows)), [len(row) for row in rows])
+    ends = np.cumsum(lengths)
+    row_sums = np.bincount(row_of, weights=lengths, minlength=len(rows)).astype(np.int64)
+    row_starts = np.concatenate(([0], np.cumsum(row_sums)[:-1]))
+    offset = ends - lengths - row_starts[row_of]  # each item's first slot within its row
+    count, length = len(rows), int(row_sums.max())
+    within = np.arange(int(ends[-1])) - np.repeat(ends - lengths, lengths)  # position within its own item
+    flat = np.repeat(row_of * length + offset, lengths) + within  # each token's slot in the flattened arrays
+    first = row_of * length + offset  # each item's first slot
+
+    def field(name: str, dtype: np.dtype) -> np.ndarray:
+        return np.frombuffer(b"".join(getattr(item, name) for item in order), dtype=dtype)
+
+    def scatter(values: np.ndarray, dtype: type, fill: float = 0) -> np.ndarray:
+        out = np.full(count * length, fill, dtype=dtype)
+        out[flat] = values
+        return out.reshape(count, length)
+
+    tokens = scatter(field("tokens", TOKEN), np.int64, PAD_ID)
+    attention = scatter(np.ones(len(flat), dtype=np.int64), np.int64)
+    mask = scatter(field("loss_mask", MASK), np.float32)
+    mask.reshape(-1)[first] = 0.0  # predicted from the previous item's last token (padded: sliced off below)
+    advantages = scatter(field("advantages", ADVANTAGE), np.float32)
+    behaviour = scatter(field("behaviour_logprobs", LOGPROB), np.float32)
+    versions = scatter(field("policy_versions", TOKEN), np.int64)
+    correction = scatter(np.repeat(np.array([item.kind == "correction" for item in order], dtype=np.float32),
+                                   lengths), np.float32)
+    # positions restart at 0 for every item; the padding tail of a row is a block of its own (loss mask 0)
     positions = np.zeros((count, length), dtype=np.int64)
-    mask = np.zeros((count, length), dtype=np.float32)
-    advantages = np.zeros((count, length), dtype=np.float32)
-    behaviour = np.zeros((count, length), dtype=np.float32)
-    versions = np.zeros((count, length), dtype=np.int64)
-    correction = np.zeros((count, length), dtype=np.float32)
-    for row, indices in enumerate(rows):
-        start = 0
-        for index in indices:
-            item = items[index]
-            n = len(item.token_ids())
-            end = start + n
-            tokens[row, start:end] = item.token_ids()
-            attention[row, start:end] = 1
-            positions[row, start:end] = np.arange(n)
-            mask[row, start:end] = item.mask()
-            mask[row, start] = 0.0  # predicted from the previous item's last token (padded: sliced off below)
-            advantages[row, start:end] = item.advantage_values()
-            behaviour[row, start:end] = item.logprobs()
-            versions[row, start:end] = item.versions()
-            correction[row, start:end] = item.kind == "correction"
-            start = end
-        positions[row, start:] = np.arange(length - start)  # the padding tail: a block of its own, loss mask 0
+    positions.reshape(-1)[flat] = within
+    tails = np.arange(length)[None, :] >= row_sums[:, None]
+    positions[tails] = (np.arange(length)[None, :] - row_sums[:, None])[tails]
     return TrainBatch(
         tokens=torch.from_numpy(tokens),
         attention_mask=torch.from_numpy(attention),

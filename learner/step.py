@@ -39,7 +39,7 @@ def rank_share(items: list[TrainItem], rank: int, world_size: int, algo: AlgoCon
     """This rank's length-balanced share of the items as one padded batch, and the factor that makes the
     rank-averaged gradient equal the whole batch's (`share_scale`). A rank without items trains a masked-out copy
     of the first item: every rank must run forward and backward (collectives at ZeRO-3)."""
-    share = balance_shards([len(item.token_ids()) for item in items], world_size)[rank]
+    share = balance_shards([item.num_tokens() for item in items], world_size)[rank]
     batch = collate([items[i] for i in share] or items[:1])
     if not share:
         batch.loss_mask.zero_()
@@ -55,7 +55,7 @@ def rank_micro_batches(
     scales: summed over micro-batches and averaged over ranks, the scaled losses (and so the accumulated gradients)
     are the whole batch's. As many micro-batches on every rank."""
     learner = config.learner
-    lengths = [len(item.token_ids()) for item in items]
+    lengths = [item.num_tokens() for item in items]
     plan = plan_shards(lengths, world_size, learner.micro_batch_tokens, learner.packing, learner.pack_row_tokens)[rank]
     micro = [collate_micro_batch(items, m, learner.packing) for m in plan]
     if world_size == 1 and len(micro) == 1:
@@ -68,7 +68,7 @@ def layout_metrics(items: list[TrainItem], world_size: int, config: Config) -> d
     """How the batch was laid out over every rank: the padding share of the tensors trained (fillers included) and
     the micro-batches per rank."""
     learner = config.learner
-    lengths = [len(item.token_ids()) for item in items]
+    lengths = [item.num_tokens() for item in items]
     plans = plan_shards(lengths, world_size, learner.micro_batch_tokens, learner.packing, learner.pack_row_tokens)
     return {"padding_frac": padding_fraction(plans, lengths), "micro_batches": len(plans[0])}
 
@@ -91,6 +91,16 @@ def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     return flag
 
 
+def _parameters(engine: deepspeed.DeepSpeedEngine) -> list[torch.nn.Parameter]:
+    """The module's parameters, listed once per engine: walking the module tree twice a step (the norm, the clip)
+    cost more than the norm itself on a small model."""
+    listed = getattr(engine, "_async_rl_parameters", None)
+    if listed is None:
+        listed = list(engine.module.parameters())
+        engine._async_rl_parameters = listed
+    return listed
+
+
 def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
     """The L2 norm of the accumulated gradient (inf or nan if any is not finite), read before the step. At ZeRO-0
     the gradients sit on the parameters after backward (this rank's: step() reduces them over ranks, and in a world
@@ -99,7 +109,7 @@ def _gradient_norm(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
     "Loss": only the loss is checked for finiteness there)."""
     if engine.zero_optimization_stage() != 0:
         return None
-    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    grads = [p.grad.detach() for p in _parameters(engine) if p.grad is not None]
     if not grads:
         return torch.zeros(())
     return torch.nn.utils.get_total_norm(grads)  # foreach kernels; the clipping below reuses it
@@ -214,7 +224,7 @@ def train_on_micro_batches(
         if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:  # learner.engine.clips_itself
             # Only at ZeRO-0 in a world of one, where the norm just read is the one to clip by: not computed twice.
             assert norm_tensor is not None, "torch clips only at ZeRO-0, where _gradient_norm reads the norm"
-            torch.nn.utils.clip_grads_with_norm_(engine.module.parameters(), config.learner.grad_clip, norm_tensor)
+            torch.nn.utils.clip_grads_with_norm_(_parameters(engine), config.learner.grad_clip, norm_tensor)
         engine.step()
         version += 1
         reported = engine.get_global_grad_norm()  # DeepSpeed's, where it clipped or reduced (ZeRO >= 1)

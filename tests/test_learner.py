@@ -453,6 +453,61 @@ def test_collate_right_pads_and_aligns_per_token_arrays_with_next_token_logprobs
     assert batch.staleness(3)[0, 1] == 3
 
 
+def test_collated_rows_hold_every_item_end_to_end_with_its_own_positions_and_fields():
+    """The vectorised collate against a per-item reading of the contract, on random items and packing plans."""
+    import numpy as np
+
+    from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
+    from learner.batch import collate_micro_batch
+    from learner.pack import plan_shards
+
+    rng = np.random.default_rng(0)
+
+    def item(n: int, kind: str) -> TrainItem:
+        return TrainItem(item_id=0, kind=kind, group_id="g", trajectory_id="t",
+                         tokens=pack(rng.integers(1, 50, n), TOKEN), loss_mask=pack(rng.integers(0, 2, n), MASK),
+                         advantages=pack(rng.normal(size=n), ADVANTAGE),
+                         behaviour_logprobs=pack(-rng.random(n), LOGPROB),
+                         policy_versions=pack(rng.integers(0, 9, n), TOKEN))
+
+    for _ in range(60):
+        items = [item(int(rng.integers(1, 30)), ("immediate", "correction")[int(rng.integers(2))])
+                 for _ in range(int(rng.integers(1, 20)))]
+        lengths = [i.num_tokens() for i in items]
+        packing = bool(rng.integers(2))
+        for plan in plan_shards(lengths, int(rng.integers(1, 3)), int(rng.integers(30, 300)), packing,
+                                int(rng.integers(8, 60))):
+            for micro in plan:
+                batch = collate_micro_batch(items, micro, packing)
+                width = max(sum(lengths[i] for i in row) for row in micro.rows)
+                assert batch.tokens.shape == (len(micro.rows), width)
+                for r, row in enumerate(micro.rows):
+                    start = 0
+                    for index in row:
+                        it, end = items[index], start + lengths[index]
+                        assert batch.tokens[r, start:end].tolist() == it.token_ids().tolist()
+                        assert batch.attention_mask[r, start:end].eq(1).all()
+                        # per-token arrays are shifted by one: the token at t is predicted at column t - 1
+                        cols = slice(start - 1 if start else 0, end - 1)
+                        expected_mask = it.mask().astype(np.float32)
+                        expected_mask[0] = 0.0  # an item's first token is predicted by the previous item
+                        if not micro.filler:
+                            assert batch.loss_mask[r, cols].tolist() == expected_mask[0 if start else 1:].tolist()
+                        assert batch.advantages[r, cols].tolist() == \
+                            it.advantage_values().astype(np.float32)[0 if start else 1:].tolist()
+                        assert batch.versions[r, cols].tolist() == it.versions()[0 if start else 1:].tolist()
+                        assert batch.correction_tokens[r, cols].eq(float(it.kind == "correction")).all()
+                        if packing:
+                            assert batch.position_ids[r, start:end].tolist() == list(range(lengths[index]))
+                        start = end
+                    assert batch.tokens[r, start:].eq(0).all() and batch.attention_mask[r, start:].eq(0).all()
+                    assert batch.loss_mask[r, max(start - 1, 0):].eq(0).all()
+                    if packing:  # the padding tail is a block of its own
+                        assert batch.position_ids[r, start:].tolist() == list(range(width - start))
+                if micro.filler:
+                    assert batch.loss_mask.eq(0).all()
+
+
 @pytest.mark.slow
 def test_zero3_single_process_trains_and_publishes_full_weights(tmp_path):
     config = make_config(tmp_path, learner={"zero_stage": 3}, run={"max_versions": 2})
