@@ -6,8 +6,9 @@ with D, the number of outcome-only learner updates' worth of data generated whil
     D ≈ judge delay × trajectories/s ÷ trajectories per outcome-only update.
 
 This script first measures, per trap setting, trajectories/s and trajectories per update of `outcome-only+step`
-with an instant judge (the calibration run), sets each judge delay from the D asked for, and prints the D each run
-got (its own trajectories/s × delay ÷ the calibrated trajectories per update). Arms, all with `credit=outcome+step`:
+with an instant judge (the calibration: `--parallel` runs side by side, as the arms will run, since two runs on
+two cores each get about half the throughput of one alone), sets each judge delay from the D asked for, and prints
+the D each run got (its own trajectories/s × delay ÷ the calibrated trajectories per update). Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
@@ -24,9 +25,14 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
 
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
-    # the guard's bound above the D asked for (docs/benchmarks.md, the first such run; ~10 min):
-    python benchmarks/delay.py --d 50 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 --seeds 1 \
-        --max-correction-staleness auto --parallel 2 --max-wall-s 540 --calibrate-steps 20000
+    # what docs/benchmarks.md reports (5 seeds, one lr, the guard's bound above the D asked for; ~1 h per traps):
+    python benchmarks/delay.py --d 50,0 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
+        --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
+        --calibrate-steps 20000 --out delay-traps0
+
+Each finished run (and calibration) is saved under `benchmarks/out/<--out>/done/` as soon as it ends; `--reuse`
+keeps those of an interrupted invocation with the same arguments and runs only the missing ones. With
+`--parallel 2` the arms of one seed start side by side (jobs are ordered seed, lr, arm).
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ import json
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run as `python benchmarks/NAME.py`
     OUT_DIR,
+    BenchmarkError,
     RunResult,
     console,
     emit,
@@ -110,6 +118,10 @@ def main() -> int:
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="new-token", help="algo.entropy_per of every arm")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
+    parser.add_argument("--out", default=None, help="folder under benchmarks/out (default delay, delay-quick)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs (and calibrations) of an earlier invocation with the same --out whose "
+                             "result is on disk; run only the missing ones")
     parser.add_argument("--max-correction-staleness", default="16", metavar="N|auto", type=bound_arg,
                         help="algo.max_correction_staleness of every run (default 16, the config's); auto: "
                              "ceil(D) + 16, so that the guard does not cut the D asked for (at 16 it cut D 50 to 4-10)")
@@ -125,7 +137,12 @@ def main() -> int:
     if unknown:
         parser.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
     lrs = [float(lr) for lr in args.lrs.split(",")]
-    out_dir = OUT_DIR / ("delay-quick" if args.quick else "delay")
+    out_dir = OUT_DIR / (args.out or ("delay-quick" if args.quick else "delay"))
+    done_dir = out_dir / "done"  # one JSON per finished run or calibration, written as soon as it finishes
+    done_dir.mkdir(parents=True, exist_ok=True)
+    if not args.reuse:
+        for stale in done_dir.glob("*.json"):
+            stale.unlink()
     info = machine()
     learner = [f"algo.aggregation={args.aggregation}", f"algo.entropy_per={args.entropy_per}"]
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
@@ -136,13 +153,29 @@ def main() -> int:
     for traps in traps_list:
         # Calibration: outcome-only+step, instant judge, the middle lr: trajectories/s and per update.
         name = f"calibrate-traps{traps}"
-        console.print(f"[bold]delay[/] {name}: {args.calibrate_steps:,} env steps, instant judge")
-        run = train(out_dir, name, [*ARMS["outcome-only+step"], *common, f"env.kwargs.traps={traps}",
-                                    f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"],
-                    timeout_s=args.max_wall_s + 120)
-        per_s, per_update = throughput(run)
-        if not per_s or not per_update:
-            raise SystemExit(f"{name}: too few learner steps to calibrate; raise --calibrate-steps")
+        saved = done_dir / f"{name}.json"
+        if saved.exists():
+            per_s, per_update = (json.loads(saved.read_text())[k] for k in ("per_s", "per_update"))
+            console.print(f"[bold]delay[/] {name}: reused from {saved}")
+        else:
+            # As many calibration runs side by side as the arms will run (--parallel): the throughput that sets the
+            # judge delay must be measured under the same sharing of the cores as the runs it is set for.
+            console.print(f"[bold]delay[/] {name}: {args.parallel} x {args.calibrate_steps:,} env steps side by side, "
+                          "instant judge")
+
+            def calibrate(copy: int, name: str = name, traps: int = traps) -> tuple[float | None, float | None]:
+                return throughput(train(out_dir, f"{name}-{copy}", [
+                    *ARMS["outcome-only+step"], *common, f"env.kwargs.traps={traps}", f"run.seed={copy}",
+                    f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"],
+                    timeout_s=args.max_wall_s + 120))
+
+            with ThreadPoolExecutor(args.parallel) as pool:
+                measured = list(pool.map(calibrate, range(args.parallel)))
+            if not all(per_s and per_update for per_s, per_update in measured):
+                raise SystemExit(f"{name}: too few learner steps to calibrate; raise --calibrate-steps")
+            per_s = sum(m[0] for m in measured) / len(measured)
+            per_update = sum(m[1] for m in measured) / len(measured)
+            saved.write_text(json.dumps({"per_s": per_s, "per_update": per_update}))
         result["calibration"][traps] = {"trajectories_per_s": round(per_s, 1),
                                         "trajectories_per_update": round(per_update, 1)}
         console.print(f"  {per_s:.1f} trajectories/s, {per_update:.1f} per outcome-only update")
@@ -150,9 +183,11 @@ def main() -> int:
             delay = round(d * per_update / per_s, 2)
             max_staleness = math.ceil(d) + 4
             bound = math.ceil(d) + 16 if args.max_correction_staleness == "auto" else int(args.max_correction_staleness)
-            for arm in arms:
+            # seed outermost and arm innermost: with --parallel 2 the arms of one seed and lr run side by side,
+            # under the same load
+            for seed in range(args.seeds):
                 for lr in lrs:
-                    for seed in range(args.seeds):
+                    for arm in arms:
                         key = f"traps{traps}-D{d:g}-{arm}-lr{lr:g}-seed{seed}"
                         overrides = [*ARMS[arm], *common, f"env.kwargs.traps={traps}",
                                      f"env.kwargs.outcome_delay_s={delay}", f"algo.max_staleness={max_staleness}",
@@ -167,16 +202,24 @@ def main() -> int:
 
     def one(job: tuple[str, list[str], dict]) -> tuple[str, dict]:
         key, overrides, meta = job
+        saved = done_dir / f"{key}.json"
+        if saved.exists():
+            console.print(f"[bold]delay[/] {key}: reused from {saved}")
+            return key, json.loads(saved.read_text())
         console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}, "
                       f"max_correction_staleness {meta['max_correction_staleness']}")
-        run = train(out_dir, key, overrides, timeout_s=args.max_wall_s + 180)
+        try:
+            run = train(out_dir, key, overrides, timeout_s=args.max_wall_s + 180)
+        except BenchmarkError as error:  # one failed run is reported, not the whole sweep lost
+            console.print(f"  [red]failed[/]: {error}")
+            return key, {**meta, "failed": str(error).splitlines()[0], "env_steps_to_target": None,
+                         "wall_s_to_target": None, "d_measured": None, "credit_dropped": 0, "guard_held_s": None}
         measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"])}
+        saved.write_text(json.dumps(measured))
         console.print(f"  {measured}")
         return key, measured
 
     if args.parallel > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(args.parallel) as pool:
             done = list(pool.map(one, jobs))
     else:
@@ -221,7 +264,7 @@ def main() -> int:
         f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}"
         for cell, r in result["ratios"].items())
     print_table("delay: immediate credit vs late outcomes", columns, rows, caption)
-    command = "python benchmarks/delay.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/delay.py", *sys.argv[1:]])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(markdown_table(columns, rows, command) + f"\n{caption}\n")
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
