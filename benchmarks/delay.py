@@ -8,7 +8,8 @@ with D, the number of outcome-only learner updates' worth of data generated whil
 This script first measures, per trap setting, trajectories/s and trajectories per update of `outcome-only+step`
 with an instant judge (the calibration: `--parallel` runs side by side, as the arms will run, since two runs on
 two cores each get about half the throughput of one alone), sets each judge delay from the D asked for, and prints
-the D each run got (its own trajectories/s × delay ÷ the calibrated trajectories per update). Arms, all with `credit=outcome+step`:
+the D each run got (its own trajectories/s × delay ÷ the calibrated trajectories per update).
+Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
@@ -60,6 +61,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     median_or_none,
     print_table,
     ratio,
+    read_metrics,
     train,
 )
 
@@ -69,6 +71,7 @@ ARMS = {
     "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
 }
 TARGET, WINDOW = 0.8, 2048
+HALF = 0.5  # a second, lower target: where neither arm reaches 0.8 within the cap, how fast each got half-way
 STEP_LATENCY_S = 0.01  # a tool call: every trajectory waits a little, as in slow_judge
 
 
@@ -83,11 +86,14 @@ def throughput(run: RunResult) -> tuple[float | None, float | None]:
 
 def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
     hit = first_at_target(run.lines, TARGET, WINDOW, key="success_rate_long")
+    half = first_at_target(run.lines, HALF, WINDOW, key="success_rate_long")
     last = run.lines[-1] if run.lines else {}
     per_s, _ = throughput(run)
     return {
         "env_steps_to_target": hit and hit["env_steps"],
         "wall_s_to_target": hit and round(hit["wall_s"], 1),
+        "env_steps_to_half": half and half["env_steps"],
+        "wall_s_to_half": half and round(half["wall_s"], 1),
         "d_measured": None if per_s is None else round(delay_s * per_s / per_update, 1),
         "trajectories_per_s": per_s and round(per_s, 1),
         "credit_dropped": last.get("credit_dropped", 0),
@@ -205,7 +211,14 @@ def main() -> int:
         saved = done_dir / f"{key}.json"
         if saved.exists():
             console.print(f"[bold]delay[/] {key}: reused from {saved}")
-            return key, json.loads(saved.read_text())
+            kept = json.loads(saved.read_text())
+            stdout, run_dir = out_dir / f"{key}.stdout.log", out_dir / key
+            if "failed" not in kept and stdout.exists() and (run_dir / "metrics.jsonl").exists():
+                # measured again from the run's own files, so that figures added since are filled in too
+                summary = json.loads(stdout.read_text().strip().splitlines()[-1])
+                run = RunResult(key, run_dir, summary, read_metrics(run_dir), 0.0)
+                kept = {**kept, **measure(run, meta["delay_s"], meta["per_update"])}
+            return key, kept
         console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}, "
                       f"max_correction_staleness {meta['max_correction_staleness']}")
         try:
@@ -243,25 +256,34 @@ def main() -> int:
                         "d_measured": median_or_none([m["d_measured"] for m in runs]),
                         "credit_dropped": sum(m["credit_dropped"] for m in runs),
                         "guard_held_s": median_or_none([m["guard_held_s"] for m in runs]),
+                        "reached_half": sum(m.get("env_steps_to_half") is not None for m in runs),
+                        "env_steps_half": median_or_none([m.get("env_steps_to_half") for m in runs]),
+                        "wall_s_half": median_or_none([m.get("wall_s_to_half") for m in runs]),
+                        "final_success": median_or_none([m.get("final_success_long") for m in runs]),
                     }
                 lr_best = min(lrs, key=lambda lr: (per_lr[lr]["env_steps"] is None, per_lr[lr]["env_steps"] or 0))
                 best[arm] = {"lr": lr_best, **per_lr[lr_best], "per_lr": per_lr}
                 b = best[arm]
                 rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"), arm, f"{lr_best:g}",
                              f"{b['reached']}/{b['seeds']}", fmt(b["env_steps"], ",.0f"), fmt(b["wall_s"], ".0f"),
+                             f"{b['reached_half']}/{b['seeds']}", fmt(b["env_steps_half"], ",.0f"),
+                             fmt(b["wall_s_half"], ".0f"), fmt(b["final_success"], ".2f", "n/a"),
                              str(b["credit_dropped"]), fmt(b["guard_held_s"], ".0f", "n/a")])
             cell = f"traps{traps}-D{d:g}"
             result["best"][cell] = best
             if {"immediate+correction", "outcome-only+step"} <= best.keys():
                 ours, theirs = best["immediate+correction"], best["outcome-only+step"]
                 result["ratios"][cell] = {"env_steps": ratio(ours["env_steps"], theirs["env_steps"]),
-                                          "wall_s": ratio(ours["wall_s"], theirs["wall_s"])}
+                                          "wall_s": ratio(ours["wall_s"], theirs["wall_s"]),
+                                          "env_steps_half": ratio(ours["env_steps_half"], theirs["env_steps_half"]),
+                                          "wall_s_half": ratio(ours["wall_s_half"], theirs["wall_s_half"])}
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     columns = ["traps", "D asked", "D measured", "arm", "best lr", "reached", "env steps to 0.8", "wall s to 0.8",
-               "credit dropped", "guard held s"]
-    caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall): " + "; ".join(
-        f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}"
+               "reached 0.5", "env steps to 0.5", "wall s to 0.5", "success at end", "credit dropped", "guard held s"]
+    caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
+        f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
+        f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}"
         for cell, r in result["ratios"].items())
     print_table("delay: immediate credit vs late outcomes", columns, rows, caption)
     command = " ".join(["python benchmarks/delay.py", *sys.argv[1:]])
