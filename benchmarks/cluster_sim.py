@@ -29,6 +29,13 @@ is a multiple of it), so the replay's padded token budget and the learner's step
 
     python benchmarks/cluster_sim.py            # 64 engines x 64, 8 learner GPUs, ~30 turns, 60 s judges
     python benchmarks/cluster_sim.py --quick    # small sizes, a few seconds
+    # admission matched to the learner (docs/benchmarks.md, "cluster_sim"):
+    python benchmarks/cluster_sim.py --hours 3 --only async,async-unguarded --set algo.groups_per_step=3 \
+        --variant-mcs -1 --unguarded --out cluster_sim-gps3
+
+Modes: lockstep and async at --max-correction-staleness (256), async-mcsN at --variant-mcs (16, the config's), and
+async-unguarded (async with algo.correction_guard=false; in the full form, not --quick). Each mode reports the
+replay's guard counters (held seconds, holds, leases refused, trajectories abandoned) and its size estimate.
 
 The last stdout line is JSON: {"throughput_ratio", "learner_tokens_ratio", "modes": {...}, "assumptions": {...}}.
 """
