@@ -29,6 +29,13 @@ is a multiple of it), so the replay's padded token budget and the learner's step
 
     python benchmarks/cluster_sim.py            # 64 engines x 64, 8 learner GPUs, ~30 turns, 60 s judges
     python benchmarks/cluster_sim.py --quick    # small sizes, a few seconds
+    # admission matched to the learner (docs/benchmarks.md, "cluster_sim"):
+    python benchmarks/cluster_sim.py --hours 3 --only async,async-unguarded --set algo.groups_per_step=3 \
+        --variant-mcs -1 --unguarded --out cluster_sim-gps3
+
+Modes: lockstep and async at --max-correction-staleness (256), async-mcsN at --variant-mcs (16, the config's), and
+async-unguarded (async with algo.correction_guard=false; in the full form, not --quick). Each mode reports the
+replay's guard counters (held seconds, holds, leases refused, trajectories abandoned) and its size estimate.
 
 The last stdout line is JSON: {"throughput_ratio", "learner_tokens_ratio", "modes": {...}, "assumptions": {...}}.
 """
@@ -217,7 +224,8 @@ class Totals:
 
 
 class Simulation:
-    def __init__(self, workload: Workload, mode: str, seed: int, max_correction_staleness: int) -> None:
+    def __init__(self, workload: Workload, mode: str, seed: int, max_correction_staleness: int,
+                 extra: tuple[str, ...] = ()) -> None:
         assert mode in ("async", "lockstep")
         self.w, self.mode = workload, mode
         w = workload
@@ -229,6 +237,7 @@ class Simulation:
             # The simulated engines have no context limit (see the doc); the replay's too_long check must not cut
             # the wire trajectories (one wire token per 64 simulated ones) short either.
             "model.max_seq_len=1000000",
+            *extra,
         ]
         if mode == "lockstep":
             overrides.append(f"algo.groups_per_step={w.round_groups}")
@@ -623,6 +632,12 @@ class Simulation:
             "immediate_skipped_stale": stats.immediate_skipped_stale,
             "immediate_superseded": stats.immediate_superseded,
             "trajectories_abandoned": stats.trajectories_abandoned,
+            "guard_holds": stats.guard_holds,
+            "guard_held_s": stats.guard_held_s,
+            "guard_leases_denied": stats.guard_leases_denied,
+            "guard_abandoned": stats.guard_abandoned,
+            # the guard's size estimate for a trajectory still being generated, in simulated tokens
+            "longest_trajectory_tokens": self.service.longest_trajectory * w.token_scale,
             "bad_messages": stats.bad_messages,
             "ledger_residual_max": t.residual_max,
             "rounds": t.rounds,
@@ -653,21 +668,31 @@ def percentiles(counter: Counter) -> dict[str, float | int | None]:
     return out
 
 
-def simulate(workload: Workload, mode: str, seed: int, max_correction_staleness: int) -> dict[str, Any]:
-    return Simulation(workload, mode, seed, max_correction_staleness).run()
+def simulate(workload: Workload, mode: str, seed: int, max_correction_staleness: int,
+             extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    return Simulation(workload, mode, seed, max_correction_staleness, extra).run()
 
 
 # --- the benchmark --------------------------------------------------------------------------------------
 
 
-def run_all(workload: Workload, seed: int, mcs: int, variant_mcs: int | None) -> dict[str, Any]:
-    modes = {"lockstep": simulate(workload, "lockstep", seed, mcs), "async": simulate(workload, "async", seed, mcs)}
+def run_all(workload: Workload, seed: int, mcs: int, variant_mcs: int | None, unguarded: bool = False,
+            extra: tuple[str, ...] = (), only: set[str] | None = None) -> dict[str, Any]:
+    """Every mode's figures; `extra` overrides go to every async run (e.g. algo.groups_per_step=3), `only` keeps
+    the named modes (lockstep, async, async-mcsN, async-unguarded)."""
+    plan = {"lockstep": ("lockstep", mcs, ()), "async": ("async", mcs, extra)}
     if variant_mcs is not None:
-        modes[f"async-mcs{variant_mcs}"] = simulate(workload, "async", seed, variant_mcs)
-    lock, fast = modes["lockstep"], modes["async"]
+        plan[f"async-mcs{variant_mcs}"] = ("async", variant_mcs, extra)
+    if unguarded:  # what the correction guard costs and buys: the same async run without it
+        plan["async-unguarded"] = ("async", mcs, (*extra, "algo.correction_guard=false"))
+    modes = {name: simulate(workload, mode, seed, bound, more)
+             for name, (mode, bound, more) in plan.items() if only is None or name in only}
+    lock, fast = modes.get("lockstep"), modes.get("async")
+    both = lock is not None and fast is not None
     return {
-        "throughput_ratio": _ratio(fast["trajectories_per_s"], lock["trajectories_per_s"]),
-        "learner_tokens_ratio": _ratio(fast["learner_tokens_per_s"], lock["learner_tokens_per_s"]),
+        "throughput_ratio": _ratio(fast["trajectories_per_s"], lock["trajectories_per_s"]) if both else None,
+        "learner_tokens_ratio": _ratio(fast["learner_tokens_per_s"], lock["learner_tokens_per_s"]) if both else None,
+        "extra": list(extra),
         "modes": modes,
         "assumptions": asdict(workload),
         "assumption_sources": ASSUMPTION_SOURCES,
@@ -711,15 +736,23 @@ def main() -> int:
                         help="algo.max_correction_staleness of the compared runs (default 256: nothing dropped)")
     parser.add_argument("--variant-mcs", type=int, default=16,
                         help="also run async with this max_correction_staleness (configs/cluster.yaml's 16); -1: skip")
+    parser.add_argument("--unguarded", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run async with algo.correction_guard=false (default: on, off with --quick)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every async run (repeatable), e.g. algo.groups_per_step=3")
+    parser.add_argument("--only", default=None, help="comma-separated modes to run (default all)")
+    parser.add_argument("--out", default=None, help="folder under benchmarks/out (default cluster_sim)")
     args = parser.parse_args()
     logging.getLogger("async_rl.replay").setLevel(logging.ERROR)  # dropped corrections log one warning each
     workload = QUICK if args.quick else Workload()
     if args.hours is not None:
         workload = replace(workload, duration_s=args.hours * 3600)
     variant = None if args.variant_mcs < 0 else args.variant_mcs
+    unguarded = not args.quick if args.unguarded is None else args.unguarded
     from common import machine, markdown_table, print_table  # benchmarks/ is not a package
 
-    result = run_all(workload, args.seed, args.max_correction_staleness, variant)
+    only = None if args.only is None else set(args.only.split(","))
+    result = run_all(workload, args.seed, args.max_correction_staleness, variant, unguarded, tuple(args.set), only)
     result["machine"] = machine()
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     columns, rows = table_rows(result)
@@ -727,10 +760,8 @@ def main() -> int:
                f"{_f(result['learner_tokens_ratio'], '.2f')}; {workload.duration_s / 3600:g} simulated h, "
                f"seed {args.seed}")
     print_table("cluster simulation", columns, rows, caption)
-    command = "python benchmarks/cluster_sim.py" + (" --quick" if args.quick else "")
-    if args.hours is not None:
-        command += f" --hours {args.hours:g}"
-    out = REPO / "benchmarks" / "out" / ("cluster_sim-quick" if args.quick else "cluster_sim")
+    command = " ".join(["python benchmarks/cluster_sim.py", *sys.argv[1:]])
+    out = REPO / "benchmarks" / "out" / (args.out or ("cluster_sim-quick" if args.quick else "cluster_sim"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(markdown_table(columns, rows, command))
     (out / "result.json").write_text(json.dumps(result, indent=2))
