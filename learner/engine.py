@@ -153,9 +153,9 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     if config.algo.kl_beta > 0:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         reference = copy.deepcopy(model).eval().requires_grad_(False).to(device=_local_device(device), dtype=dtype)
-    # torch's AdamW with its fused kernel (CPU and CUDA), not DeepSpeed's FusedAdam, which would be JIT-built. On
-    # CPU the fused step is ~5x faster than torch's default per-tensor loop (0.15 vs 0.7 ms for the quick start's
-    # model: docs/benchmarks.md, "systems"); the update is the same AdamW.
+    # torch's AdamW with its fused kernel (CPU and CUDA), not DeepSpeed's FusedAdam, which would be JIT-built; on CPU
+    # torch's default is a per-tensor Python loop (docs/benchmarks.md, "systems": the learner against bare loops
+    # with and without it). The update is the same AdamW.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay,
                                   fused=True)
     ds_config = deepspeed_config(config, precision, world_size())
