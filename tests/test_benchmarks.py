@@ -100,3 +100,33 @@ def test_delay_quick():
     assert all(run["max_correction_staleness"] == 16 for run in runs)  # the config's bound unless asked otherwise
     assert result["credit_dropped_total"] == 0  # the guard at the default bound
     assert "traps2-D5" in result["ratios"]
+
+
+def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
+    """`--reuse` keeps the runs an interrupted sweep saved (here: made up, one per arm) and starts no training run:
+    the calibration and both runs come from `done/`, the best-vs-best ratios from their figures."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-traps0.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    kept = {"outcome-only+step": (200_000, 400.0, 100_000, 150.0),
+            "immediate+correction": (50_000, 200.0, 60_000, 160.0)}
+    for arm, (steps, wall, half_steps, half_wall) in kept.items():
+        key = f"traps0-D10-{arm}-lr0.0005-seed0"
+        (done / f"{key}.json").write_text(json.dumps({
+            "traps": 0, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 5.0, "per_update": 50.0,
+            "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": steps,
+            "wall_s_to_target": wall, "env_steps_to_half": half_steps, "wall_s_to_half": half_wall,
+            "d_measured": 9.0, "trajectories_per_s": 90.0, "credit_dropped": 0, "guard_held_s": 0.0,
+            "versions": 100, "final_success_long": 0.8, "stop_reason": "target_success"}))
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "0", "--arms",
+         "outcome-only+step,immediate+correction", "--lrs", "5e-4", "--seeds", "1", "--max-correction-staleness",
+         "auto", "--out", str(tmp_path), "--reuse"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert result["ratios"]["traps0-D10"] == {"env_steps": 0.25, "wall_s": 0.5, "env_steps_half": 0.6,
+                                               "wall_s_half": 160.0 / 150.0}
+    assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
+    assert "--reuse" in (tmp_path / "table.md").read_text()  # the table names the command that made it
