@@ -221,7 +221,9 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
             runner.pump(IDLE_POLL_S if busy else 0.0)
             service()
             if eval_every and engine.version >= next_eval:
-                next_eval = engine.version + eval_every
+                # On the grid of multiples of eval_every: a version that arrived late (the learner published two
+                # while this worker was busy) does not shift every later evaluation.
+                next_eval = (engine.version // eval_every + 1) * eval_every
                 held_replies = _evaluate_now(config, factory, engine, tokenizer, params, link, runner, worker_id)
     except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
         log.error("%s stops: %s", worker_id, exc)
