@@ -174,25 +174,26 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
     batches = [b.items for b in ReplayDriver(ReplayService(config), config, seed=0).collect_batches(num_batches)]
     # the bare baseline's tensors: the very micro-batches (packed rows, position ids) the learner trains on
     tensors = [[batch for batch, _ in rank_micro_batches(items, 0, 1, config)] for items in batches]
-    real = sum(len(item.token_ids()) for items in batches for item in items)
+    real = sum(item.num_tokens() for items in batches for item in items)
     packed_slots = sum(t.tokens.numel() for micro in tensors for t in micro)
     padded_slots = sum(collate(items).tokens.numel() for items in batches)
 
     model_dir = prepare_model_dir(config)  # the learner waits for the rollout side to build it
     engine, reference = build_engine(config)
     padded_engine, _ = build_engine(padded_config)
-    bare = load_model(model_dir).train()
-    optimizer = torch.optim.AdamW(bare.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
+    def bare_copy(fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """A fresh copy of the model and its AdamW (torch's default step on CPU, or the learner's fused one)."""
+        model = load_model(model_dir).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=config.learner.lr,
+                                        weight_decay=config.learner.weight_decay, fused=fused)
+
+    bare, optimizer = bare_copy(fused=False)
     # Two more bare loops, so that the headline's baseline (torch's defaults) is not the only yardstick: the same
     # fused AdamW step as the learner's, and the learner's whole math (the project's loss with IS weights and the
     # entropy bonus, gradient clipping, the fused step) in plain torch: the latter's gap is the framework alone
     # (planning and collating, finite checks, DeepSpeed's wrappers).
-    bare_fused = load_model(model_dir).train()
-    fused = torch.optim.AdamW(bare_fused.parameters(), lr=config.learner.lr,
-                              weight_decay=config.learner.weight_decay, fused=True)
-    bare_same = load_model(model_dir).train()
-    same = torch.optim.AdamW(bare_same.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay,
-                             fused=True)
+    bare_fused, fused = bare_copy(fused=True)
+    bare_same, same = bare_copy(fused=True)
 
     def ours(version: int = 0) -> None:
         for items in batches:

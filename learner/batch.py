@@ -86,8 +86,8 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
     offset = ends - lengths - row_starts[row_of]  # each item's first slot within its row
     count, length = len(rows), int(row_sums.max())
     within = np.arange(int(ends[-1])) - np.repeat(ends - lengths, lengths)  # position within its own item
-    flat = np.repeat(row_of * length + offset, lengths) + within  # each token's slot in the flattened arrays
-    first = row_of * length + offset  # each item's first slot
+    first = row_of * length + offset  # each item's first slot in the flattened arrays
+    flat = np.repeat(first, lengths) + within  # each token's slot
 
     def field(name: str, dtype: np.dtype) -> np.ndarray:
         return np.frombuffer(b"".join(getattr(item, name) for item in order), dtype=dtype)
