@@ -148,7 +148,11 @@ class LearnerConfig(_Section):
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0  # 0 disables
     zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0
-    batch_tokens: PosInt = 4096  # token budget of one batch (padded length x items)
+    batch_tokens: PosInt = 4096  # token budget of one batch, counted as batch_budget says
+    # How the replay counts a batch against batch_tokens: padded, the longest item x items (one right-padded row
+    # per item); packed, the sum of the items' tokens (what a packing learner computes, within a micro-batch's
+    # padding). The correction guard sizes pending work the same way (docs/algorithm.md, "Staleness").
+    batch_budget: Literal["padded", "packed"] = "padded"
     min_batch_items: PosInt = 64  # wait for at least this many items ...
     batch_wait_s: NonNegFloat = 2.0  # ... or this long, whichever comes first
     publish_every: PosInt = 1  # write weights and announce a version every N steps

@@ -12,10 +12,13 @@ and `tick(now)`; its replies (LeaseGrant / LeaseDenied / Batch) drive the simula
   turns     per trajectory T ~ lognormal; per turn an action (lognormal tokens), a tool call (lognormal seconds),
             then its StageRecord goes out with the observation before the action and the action's tokens; after
             the last turn a judge (lognormal seconds) and the Outcome.
-  learner   M ranks; one step over a batch takes overhead + padded tokens / (M · tokens/s per GPU), padded like
-            learner/batch.py (the longest item × items). After each acked step (every learner.publish_every) the
-            weights are published; every engine pauses decoding for the weight-sync time and then generates with
-            the new version (tokens carry the version that decoded them, segment by segment).
+  learner   M ranks; one step over a batch takes overhead + the busiest rank's computed tokens / tokens/s per GPU,
+            planned by the learner's own code (learner/pack.py: length-balanced shards, sequences packed into rows,
+            rows into micro-batches; computed = rows × longest row, summed over micro-batches). The replay fills a
+            batch as learner.batch_budget says (packed in configs/cluster.yaml). After each acked step (every
+            learner.publish_every) the weights are published; every engine pauses decoding for the weight-sync time
+            and then generates with the new version (tokens carry the version that decoded them, segment by
+            segment).
   async     admission by algo.max_staleness / algo.groups_per_step exactly as built; the learner asks for
             learner.batch_tokens / min_batch_items / batch_wait_s batches back to back.
   lock-step a round of R = N·K/G groups is leased at once when the engines hold version v; the round is generated
@@ -25,7 +28,7 @@ and `tick(now)`; its replies (LeaseGrant / LeaseDenied / Batch) drive the simula
             sync, the next round starts. algo.groups_per_step = R, so admission never binds.
 
 Token arrays on the wire are short: one wire token stands for `token_scale` simulated tokens (every simulated count
-is a multiple of it), so the replay's padded token budget and the learner's step time see the simulated sizes.
+is a multiple of it), so the replay's token budget and the learner's step time see the simulated sizes.
 
     python benchmarks/cluster_sim.py            # 64 engines x 64, 8 learner GPUs, ~30 turns, 60 s judges
     python benchmarks/cluster_sim.py --quick    # small sizes, a few seconds
@@ -78,6 +81,7 @@ from async_rl.protocol import (  # noqa: E402
     StageRecord,
     pack,
 )
+from learner.pack import plan_shards  # noqa: E402
 from replay.service import STALENESS_RETRY_S, ReplayService  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,10 +114,10 @@ class Workload:
     tool_sigma: float = 1.0
     judge_median_s: float = 60.0
     judge_sigma: float = 0.7
-    learner_tokens_per_s_per_gpu: float = 8_000.0  # padded tokens, forward + backward + optimizer share
+    learner_tokens_per_s_per_gpu: float = 8_000.0  # computed tokens (padding included), fwd + bwd + optimizer
     learner_step_overhead_s: float = 2.0  # per optimizer step (ZeRO gathers, optimizer, publish)
     weight_sync_s: float = 3.0  # every engine stops decoding this long per published version
-    batch_tokens: int = 1_048_576  # learner.batch_tokens (padded length x items), simulated tokens
+    batch_tokens: int = 1_048_576  # learner.batch_tokens (counted as learner.batch_budget says), simulated tokens
     min_batch_items: int = 64
     batch_wait_s: float = 2.0
     heartbeat_s: float = 30.0  # workers' Heartbeat period (below replay.lease_timeout_s; the real default is 2 s)
@@ -466,10 +470,8 @@ class Simulation:
         w, t = self.w, self.totals
         self.learner_waiting_since = None
         v = self.learner_version
-        longest = 0
         for item in batch.items:
             n = len(item.tokens) // TOKEN.itemsize
-            longest = max(longest, n)
             t.trained_tokens += n * self.scale
             mask = item.mask().astype(bool)
             stale = v - item.versions()[mask]
@@ -482,9 +484,13 @@ class Simulation:
         t.items += len(batch.items)
         t.batches += 1
         t.residual_max = max(t.residual_max, batch.stats.ledger_residual_max)
-        padded = longest * len(batch.items) * self.scale
-        t.padded_tokens += padded
-        step_s = padded / (w.learner_gpus * w.learner_tokens_per_s_per_gpu)
+        lengths = [len(item.tokens) // TOKEN.itemsize * self.scale for item in batch.items]
+        learner = self.config.learner
+        plans = plan_shards(lengths, w.learner_gpus, learner.micro_batch_tokens, learner.packing,
+                            learner.pack_row_tokens)
+        computed = [sum(rows * width for rows, width in (micro.shape(lengths) for micro in plan)) for plan in plans]
+        t.padded_tokens += sum(computed)
+        step_s = max(computed) / w.learner_tokens_per_s_per_gpu
         last = self.mode == "async" or not len(self.service.queue)
         if last:
             step_s += w.learner_step_overhead_s

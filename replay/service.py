@@ -23,13 +23,16 @@ its group still closes over the other members.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
+import numpy as np
 import zmq
 
 from async_rl.config import Config
@@ -61,10 +64,22 @@ from async_rl.staleness import admission_allowed, correction_trainable, immediat
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.group import Group
+from replay.lengths import MARGIN_SD, LengthModel
 from replay.queue import InFlightBatch, ItemQueue
 from replay.store import QueuedItem
 from replay.telemetry import AdmissionClock, metrics_line
 from replay.wal import Entry, Received, Refused, ReplayLog, Ticked, Undecodable
+
+
+class Work(NamedTuple):
+    """Corrections still to be served, as the correction guard counts them (`ReplayService._fits`)."""
+
+    deadline: int  # the last learner version at which they are trainable
+    items: int
+    tokens: int  # their summed tokens (members still being generated: estimated)
+    longest: int  # the longest item's tokens (estimated likewise)
+    growing: int  # how many are trajectories still being generated
+
 
 log = logging.getLogger("async_rl.replay")
 
@@ -138,6 +153,7 @@ class ReplayService:
         self.guard_abandon_at: float | None = None
         self.batch_tokens = config.learner.batch_tokens  # the learner's token budget (its latest BatchRequest)
         self.longest_trajectory = 0  # tokens of the longest trajectory stored so far (the guard's size estimate)
+        self.length_model = LengthModel()  # finished trajectories' lengths (the guard's estimate for packed budgets)
         self.worker_versions: dict[str, int] = {}  # worker id -> the newest token version of its latest record
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
@@ -349,6 +365,8 @@ class ReplayService:
                 return self._reject(message.msg_id, "bad_state", "bad_outcome", problem)
             ledger.add_outcome(i, message.outcome, message.num_stages)
             self.counters.trajectories_finished += 1
+            if i in group.trajectories:
+                self.length_model.add(group.trajectories[i].num_tokens)
             rewards = sum(r for r in ledger.rewards[i].values() if r is not None)
             self.finished.append((message.success, rewards, message.num_stages))
             if len(self.finished_long) == self.finished_long.maxlen:
@@ -564,30 +582,77 @@ class ReplayService:
             return self.config.model.max_seq_len
         return max(1, self.longest_trajectory)
 
-    def _correction_work(self) -> list[tuple[int, int, int]]:
-        """(deadline, items, longest item's tokens) of every correction still to be served: the queued ones, and the
-        pending groups' (one per member not abandoned, as long as the longest trajectory seen; a group with no
-        record yet from its lease version, its worker's weights). The deadline is the last learner version at which
-        it is trainable: oldest token version + the bound."""
+    def _packed(self) -> bool:
+        return self.config.learner.batch_budget == "packed"
+
+    def _correction_work(self) -> list[Work]:
+        """Every correction still to be served: the queued ones, and the pending groups' (one per member not
+        abandoned; a group with no record yet from its lease version, its worker's weights). The deadline is the
+        last learner version at which it is trainable: oldest token version + the bound. A member still being
+        generated is sized by `_pending_sizes`."""
         bound = self.algo.max_correction_staleness
-        work = [(q.oldest_version + bound, 1, q.num_tokens) for q in self.queue if q.kind == "correction"]
-        for group in self.groups.values():
-            if not group.finalized:
-                oldest = group.leased_version if group.oldest_version is None else group.oldest_version
-                members = group.group_size - len(group.ledger.abandoned)
-                # Its trajectories are still growing: as long as the longest seen so far in any group.
-                work.append((oldest + bound, members, self._length_estimate()))
+        work = [Work(q.oldest_version + bound, 1, q.num_tokens, q.num_tokens, 0)
+                for q in self.queue if q.kind == "correction"]
+        pending = [group for group in self.groups.values() if not group.finalized]
+        for group, (tokens, longest, growing) in zip(pending, self._pending_sizes(pending), strict=True):
+            oldest = group.leased_version if group.oldest_version is None else group.oldest_version
+            members = group.group_size - len(group.ledger.abandoned)
+            work.append(Work(oldest + bound, members, tokens, longest, growing))
         return work
 
-    def _fits(self, work: list[tuple[int, int, int]], first_version: int, max_tokens: int) -> bool:
+    def _pending_sizes(self, groups: list[Group]) -> list[tuple[int, int, int]]:
+        """(tokens, longest, members still growing) of each pending group's corrections to come. Padded budgets (and
+        before any trajectory has finished): every member as long as `_length_estimate`. Packed budgets: a finished
+        member at its length, a growing one at the mean length of the finished trajectories at least as long as it
+        already is (replay/lengths.py); `_fits` adds the margin for the growing ones."""
+        if not self._packed() or not len(self.length_model):
+            estimate = self._length_estimate()
+            return [(members * estimate, estimate, 0) for members in
+                    (group.group_size - len(group.ledger.abandoned) for group in groups)]
+        owners: list[int] = []
+        so_far: list[int] = []
+        finished: list[bool] = []
+        for g, group in enumerate(groups):
+            ledger, trajectories = group.ledger, group.trajectories
+            for i in range(group.group_size):
+                if i not in ledger.abandoned:
+                    owners.append(g)
+                    so_far.append(trajectories[i].num_tokens if i in trajectories else 0)
+                    finished.append(i in ledger.outcomes)
+        if not owners:
+            return [(0, 0, 0)] * len(groups)
+        tokens_so_far = np.asarray(so_far, dtype=np.float64)
+        done = np.asarray(finished, dtype=bool)
+        size = np.where(done, tokens_so_far, self.length_model.expected(tokens_so_far))
+        owner = np.asarray(owners)
+        total = np.bincount(owner, weights=size, minlength=len(groups))
+        growing = np.bincount(owner, weights=~done, minlength=len(groups))
+        longest = np.zeros(len(groups))
+        np.maximum.at(longest, owner, size)
+        return [(int(np.ceil(t)), int(np.ceil(m)), int(n)) for t, m, n in zip(total, longest, growing, strict=True)]
+
+    def _fits(self, work: list[Work], first_version: int, max_tokens: int) -> bool:
         """Earliest deadline first: can every correction in `work` be served by its deadline, one batch every
-        ppo_epochs versions from `first_version` on, a batch holding max_tokens // (its longest item) items?"""
-        items = longest = 0
-        for deadline, n, length in sorted(work):
-            items, longest = items + n, max(longest, length)
-            per_batch = max(1, max_tokens // max(1, longest))
+        ppo_epochs versions from `first_version` on? Padded budgets: a batch holds max_tokens // (its longest item)
+        items. Packed: the corrections due by a deadline need their summed tokens (plus MARGIN_SD standard deviations
+        for the members still growing) in batches of max_tokens less the longest item (a batch filled in order
+        closes early by less than the item that did not fit), and at least one item a batch."""
+        items = tokens = growing = longest = 0
+        packed = self._packed() and len(self.length_model) > 0
+        sd = self.length_model.sd if packed else 0.0
+        for deadline, n, size, item_longest, item_growing in sorted(work):
+            if deadline < first_version:
+                return False
+            items, tokens, growing = items + n, tokens + size, growing + item_growing
+            longest = max(longest, item_longest)
             slots = (deadline - first_version) // self.algo.ppo_epochs + 1
-            if deadline < first_version or -(-items // per_batch) > slots:
+            if packed:
+                room = max_tokens - max(longest, self.longest_trajectory)
+                due = tokens + MARGIN_SD * sd * math.sqrt(growing)
+                need = items if room <= 0 else min(items, math.ceil(due / room))
+            else:
+                need = -(-items // max(1, max_tokens // max(1, longest)))
+            if need > slots:
                 return False
         return True
 
@@ -633,7 +698,12 @@ class ReplayService:
         if not work:
             return True
         size = self.config.rollout.group_size
-        new = (self.new_group_version(worker_id) + self.algo.max_correction_staleness, size, self._length_estimate())
+        if self._packed() and len(self.length_model):
+            estimate, growing = int(np.ceil(self.length_model.expected(np.zeros(1))[0])), size
+        else:
+            estimate, growing = self._length_estimate(), 0
+        deadline = self.new_group_version(worker_id) + self.algo.max_correction_staleness
+        new = Work(deadline, size, size * estimate, estimate, growing)
         return self._fits([*work, new], self.policy_version + self.algo.ppo_epochs, self.batch_tokens)
 
     def _guard_hold(self, now: float) -> None:
@@ -705,13 +775,15 @@ class ReplayService:
                                         or group.open_corrections)
 
     def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Batch | None:
-        """Take items FIFO while the padded size fits the token budget (§4 bounds checked at the learner's v); with
-        `corrections_only` (the guard), stop at the first item that is not a correction."""
+        """Take items FIFO while the batch fits the token budget, counted as learner.batch_budget says (§4 bounds
+        checked at the learner's v); with `corrections_only` (the guard), stop at the first item that is not a
+        correction."""
         v, algo = self.policy_version, self.algo
         self.serves += 1
         served: list[QueuedItem] = []
         stale_groups: dict[str, Group] = {}  # a group held open for its immediates may close now (_confirmed)
-        longest = 0
+        longest = total = 0
+        packed = self._packed()
         while self.queue:
             queued = self.queue.pop_front()
             group = self.groups.get(queued.group_id)
@@ -728,12 +800,12 @@ class ReplayService:
             ):
                 self._drop_correction(group, queued, now)
                 continue
-            if (served and max(longest, queued.num_tokens) * (len(served) + 1) > request.max_tokens) or (
-                corrections_only and queued.kind != "correction"
-            ):
+            n = queued.num_tokens
+            cost = total + n if packed else max(longest, n) * (len(served) + 1)
+            if (served and cost > request.max_tokens) or (corrections_only and queued.kind != "correction"):
                 self.queue.push_front([queued])
                 break
-            longest = max(longest, queued.num_tokens)
+            longest, total = max(longest, n), total + n
             served.append(queued)
             if queued.kind == "immediate" and group is not None:
                 group.queued_immediates.discard(queued.item_id)

@@ -37,6 +37,7 @@ from async_rl.errors import AsyncRLError
 from async_rl.ledger import GroupLedger, Stage
 from async_rl.protocol import BatchRequest, LeaseGrant, ReplayStats
 from replay.group import Group
+from replay.lengths import LengthModel
 from replay.queue import InFlightBatch, ItemQueue
 from replay.store import QueuedItem
 
@@ -137,6 +138,7 @@ class State(msgspec.Struct):
     guard_abandon_at: float | None = None
     batch_tokens: int = 0
     longest_trajectory: int = 0
+    finished_lengths: list[int] = []
     worker_versions: dict[str, int] = {}
     round_groups: set[str] = set()
     # resume after a learner crash (docs/architecture.md, "Resume after a crash")
@@ -184,7 +186,8 @@ def capture(service, now: float) -> State:  # noqa: ANN001 - replay.service.Repl
         finished_long=list(service.finished_long), successes_long=service.successes_long,
         latest_eval=service.latest_eval,
         guard_since=service.guard_since, guard_abandon_at=service.guard_abandon_at, batch_tokens=service.batch_tokens,
-        longest_trajectory=service.longest_trajectory, worker_versions=service.worker_versions,
+        longest_trajectory=service.longest_trajectory, finished_lengths=list(service.length_model.lengths),
+        worker_versions=service.worker_versions,
         round_groups=service.round_groups, learner_session=service.learner_session,
         checkpointed=service.checkpointed, journal=list(service.journal), unconfirmed=service.unconfirmed,
         worker_sessions=service.worker_sessions, admission_offset=service.admission_offset,
@@ -218,6 +221,7 @@ def restore(service, state: State) -> None:  # noqa: ANN001 - replay.service.Rep
     service.successes_long, service.latest_eval = state.successes_long, state.latest_eval
     service.guard_since, service.guard_abandon_at = state.guard_since, state.guard_abandon_at
     service.batch_tokens, service.longest_trajectory = state.batch_tokens, state.longest_trajectory
+    service.length_model = LengthModel(state.finished_lengths)
     service.worker_versions, service.round_groups = state.worker_versions, state.round_groups
     service.learner_session, service.checkpointed = state.learner_session, state.checkpointed
     service.journal = deque(state.journal)

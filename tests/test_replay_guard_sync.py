@@ -3,6 +3,8 @@ mode"), through `handle`/`tick` with an explicit clock."""
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
 import pytest
 from test_replay import (
     LEARNER,
@@ -21,7 +23,8 @@ from test_replay import (
     stage_records,
 )
 
-from async_rl.protocol import Batch, LeaseDenied, LeaseGrant
+from async_rl.protocol import LOGPROB, TOKEN, Batch, LeaseDenied, LeaseGrant, pack
+from replay.lengths import LengthModel
 from replay.service import ReplayService
 
 
@@ -171,3 +174,90 @@ def test_a_lock_step_round_ends_when_its_items_are_acked_even_while_its_groups_w
     assert service.groups, "held open: the ack at v1 is above the checkpoint (v0)"
     assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 2.0)), LeaseGrant), "the next round opens"
     assert service.stats_snapshot().sync_rounds == 1
+
+
+# --- packed budgets (learner.batch_budget: packed) and the guard's length estimate (replay/lengths.py) ----------
+
+
+def test_the_length_model_expects_the_mean_of_the_finished_lengths_at_least_as_long():
+    model = LengthModel()
+    for n in (10, 20, 30, 100):
+        model.add(n)
+    expected = model.expected(np.array([0, 10, 11, 30, 31, 100, 150]))
+    assert expected.tolist() == pytest.approx([40.0, 40.0, 50.0, 65.0, 100.0, 100.0, 150.0])
+    assert model.sd == pytest.approx(np.std([10, 20, 30, 100]))
+
+
+def corrections_of_one_group(budget: str) -> tuple[ReplayService, list[int]]:
+    config = make_config(algo={"updates": "outcome-only"}, learner={"batch_budget": budget})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant) + outcome_messages(worker, grant))
+    return service, sorted(q.num_tokens for q in service.queue)
+
+
+@pytest.mark.parametrize("budget", ["padded", "packed"])
+def test_a_batch_is_counted_against_the_token_budget_as_the_learner_lays_it_out(budget):
+    """Padded: the longest item x items; packed: the items' summed tokens (what a packing learner computes)."""
+    service, lengths = corrections_of_one_group(budget)
+    assert len(set(lengths)) > 1, "the test needs items of different lengths"
+    budget_tokens = sum(lengths)
+    batch = request_batch(service, version=0, max_tokens=budget_tokens)
+    served = sorted(len(item.tokens) // 4 for item in batch.items)
+    if budget == "packed":
+        assert served == lengths  # all of them: the sum is exactly the budget
+    else:
+        assert len(served) == budget_tokens // max(lengths) < len(lengths)
+        assert max(served) * len(served) <= budget_tokens
+
+
+def long_tailed_history(service: ReplayService, worker: Worker, groups: int, long_tokens: int) -> int:
+    """`groups` groups generated, judged and trained one after another (one long trajectory in the first): the
+    finished lengths the guard estimates from. Returns the learner's version."""
+    version = 0
+    for g in range(groups):
+        grant = lease(service, worker)
+        records = stage_records(worker, grant, version=version)
+        if g == 0:
+            first = records[0]
+            records[0] = msgspec.structs.replace(
+                first, action_tokens=pack(list(range(long_tokens)), TOKEN),
+                behaviour_logprobs=pack([-0.5] * long_tokens, LOGPROB),
+                policy_versions=pack([version] * long_tokens, TOKEN))
+        send_all(service, records + outcome_messages(worker, grant))
+        while service.queue:
+            batch = request_batch(service, version=version, max_tokens=service.batch_tokens)
+            version += 1
+            ack_batch(service, batch, version=version)
+    return version
+
+
+@pytest.mark.parametrize("budget", ["padded", "packed"])
+def test_with_long_tailed_lengths_the_packed_guard_admits_by_the_sum_not_the_longest(budget):
+    """One trajectory of 200 tokens among ~10-token ones: counted at the longest, every pending member is 200 tokens
+    and admission stops early; by the expected sum (packed) it admits several times more groups, and the groups it
+    admitted still have every correction trained in time."""
+    config = make_config(algo={"max_correction_staleness": 4, "updates": "outcome-only"},
+                         learner={"batch_tokens": 800, "batch_budget": budget}, model={"max_seq_len": 512})
+    service, worker = ReplayService(config), Worker()
+    version = long_tailed_history(service, worker, groups=12, long_tokens=200)
+    assert service.longest_trajectory > 200 and service.stats_snapshot().credit_dropped == 0
+    grants = []
+    while True:
+        reply = only_reply(service.handle(WORKER, worker.lease(), 0.0))
+        if isinstance(reply, LeaseDenied):
+            break
+        grants.append(reply)
+    if budget == "padded":
+        assert len(grants) == 2  # 800 // 214 = 3 items a batch: the batches by the bound hold 2 more groups
+        return
+    assert len(grants) >= 8  # 18 today: every pending member at ~15 tokens, plus the margin
+    for grant in grants:  # they all finish; their corrections are trained, none dropped
+        send_all(service, stage_records(worker, grant, version=version) + outcome_messages(worker, grant))
+    while service.queue:
+        batch = request_batch(service, version=version, max_tokens=800)
+        assert sum(len(item.tokens) // 4 for item in batch.items) <= 800
+        version += 1
+        ack_batch(service, batch, version=version)
+    stats = service.stats_snapshot()
+    assert stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
