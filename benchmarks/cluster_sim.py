@@ -470,9 +470,9 @@ class Simulation:
         w, t = self.w, self.totals
         self.learner_waiting_since = None
         v = self.learner_version
+        lengths = [item.num_tokens() * self.scale for item in batch.items]
+        t.trained_tokens += sum(lengths)
         for item in batch.items:
-            n = len(item.tokens) // TOKEN.itemsize
-            t.trained_tokens += n * self.scale
             mask = item.mask().astype(bool)
             stale = v - item.versions()[mask]
             counts = Counter(stale.tolist())
@@ -484,7 +484,6 @@ class Simulation:
         t.items += len(batch.items)
         t.batches += 1
         t.residual_max = max(t.residual_max, batch.stats.ledger_residual_max)
-        lengths = [len(item.tokens) // TOKEN.itemsize * self.scale for item in batch.items]
         learner = self.config.learner
         plans = plan_shards(lengths, w.learner_gpus, learner.micro_batch_tokens, learner.packing,
                             learner.pack_row_tokens)

@@ -585,6 +585,11 @@ class ReplayService:
     def _packed(self) -> bool:
         return self.config.learner.batch_budget == "packed"
 
+    def _by_sum(self) -> bool:
+        """Pending work is counted by its expected sum (replay/lengths.py): packed budgets, once a trajectory has
+        finished; otherwise every member is as long as `_length_estimate`."""
+        return self._packed() and len(self.length_model) > 0
+
     def _correction_work(self) -> list[Work]:
         """Every correction still to be served: the queued ones, and the pending groups' (one per member not
         abandoned; a group with no record yet from its lease version, its worker's weights). The deadline is the
@@ -605,7 +610,7 @@ class ReplayService:
         before any trajectory has finished): every member as long as `_length_estimate`. Packed budgets: a finished
         member at its length, a growing one at the mean length of the finished trajectories at least as long as it
         already is (replay/lengths.py); `_fits` adds the margin for the growing ones."""
-        if not self._packed() or not len(self.length_model):
+        if not self._by_sum():
             estimate = self._length_estimate()
             return [(members * estimate, estimate, 0) for members in
                     (group.group_size - len(group.ledger.abandoned) for group in groups)]
@@ -638,7 +643,7 @@ class ReplayService:
         for the members still growing) in batches of max_tokens less the longest item (a batch filled in order
         closes early by less than the item that did not fit), and at least one item a batch."""
         items = tokens = growing = longest = 0
-        packed = self._packed() and len(self.length_model) > 0
+        packed = self._by_sum()
         sd = self.length_model.sd if packed else 0.0
         for deadline, n, size, item_longest, item_growing in sorted(work):
             if deadline < first_version:
@@ -698,7 +703,7 @@ class ReplayService:
         if not work:
             return True
         size = self.config.rollout.group_size
-        if self._packed() and len(self.length_model):
+        if self._by_sum():
             estimate, growing = int(np.ceil(self.length_model.expected(np.zeros(1))[0])), size
         else:
             estimate, growing = self._length_estimate(), 0

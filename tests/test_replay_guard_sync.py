@@ -203,7 +203,7 @@ def test_a_batch_is_counted_against_the_token_budget_as_the_learner_lays_it_out(
     assert len(set(lengths)) > 1, "the test needs items of different lengths"
     budget_tokens = sum(lengths)
     batch = request_batch(service, version=0, max_tokens=budget_tokens)
-    served = sorted(len(item.tokens) // 4 for item in batch.items)
+    served = sorted(item.num_tokens() for item in batch.items)
     if budget == "packed":
         assert served == lengths  # all of them: the sum is exactly the budget
     else:
@@ -256,7 +256,7 @@ def test_with_long_tailed_lengths_the_packed_guard_admits_by_the_sum_not_the_lon
         send_all(service, stage_records(worker, grant, version=version) + outcome_messages(worker, grant))
     while service.queue:
         batch = request_batch(service, version=version, max_tokens=800)
-        assert sum(len(item.tokens) // 4 for item in batch.items) <= 800
+        assert sum(item.num_tokens() for item in batch.items) <= 800
         version += 1
         ack_batch(service, batch, version=version)
     stats = service.stats_snapshot()
