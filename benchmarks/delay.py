@@ -13,7 +13,8 @@ Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
-Every run: the trap env (`env.kwargs.traps`), `learner.lr` from the sweep, `algo.aggregation` and
+Every run: the trap env (`env.kwargs.traps`; `--env hunt`: the long-horizon hunt, its judge delayed by
+`env.kwargs.judge_delay_s`), `learner.lr` from the sweep, `algo.aggregation` and
 `algo.entropy_per` as given (default the fixed-per-token learner: token-sum, new-token), the default
 `algo.max_correction_staleness` (16; `--max-correction-staleness auto`: ceil(D) + 16) with the
 correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
@@ -26,6 +27,7 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
 
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
+    python benchmarks/delay.py --env hunt --d 0,20,50 --lrs 2.5e-4,5e-4,1e-3 --seeds 5    # on the hunt
     # what docs/benchmarks.md reports (5 seeds, one lr, the guard's bound above the D asked for; ~1 h per traps):
     python benchmarks/delay.py --d 50,0 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
@@ -110,11 +112,29 @@ def bound_arg(value: str) -> str:
     return value
 
 
+def label(traps: int | str) -> str:
+    """A setting's name in run keys and result cells: traps2, traps0, hunt."""
+    return "hunt" if traps == "hunt" else f"traps{traps}"
+
+
+def env_overrides(traps: int | str) -> list[str]:
+    return ["env.name=hunt"] if traps == "hunt" else [f"env.kwargs.traps={traps}"]
+
+
+def delay_key(traps: int | str) -> str:
+    """The env's judge delay: the trap env's outcome_delay_s, the hunt's judge_delay_s."""
+    return "env.kwargs.judge_delay_s" if traps == "hunt" else "env.kwargs.outcome_delay_s"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="traps 2, D 5, 2 arms at once, 1 seed, 2k env steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="traps 2, D 5, 2 arms at once, 1 seed, 2k env steps (8k on the hunt)")
     parser.add_argument("--d", default="0,20,50", help="the D values asked for (default 0,20,50)")
     parser.add_argument("--traps", default="2,0", help="env.kwargs.traps settings (default 2,0)")
+    parser.add_argument("--env", choices=("trap", "hunt"), default="trap",
+                        help="trap: the trap env at each --traps; hunt: the long-horizon env (env.name=hunt, its "
+                             "judge delayed by env.kwargs.judge_delay_s; --traps ignored)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"arms (default all: {', '.join(ARMS)})")
     parser.add_argument("--lrs", default="2.5e-4,5e-4,1e-3", help="learner.lr sweep per arm")
     parser.add_argument("--seeds", type=int, default=5)
@@ -136,8 +156,11 @@ def main() -> int:
         args.d, args.traps, args.arms, args.lrs, args.seeds = "5", "2", "outcome-only+step,immediate+correction", \
             "5e-4", 1
         args.budget, args.calibrate_steps, args.max_wall_s, args.parallel = 2_000, 2_000, 120.0, 2
+        if args.env == "hunt":  # ~15 steps a trajectory, 16 a group: 2k steps are too few learner steps to calibrate
+            args.budget = args.calibrate_steps = 8_000
     ds = [float(d) for d in args.d.split(",")]
-    traps_list = [int(t) for t in args.traps.split(",")]
+    # a setting: the trap env's env.kwargs.traps, or "hunt"
+    traps_list: list[int | str] = ["hunt"] if args.env == "hunt" else [int(t) for t in args.traps.split(",")]
     arms = args.arms.split(",")
     unknown = [arm for arm in arms if arm not in ARMS]
     if unknown:
@@ -158,7 +181,7 @@ def main() -> int:
     jobs: list[tuple[str, list[str], dict]] = []
     for traps in traps_list:
         # Calibration: outcome-only+step, instant judge, the middle lr: trajectories/s and per update.
-        name = f"calibrate-traps{traps}"
+        name = f"calibrate-{label(traps)}"
         saved = done_dir / f"{name}.json"
         if saved.exists():
             per_s, per_update = (json.loads(saved.read_text())[k] for k in ("per_s", "per_update"))
@@ -169,9 +192,9 @@ def main() -> int:
             console.print(f"[bold]delay[/] {name}: {args.parallel} x {args.calibrate_steps:,} env steps side by side, "
                           "instant judge")
 
-            def calibrate(copy: int, name: str = name, traps: int = traps) -> tuple[float | None, float | None]:
+            def calibrate(copy: int, name: str = name, traps: int | str = traps) -> tuple[float | None, float | None]:
                 return throughput(train(out_dir, f"{name}-{copy}", [
-                    *ARMS["outcome-only+step"], *common, f"env.kwargs.traps={traps}", f"run.seed={copy}",
+                    *ARMS["outcome-only+step"], *common, *env_overrides(traps), f"run.seed={copy}",
                     f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"],
                     timeout_s=args.max_wall_s + 120))
 
@@ -194,9 +217,9 @@ def main() -> int:
             for seed in range(args.seeds):
                 for lr in lrs:
                     for arm in arms:
-                        key = f"traps{traps}-D{d:g}-{arm}-lr{lr:g}-seed{seed}"
-                        overrides = [*ARMS[arm], *common, f"env.kwargs.traps={traps}",
-                                     f"env.kwargs.outcome_delay_s={delay}", f"algo.max_staleness={max_staleness}",
+                        key = f"{label(traps)}-D{d:g}-{arm}-lr{lr:g}-seed{seed}"
+                        overrides = [*ARMS[arm], *common, *env_overrides(traps),
+                                     f"{delay_key(traps)}={delay}", f"algo.max_staleness={max_staleness}",
                                      f"algo.max_correction_staleness={bound}", f"learner.lr={lr}",
                                      f"run.seed={seed}", f"env.kwargs.seed={seed}", f"env.seed={seed}",
                                      f"run.max_env_steps={args.budget}",
@@ -269,7 +292,7 @@ def main() -> int:
                              f"{b['reached_half']}/{b['seeds']}", fmt(b["env_steps_half"], ",.0f"),
                              fmt(b["wall_s_half"], ".0f"), fmt(b["final_success"], ".2f", "n/a"),
                              str(b["credit_dropped"]), fmt(b["guard_held_s"], ".0f", "n/a")])
-            cell = f"traps{traps}-D{d:g}"
+            cell = f"{label(traps)}-D{d:g}"
             result["best"][cell] = best
             if {"immediate+correction", "outcome-only+step"} <= best.keys():
                 ours, theirs = best["immediate+correction"], best["outcome-only+step"]
@@ -279,8 +302,9 @@ def main() -> int:
                                           "wall_s_half": ratio(ours["wall_s_half"], theirs["wall_s_half"])}
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    columns = ["traps", "D asked", "D measured", "arm", "best lr", "reached", "env steps to 0.8", "wall s to 0.8",
-               "reached 0.5", "env steps to 0.5", "wall s to 0.5", "success at end", "credit dropped", "guard held s"]
+    columns = ["traps (or env)", "D asked", "D measured", "arm", "best lr", "reached", "env steps to 0.8",
+               "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5", "success at end", "credit dropped",
+               "guard held s"]
     caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
         f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
         f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}"

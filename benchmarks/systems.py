@@ -468,14 +468,14 @@ def main() -> int:
     quick, parts = args.quick, set(args.only or ("transport", "learner", "replay", "durability"))
     transport = learner = replay = durability = None
     if "transport" in parts:
-        transport = measure_transport(messages=20_000 if quick else 50_000, rounds_per_size=5 if quick else 11)
+        transport = measure_transport(messages=10_000 if quick else 50_000, rounds_per_size=3 if quick else 11)
     if "learner" in parts:
-        learner = measure_learner(num_batches=8, rounds=5 if quick else 11)
+        learner = measure_learner(num_batches=8, rounds=3 if quick else 11)
     if "replay" in parts:
-        replay = measure_replay((10**3, 10**5 if quick else 10**6), groups_per_round=30, rounds=5 if quick else 11,
+        replay = measure_replay((10**3, 10**5 if quick else 10**6), groups_per_round=30, rounds=3 if quick else 11,
                                 memory_records=20_000)
     if "durability" in parts:
-        durability = measure_durability(groups=30, rounds=3 if quick else 7,
+        durability = measure_durability(groups=30, rounds=2 if quick else 7,
                                         round_sizes=(1, HEADLINE_ROUND) if quick else (1, 16, HEADLINE_ROUND, 256))
     report(transport, learner, replay, durability)
     raw = {"transport": transport, "learner": learner, "replay": replay, "durability": durability, "quick": quick,

@@ -2,7 +2,8 @@
 
 Immediate items and corrections share one queue in arrival order. Items leave it from the front (served) or
 from anywhere (an immediate superseded by its group's correction), and a batch whose learner vanished goes
-back to the front; an ordered dict gives all three in O(1).
+back to the front; an ordered dict gives all three in O(1). The queued corrections are also kept apart, so the
+correction guard counts them without walking a queue that may hold thousands of immediate items.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from replay.store import QueuedItem
 class ItemQueue:
     def __init__(self) -> None:
         self._items: OrderedDict[int, QueuedItem] = OrderedDict()
+        self._corrections: dict[int, QueuedItem] = {}  # the queued corrections, by item id
 
     def __len__(self) -> int:
         return len(self._items)
@@ -25,17 +27,27 @@ class ItemQueue:
         """The items front to back."""
         return iter(self._items.values())
 
+    def corrections(self) -> list[QueuedItem]:
+        """The queued corrections (in no particular order)."""
+        return list(self._corrections.values())
+
     def append(self, queued: QueuedItem) -> None:
         self._items[queued.item_id] = queued
+        if queued.kind == "correction":
+            self._corrections[queued.item_id] = queued
 
     def pop_front(self) -> QueuedItem:
-        return self._items.popitem(last=False)[1]
+        queued = self._items.popitem(last=False)[1]
+        self._corrections.pop(queued.item_id, None)
+        return queued
 
     def push_front(self, items: Iterable[QueuedItem]) -> None:
         """Put items back at the front, keeping their order."""
         for queued in reversed(list(items)):
             self._items[queued.item_id] = queued
             self._items.move_to_end(queued.item_id, last=False)
+            if queued.kind == "correction":
+                self._corrections[queued.item_id] = queued
 
     def move_to_front(self, items: Iterable[QueuedItem]) -> None:
         """Move queued items to the front, keeping their order (they must be in the queue)."""
@@ -44,6 +56,7 @@ class ItemQueue:
 
     def remove(self, item_id: int) -> None:
         self._items.pop(item_id, None)
+        self._corrections.pop(item_id, None)
 
 
 @dataclass(slots=True)

@@ -72,13 +72,19 @@ from replay.wal import Entry, Received, Refused, ReplayLog, Ticked, Undecodable
 
 
 class Work(NamedTuple):
-    """Corrections still to be served, as the correction guard counts them (`ReplayService._fits`)."""
+    """Corrections still to be served, as the correction guard counts them (`ReplayService._fits`): one row per queued
+    correction or pending group, as arrays of equal length."""
 
-    deadline: int  # the last learner version at which they are trainable
-    items: int
-    tokens: int  # their summed tokens (members still being generated: estimated)
-    longest: int  # the longest item's tokens (estimated likewise)
-    growing: int  # how many are trajectories still being generated
+    deadline: np.ndarray  # the last learner version at which they are trainable
+    items: np.ndarray
+    tokens: np.ndarray  # their summed tokens (members still being generated: estimated)
+    longest: np.ndarray  # the longest item's tokens (estimated likewise)
+    growing: np.ndarray  # how many are trajectories still being generated
+
+    def plus(self, *rows: tuple[int, int, int, int, int]) -> Work:
+        """This work and `rows`, each (deadline, items, tokens, longest, growing)."""
+        extra = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(self)).T
+        return Work(*(np.concatenate([column, more]) for column, more in zip(self, extra, strict=True)))
 
 
 log = logging.getLogger("async_rl.replay")
@@ -154,6 +160,10 @@ class ReplayService:
         self.batch_tokens = config.learner.batch_tokens  # the learner's token budget (its latest BatchRequest)
         self.longest_trajectory = 0  # tokens of the longest trajectory stored so far (the guard's size estimate)
         self.length_model = LengthModel()  # finished trajectories' lengths (the guard's estimate for packed budgets)
+        # group id -> (tokens so far, finished?) of each member not abandoned, for the guard's estimate: rebuilt only
+        # when the group changes (a record, an outcome, an abandonment), so a guard check costs O(groups), not
+        # O(trajectories). A pure function of the group: dropped wherever the group changes or goes.
+        self.member_tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.worker_versions: dict[str, int] = {}  # worker id -> the newest token version of its latest record
         # Lock-step rounds (algo.mode=sync): the current round's groups, and how many it has started.
         self.round_groups: set[str] = set()
@@ -335,6 +345,7 @@ class ReplayService:
         problem = group.stage_problem(record)
         if problem is not None:
             return self._reject(record.msg_id, "bad_state", "bad_stage", problem)
+        self.member_tokens.pop(group.group_id, None)
         if group.add_stage(record, now, track_stage_group=immediate_updates_on(self.algo.updates)):
             deadline = now + self.config.replay.stage_group_timeout_s
             self.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
@@ -364,6 +375,7 @@ class ReplayService:
             if problem is not None:
                 return self._reject(message.msg_id, "bad_state", "bad_outcome", problem)
             ledger.add_outcome(i, message.outcome, message.num_stages)
+            self.member_tokens.pop(group.group_id, None)
             self.counters.trajectories_finished += 1
             if i in group.trajectories:
                 self.length_model.add(group.trajectories[i].num_tokens)
@@ -380,6 +392,7 @@ class ReplayService:
 
     def _abandon(self, group: Group, i: int, reason: str) -> None:
         group.ledger.abandon(i)
+        self.member_tokens.pop(group.group_id, None)
         self.counters.trajectories_abandoned += 1
         self.counters.env_errors += reason.startswith("env_error")
         log.info("member %d of group %s abandoned: %s", i, group.group_id, reason)
@@ -459,6 +472,7 @@ class ReplayService:
             self.counters.groups_closed += 1
             self._end_lease(group)
             del self.groups[group.group_id]
+            self.member_tokens.pop(group.group_id, None)
             self._settle(group.group_id)
 
     def _tally(self, group_id: str) -> list[int]:
@@ -590,76 +604,90 @@ class ReplayService:
         finished; otherwise every member is as long as `_length_estimate`."""
         return self._packed() and len(self.length_model) > 0
 
-    def _correction_work(self) -> list[Work]:
-        """Every correction still to be served: the queued ones, and the pending groups' (one per member not
-        abandoned; a group with no record yet from its lease version, its worker's weights). The deadline is the
-        last learner version at which it is trainable: oldest token version + the bound. A member still being
-        generated is sized by `_pending_sizes`."""
+    def _correction_work(self, skip: frozenset[int] = frozenset()) -> Work:
+        """Every correction still to be served: the queued ones (but the item ids in `skip`), and the pending groups'
+        (one per member not abandoned; a group with no record yet from its lease version, its worker's weights). The
+        deadline is the last learner version at which it is trainable: oldest token version + the bound. A member
+        still being generated is sized by `_pending_sizes`. One pass over the groups; O(groups + queued
+        corrections)."""
+        queued = [q for q in self.queue.corrections() if q.item_id not in skip]
+        oldest: list[int] = []
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        for group in self.groups.values():
+            if not group.finalized:
+                oldest.append(group.leased_version if group.oldest_version is None else group.oldest_version)
+                parts.append(self._member_tokens(group))
+        members = np.fromiter((len(so_far) for so_far, _ in parts), dtype=np.int64, count=len(parts))
+        tokens, longest, growing = self._pending_sizes(parts, members)
+        queued_tokens = np.fromiter((q.num_tokens for q in queued), dtype=np.int64, count=len(queued))
+        queued_oldest = np.fromiter((q.oldest_version for q in queued), dtype=np.int64, count=len(queued))
         bound = self.algo.max_correction_staleness
-        work = [Work(q.oldest_version + bound, 1, q.num_tokens, q.num_tokens, 0)
-                for q in self.queue if q.kind == "correction"]
-        pending = [group for group in self.groups.values() if not group.finalized]
-        for group, (tokens, longest, growing) in zip(pending, self._pending_sizes(pending), strict=True):
-            oldest = group.leased_version if group.oldest_version is None else group.oldest_version
-            members = group.group_size - len(group.ledger.abandoned)
-            work.append(Work(oldest + bound, members, tokens, longest, growing))
-        return work
+        return Work(np.concatenate([queued_oldest, np.asarray(oldest, dtype=np.int64)]) + bound,
+                    np.concatenate([np.ones(len(queued), dtype=np.int64), members]),
+                    np.concatenate([queued_tokens, tokens]), np.concatenate([queued_tokens, longest]),
+                    np.concatenate([np.zeros(len(queued), dtype=np.int64), growing]))
 
-    def _pending_sizes(self, groups: list[Group]) -> list[tuple[int, int, int]]:
-        """(tokens, longest, members still growing) of each pending group's corrections to come. Padded budgets (and
-        before any trajectory has finished): every member as long as `_length_estimate`. Packed budgets: a finished
-        member at its length, a growing one at the mean length of the finished trajectories at least as long as it
-        already is (replay/lengths.py); `_fits` adds the margin for the growing ones."""
+    def _member_tokens(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens so far, finished?) of the group's members not abandoned (cached in `member_tokens`)."""
+        cached = self.member_tokens.get(group.group_id)
+        if cached is None:
+            ledger, trajectories = group.ledger, group.trajectories
+            members = [i for i in range(group.group_size) if i not in ledger.abandoned]
+            so_far = np.asarray([trajectories[i].num_tokens if i in trajectories else 0 for i in members],
+                                dtype=np.float64)
+            cached = self.member_tokens[group.group_id] = (so_far, np.asarray([i in ledger.outcomes for i in members],
+                                                                              dtype=bool))
+        return cached
+
+    def _pending_sizes(self, parts: list[tuple[np.ndarray, np.ndarray]], members: np.ndarray,
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, longest, members still growing) of each pending group's corrections to come, from its members'
+        (tokens so far, finished?) and their count. Padded budgets (and before any trajectory has finished): every
+        member as long as `_length_estimate`. Packed budgets: a finished member at its length, a growing one at the
+        mean length of the finished trajectories at least as long as it already is (replay/lengths.py); `_fits` adds
+        the margin for the growing ones."""
+        none = np.zeros_like(members)
         if not self._by_sum():
             estimate = self._length_estimate()
-            return [(members * estimate, estimate, 0) for members in
-                    (group.group_size - len(group.ledger.abandoned) for group in groups)]
-        owners: list[int] = []
-        so_far: list[int] = []
-        finished: list[bool] = []
-        for g, group in enumerate(groups):
-            ledger, trajectories = group.ledger, group.trajectories
-            for i in range(group.group_size):
-                if i not in ledger.abandoned:
-                    owners.append(g)
-                    so_far.append(trajectories[i].num_tokens if i in trajectories else 0)
-                    finished.append(i in ledger.outcomes)
-        if not owners:
-            return [(0, 0, 0)] * len(groups)
-        tokens_so_far = np.asarray(so_far, dtype=np.float64)
-        done = np.asarray(finished, dtype=bool)
+            return members * estimate, np.full(len(members), estimate, dtype=np.int64), none
+        if not members.sum():
+            return none, none, none
+        tokens_so_far = np.concatenate([so_far for so_far, _ in parts])
+        done = np.concatenate([finished for _, finished in parts])
         size = np.where(done, tokens_so_far, self.length_model.expected(tokens_so_far))
-        owner = np.asarray(owners)
-        total = np.bincount(owner, weights=size, minlength=len(groups))
-        growing = np.bincount(owner, weights=~done, minlength=len(groups))
-        longest = np.zeros(len(groups))
+        owner = np.repeat(np.arange(len(members)), members)
+        total = np.bincount(owner, weights=size, minlength=len(members))
+        growing = np.bincount(owner, weights=~done, minlength=len(members))
+        longest = np.zeros(len(members))
         np.maximum.at(longest, owner, size)
-        return [(int(np.ceil(t)), int(np.ceil(m)), int(n)) for t, m, n in zip(total, longest, growing, strict=True)]
+        return (np.ceil(total).astype(np.int64), np.ceil(longest).astype(np.int64),
+                np.rint(growing).astype(np.int64))
 
-    def _fits(self, work: list[Work], first_version: int, max_tokens: int) -> bool:
+    def _fits(self, work: Work, first_version: int, max_tokens: int) -> bool:
         """Earliest deadline first: can every correction in `work` be served by its deadline, one batch every
         ppo_epochs versions from `first_version` on? Padded budgets: a batch holds max_tokens // (its longest item)
         items. Packed: the corrections due by a deadline need their summed tokens (plus MARGIN_SD standard deviations
         for the members still growing) in batches of max_tokens less the longest item (a batch filled in order
-        closes early by less than the item that did not fit), and at least one item a batch."""
-        items = tokens = growing = longest = 0
-        packed = self._by_sum()
-        sd = self.length_model.sd if packed else 0.0
-        for deadline, n, size, item_longest, item_growing in sorted(work):
-            if deadline < first_version:
-                return False
-            items, tokens, growing = items + n, tokens + size, growing + item_growing
-            longest = max(longest, item_longest)
-            slots = (deadline - first_version) // self.algo.ppo_epochs + 1
-            if packed:
-                room = max_tokens - max(longest, self.longest_trajectory)
-                due = tokens + MARGIN_SD * sd * math.sqrt(growing)
-                need = items if room <= 0 else min(items, math.ceil(due / room))
-            else:
-                need = -(-items // max(1, max_tokens // max(1, longest)))
-            if need > slots:
-                return False
-        return True
+        closes early by less than the item that did not fit), and at least one item a batch. Checked once per
+        distinct deadline, over everything due by it (what is needed only grows within a deadline)."""
+        if not len(work.deadline):
+            return True
+        if work.deadline.min() < first_version:
+            return False
+        deadlines, at = np.unique(work.deadline, return_inverse=True)
+        items, tokens, growing = (np.cumsum(np.bincount(at, weights=column)) for column in
+                                  (work.items, work.tokens, work.growing))
+        longest = np.zeros(len(deadlines))
+        np.maximum.at(longest, at, work.longest)
+        longest = np.maximum.accumulate(longest)
+        slots = (deadlines - first_version) // self.algo.ppo_epochs + 1
+        if self._by_sum():
+            room = max_tokens - np.maximum(longest, self.longest_trajectory)
+            due = tokens + MARGIN_SD * self.length_model.sd * np.sqrt(growing)
+            need = np.where(room <= 0, items, np.minimum(items, np.ceil(due / np.maximum(room, 1))))
+        else:
+            need = np.ceil(items / np.maximum(1, max_tokens // np.maximum(1, longest)))
+        return bool(np.all(need <= slots))
 
     def _guard_blocker(self) -> Group | None:
         """The pending group (outcomes not all in) with the oldest tokens: what a held learner waits for."""
@@ -670,9 +698,17 @@ class ReplayService:
         """'serve' (FIFO), 'corrections' (only corrections, earliest deadline first) or 'hold' (nothing).
 
         Serving a batch at version v moves the learner to v + ppo_epochs; every correction not in it is served
-        there at the earliest. If what is left would not fit by its deadlines, the learner waits while any group's
-        outcomes are pending (they cannot use a batch slot before), and otherwise is served only the queued
-        corrections, the most urgent first: holding costs no staleness (versions move only with batches)."""
+        there at the earliest. If what is left would not fit by its deadlines, the candidates are the queued
+        corrections due no later than every pending group's (an earliest-deadline-first schedule serves them
+        first whenever the pending outcomes arrive), the most urgent first, as many as one batch holds. They are
+        served if they fill the batch (that schedule would fill this slot with them too: waiting could put nothing
+        more urgent in it) or if everything else still fits after them. Otherwise the learner waits for the pending
+        outcomes: a batch of only these would spend a slot their corrections may need, and waiting lets them share
+        it (holding ages nothing: versions move only with batches).
+
+        The rule before 2026-11-23 held whenever anything was pending; where the learner, not the judges, is the
+        bottleneck, that kept it waiting behind a backlog it could not clear by waiting (docs/benchmarks.md,
+        "cluster_sim")."""
         if not self._guard_on():
             return "serve"
         self.batch_tokens = request.max_tokens
@@ -680,14 +716,37 @@ class ReplayService:
         next_version = self.policy_version + self.algo.ppo_epochs
         if self._fits(work, next_version, request.max_tokens):
             return "serve"
-        pending = any(not group.finalized for group in self.groups.values())
-        due = sorted((q for q in self.queue if q.kind == "correction"), key=lambda q: q.oldest_version)
-        if pending or not due:
-            # A pending group cannot use a batch slot before its outcomes are in, and whatever is served now takes
-            # one: wait for them (holding ages nothing). With all the work queued: the most urgent first.
+        bound = self.algo.max_correction_staleness
+        first_pending = min((group.leased_version if group.oldest_version is None else group.oldest_version) + bound
+                            for group in self.groups.values() if not group.finalized) if self._pending() else math.inf
+        due = sorted((q for q in self.queue.corrections() if q.oldest_version + bound <= first_pending),
+                     key=lambda q: (q.oldest_version, q.item_id))
+        if not due:
             return "hold"
-        self.queue.move_to_front(due)
-        return "corrections"
+        batch = self._one_batch(due, request.max_tokens)
+        if len(batch) < len(due) or self._fits(self._correction_work(skip=frozenset(q.item_id for q in batch)),
+                                               next_version, request.max_tokens):
+            self.queue.move_to_front(due)
+            return "corrections"
+        return "hold"
+
+    def _one_batch(self, items: list[QueuedItem], max_tokens: int) -> list[QueuedItem]:
+        """The first of `items` that one batch holds, counted as `_serve` counts (at least one)."""
+        longest = total = 0
+        for count, queued in enumerate(items):
+            n = queued.num_tokens
+            if count and self._cost(longest, total, count, n) > max_tokens:
+                return items[:count]
+            longest, total = max(longest, n), total + n
+        return items
+
+    def _cost(self, longest: int, total: int, count: int, n: int) -> int:
+        """A batch's tokens as learner.batch_budget counts them, once an item of n tokens joins `count` items whose
+        longest has `longest` tokens and whose sum is `total`."""
+        return total + n if self._packed() else max(longest, n) * (count + 1)
+
+    def _pending(self) -> bool:
+        return any(not group.finalized for group in self.groups.values())
 
     def new_group_version(self, worker_id: str) -> int:
         """The oldest version a new group's tokens can have: the learner's, or the worker's weights if older."""
@@ -700,7 +759,7 @@ class ReplayService:
         if not self._guard_on():
             return True
         work = self._correction_work()
-        if not work:
+        if not len(work.deadline):
             return True
         size = self.config.rollout.group_size
         if self._by_sum():
@@ -708,8 +767,8 @@ class ReplayService:
         else:
             estimate, growing = self._length_estimate(), 0
         deadline = self.new_group_version(worker_id) + self.algo.max_correction_staleness
-        new = Work(deadline, size, size * estimate, estimate, growing)
-        return self._fits([*work, new], self.policy_version + self.algo.ppo_epochs, self.batch_tokens)
+        new = (deadline, size, size * estimate, estimate, growing)
+        return self._fits(work.plus(new), self.policy_version + self.algo.ppo_epochs, self.batch_tokens)
 
     def _guard_hold(self, now: float) -> None:
         if self.guard_since is None:
@@ -788,7 +847,6 @@ class ReplayService:
         served: list[QueuedItem] = []
         stale_groups: dict[str, Group] = {}  # a group held open for its immediates may close now (_confirmed)
         longest = total = 0
-        packed = self._packed()
         while self.queue:
             queued = self.queue.pop_front()
             group = self.groups.get(queued.group_id)
@@ -806,8 +864,8 @@ class ReplayService:
                 self._drop_correction(group, queued, now)
                 continue
             n = queued.num_tokens
-            cost = total + n if packed else max(longest, n) * (len(served) + 1)
-            if (served and cost > request.max_tokens) or (corrections_only and queued.kind != "correction"):
+            over = served and self._cost(longest, total, len(served), n) > request.max_tokens
+            if over or (corrections_only and queued.kind != "correction"):
                 self.queue.push_front([queued])
                 break
             longest, total = max(longest, n), total + n

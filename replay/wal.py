@@ -207,6 +207,7 @@ def restore(service, state: State) -> None:  # noqa: ANN001 - replay.service.Rep
     service.policy_version, service.version_ceiling = state.policy_version, state.version_ceiling
     service.counters = state.counters
     service.groups = {group.group_id: group for group in state.groups}
+    service.member_tokens = {}
     service.leases, service.worker_seen, service.last_grant = state.leases, state.worker_seen, state.last_grant
     service.queue = ItemQueue()
     for queued in state.queue:

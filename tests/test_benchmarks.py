@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +133,61 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
                                                "wall_s_half": 160.0 / 150.0}
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
     assert "--reuse" in (tmp_path / "table.md").read_text()  # the table names the command that made it
+
+
+# Every `python benchmarks/NAME.py ARGS` that README.md, docs/*.md or a script's own docstring prints, joined across
+# `\` line continuations and cut at a comment, a closing backtick or a table bar. Synopses with [optional] parts
+# are not commands.
+DOCUMENTED = re.compile(r"python benchmarks/(\w+)\.py((?:\\\n|[^`\n#|)\\])*)")
+
+PARSE_ONLY = """
+import argparse, json, runpy, sys
+
+class Parsed(Exception):
+    pass
+
+parse_args = argparse.ArgumentParser.parse_args
+
+def parse_only(self, *args, **kwargs):
+    parse_args(self, *args, **kwargs)
+    raise Parsed
+
+argparse.ArgumentParser.parse_args = parse_only
+results = {}
+for script, args in json.loads(sys.argv[1]):
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        results[" ".join(sys.argv)] = "ran without parsing its arguments"
+    except Parsed:
+        results[" ".join(sys.argv)] = "ok"
+    except SystemExit as exit:
+        results[" ".join(sys.argv)] = f"argparse refused it (exit {exit.code})"
+print(json.dumps(results))
+"""
+
+
+def documented_benchmark_commands() -> list[tuple[str, list[str]]]:
+    texts = [path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]]
+    scripts = sorted((REPO / "benchmarks").glob("*.py"))
+    texts += [ast.get_docstring(ast.parse(path.read_text())) or "" for path in scripts]
+    commands = {}
+    for text in texts:
+        for match in DOCUMENTED.finditer(text):
+            args = match.group(2).replace("\\\n", " ")
+            if "[" not in args:
+                commands[(match.group(1), " ".join(args.split()))] = None
+    return [(f"benchmarks/{name}.py", shlex.split(args)) for name, args in commands]
+
+
+def test_every_documented_benchmark_command_parses():
+    """The long forms are too long for the suite; each is still parsed by its script's own argument parser, so a
+    documented flag that was renamed or removed fails here (the script stops right after parsing)."""
+    commands = documented_benchmark_commands()
+    assert len(commands) >= 30 and any("--hours" in args for _, args in commands), commands
+    done = subprocess.run([sys.executable, "-c", PARSE_ONLY, json.dumps(commands)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {command: result for command, result in results.items() if result != "ok"} == {}
+    assert len(results) == len(commands)

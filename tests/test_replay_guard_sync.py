@@ -3,6 +3,8 @@ mode"), through `handle`/`tick` with an explicit clock."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 import pytest
@@ -24,8 +26,8 @@ from test_replay import (
 )
 
 from async_rl.protocol import LOGPROB, TOKEN, Batch, LeaseDenied, LeaseGrant, pack
-from replay.lengths import LengthModel
-from replay.service import ReplayService
+from replay.lengths import MARGIN_SD, LengthModel
+from replay.service import ReplayService, Work
 
 
 def stage(worker: Worker, grant: LeaseGrant, k: int, version: int) -> list:
@@ -89,7 +91,7 @@ def test_the_guard_abandons_a_group_whose_outcome_never_comes():
     assert stats.guard_held_s == pytest.approx(60.0)
 
 
-def test_corrections_that_cannot_wait_another_batch_go_before_immediates():
+def test_corrections_that_cannot_wait_another_batch_go_before_immediates_without_waiting_for_younger_groups():
     config = make_config(algo={"max_correction_staleness": 3})
     service, worker = ReplayService(config), Worker()
     old = lease(service, worker)
@@ -99,12 +101,69 @@ def test_corrections_that_cannot_wait_another_batch_go_before_immediates():
     send_all(service, stage_records(worker, young, version=2))  # immediates of a younger group queue first
     send_all(service, outcome_messages(worker, old))  # the old group's corrections queue behind them
     # 45 tokens hold 3 of the old group's 4 corrections: after a FIFO batch of immediates (version 3) they would
-    # need 2 batches by their deadline 0 + 3: not possible. The young group's outcomes are pending (they could not
-    # use a batch now), so the learner waits; once they are in, corrections go first, the most urgent first.
+    # need 2 batches by their deadline 0 + 3: not possible. The young group (deadline 2 + 3) is still pending, but
+    # any schedule serves the old corrections before it: they go now, the most urgent first, without waiting.
+    batch = request_batch(service, version=2, max_tokens=45)
+    assert batch is not None and {(item.kind, item.group_id) for item in batch.items} == {("correction", old.group_id)}
+    assert service.stats_snapshot().guard_holds == 0
+    ack_batch(service, batch, version=3)
+    batch = request_batch(service, version=3, max_tokens=45)  # the last one, at its deadline
+    assert [(item.kind, item.group_id) for item in batch.items] == [("correction", old.group_id)]
+    ack_batch(service, batch, version=4)
+    assert service.stats_snapshot().credit_dropped == 0
+
+
+def test_the_learner_waits_for_a_pending_group_due_before_every_queued_correction():
+    config = make_config(algo={"max_correction_staleness": 3})
+    service, worker = ReplayService(config), Worker()
+    old = lease(service, worker)
+    step_through_immediates(service, worker, old)
+    send_all(service, stage(worker, old, 2, version=2))  # the old group (deadline 0 + 3) waits for its outcomes
+    young = lease(service, worker)
+    send_all(service, stage_records(worker, young, version=2) + outcome_messages(worker, young))
+    # The young group's corrections (deadline 2 + 3) are queued, but a batch of them now would take the one slot
+    # (version 3) the old group's corrections need: the learner waits, and then serves those first.
     assert request_batch(service, version=2, max_tokens=45) is None
-    batches = send_all(service, outcome_messages(worker, young), now=1.0)
+    assert service.stats_snapshot().guard_holds == 1
+    batches = send_all(service, outcome_messages(worker, old), now=1.0)
     assert len(batches) == 1
     assert {(item.kind, item.group_id) for item in batches[0].items} == {("correction", old.group_id)}
+
+
+def two_pending_at_their_deadline() -> tuple[ReplayService, Worker, LeaseGrant, LeaseGrant]:
+    """Outcome-only, ppo_epochs 2, bound 2: groups A and B generated at version 0 while a third group's batch took
+    the learner to version 2, their deadline; B's outcomes are in (its corrections queued), A's are pending."""
+    config = make_config(algo={"updates": "outcome-only", "ppo_epochs": 2, "max_correction_staleness": 2})
+    service, worker = ReplayService(config), Worker()
+    first, a, b = (lease(service, worker) for _ in range(3))
+    send_all(service, stage_records(worker, first) + outcome_messages(worker, first) + stage_records(worker, a)
+             + stage_records(worker, b))
+    batch = request_batch(service, version=0)
+    assert {item.group_id for item in batch.items} == {first.group_id}
+    ack_batch(service, batch, version=2)
+    send_all(service, outcome_messages(worker, b))
+    return service, worker, a, b
+
+
+def test_the_learner_waits_when_a_pending_group_could_share_the_last_slot_with_the_queued_corrections():
+    """Serving B's corrections alone now would move the learner past A's deadline; waiting for A's outcomes lets
+    both go in the one batch left at version 2."""
+    service, worker, a, b = two_pending_at_their_deadline()
+    assert request_batch(service, version=2) is None
+    batches = send_all(service, outcome_messages(worker, a), now=1.0)
+    assert len(batches) == 1 and {item.group_id for item in batches[0].items} == {a.group_id, b.group_id}
+    ack_batch(service, batches[0], version=4)
+    assert service.stats_snapshot().credit_dropped == 0
+
+
+def test_a_backlog_that_waiting_cannot_save_is_trained_at_once():
+    """With a budget of one correction a batch, B's most urgent correction fills a batch by itself: any schedule
+    fills this slot with it (nothing of A's is more urgent), so waiting for A gains nothing and it is trained now."""
+    service, worker, a, b = two_pending_at_their_deadline()
+    one = max(q.num_tokens for q in service.queue)
+    batch = request_batch(service, version=2, max_tokens=one)
+    assert batch is not None and [item.group_id for item in batch.items] == [b.group_id]
+    assert service.stats_snapshot().guard_holds == 0
 
 
 def test_lock_step_rounds_generate_then_train_then_open_the_next_round():
@@ -261,3 +320,68 @@ def test_with_long_tailed_lengths_the_packed_guard_admits_by_the_sum_not_the_lon
         ack_batch(service, batch, version=version)
     stats = service.stats_snapshot()
     assert stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
+
+
+def test_the_guard_s_cached_member_tokens_follow_every_record_outcome_and_abandonment():
+    """The guard counts pending work from per-group caches (so a check costs O(groups)); after every message its
+    view equals one rebuilt from scratch."""
+    config = make_config(algo={"max_correction_staleness": 64}, learner={"batch_budget": "packed"})
+    service, worker = ReplayService(config), Worker()
+    long_tailed_history(service, worker, groups=2, long_tokens=40)  # finished lengths to estimate from
+    grants = [lease(service, worker) for _ in range(3)]
+    per_group = [stage_records(worker, g) + outcome_messages(worker, g) for g in grants]
+    first_outcome = -len(REWARDS)  # abandoned while the group's other members are still pending
+    per_group[2][first_outcome] = worker.outcome(grants[2], 0, len(REWARDS[0]), None, abandoned=True, reason="x")
+    messages = [m for round_ in zip(*per_group, strict=True) for m in round_]  # the groups interleaved
+    checked = 0
+    for message in messages:
+        send_all(service, [message])
+        cached = service._correction_work()
+        service.member_tokens.clear()
+        fresh = service._correction_work()
+        assert all(np.array_equal(a, b) for a, b in zip(cached, fresh, strict=True)), (message, cached, fresh)
+        checked += len(fresh.deadline) > 0
+    assert checked > len(messages) // 2 and service.stats_snapshot().trajectories_abandoned == 1
+
+
+@pytest.mark.parametrize("budget", ["padded", "packed"])
+def test_the_guard_s_deadline_check_equals_checking_every_correction_in_deadline_order(budget):
+    """`_fits` checks once per distinct deadline, vectorised; the rule it implements is the loop below, one
+    correction at a time in deadline order (docs/algorithm.md, "Staleness")."""
+    service = ReplayService(make_config(algo={"ppo_epochs": 2}, learner={"batch_budget": budget}))
+    rng = np.random.default_rng(0)
+    for n in rng.integers(10, 500, size=20):
+        service.length_model.add(int(n))
+    outcomes = []
+    for _ in range(500):
+        service.longest_trajectory = int(rng.integers(0, 600))
+        rows = []
+        for _ in range(int(rng.integers(1, 12))):
+            longest, items = int(rng.integers(1, 500)), int(rng.integers(1, 8))
+            rows.append((int(rng.integers(0, 20)), items, longest * items - int(rng.integers(0, longest)), longest,
+                         int(rng.integers(0, items + 1))))
+        work = Work(*np.asarray(rows, dtype=np.int64).T)
+        first, max_tokens = int(rng.integers(0, 5)), int(rng.integers(100, 3000))
+        expected = fits_one_at_a_time(service, rows, first, max_tokens, packed=budget == "packed")
+        assert service._fits(work, first, max_tokens) == expected, (rows, first, max_tokens)
+        outcomes.append(expected)
+    assert 0.1 < np.mean(outcomes) < 0.9, "both answers are exercised"
+
+
+def fits_one_at_a_time(service: ReplayService, rows: list, first: int, max_tokens: int, packed: bool) -> bool:
+    items = tokens = growing = longest = 0
+    for deadline, n, size, item_longest, item_growing in sorted(rows):
+        if deadline < first:
+            return False
+        items, tokens, growing = items + n, tokens + size, growing + item_growing
+        longest = max(longest, item_longest)
+        slots = (deadline - first) // service.algo.ppo_epochs + 1
+        if packed:
+            room = max_tokens - max(longest, service.longest_trajectory)
+            due = tokens + MARGIN_SD * service.length_model.sd * math.sqrt(growing)
+            need = items if room <= 0 else min(items, math.ceil(due / room))
+        else:
+            need = -(-items // max(1, max_tokens // max(1, longest)))
+        if need > slots:
+            return False
+    return True
