@@ -8,7 +8,9 @@ with D, the number of outcome-only learner updates' worth of data generated whil
 This script first measures, per trap setting, trajectories/s and trajectories per update of `outcome-only+step`
 with an instant judge (the calibration: `--parallel` runs side by side, as the arms will run, since two runs on
 two cores each get about half the throughput of one alone), sets each judge delay from the D asked for, and prints
-the D each run got (its own trajectories/s × delay ÷ the calibrated trajectories per update).
+the D each run got (its own trajectories/s × delay ÷ the calibrated trajectories per update), and beside it the
+judge delay × the run's own learner updates/s (D exactly, for outcome-only+step, whose every update is an
+outcome-only one; not comparable for the arms that also step on immediate items).
 Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
@@ -32,6 +34,10 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
     python benchmarks/delay.py --d 50,0 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
         --calibrate-steps 20000 --out delay-traps0
+    # on the hunt (its episodes lengthen as it learns: throughput from the calibration's second half):
+    python benchmarks/delay.py --env hunt --d 20 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
+        --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
+        --calibrate-steps 100000 --calibrate-tail 0.5 --out delay-hunt
 
 Each finished run (and calibration) is saved under `benchmarks/out/<--out>/done/` as soon as it ends; `--reuse`
 keeps those of an interrupted invocation with the same arguments and runs only the missing ones. With
@@ -77,13 +83,24 @@ HALF = 0.5  # a second, lower target: where neither arm reaches 0.8 within the c
 STEP_LATENCY_S = 0.01  # a tool call: every trajectory waits a little, as in slow_judge
 
 
-def throughput(run: RunResult) -> tuple[float | None, float | None]:
-    """(trajectories/s, trajectories per learner update) between the learner's first and last metrics line."""
-    if len(run.lines) < 2:
+def throughput(run: RunResult, tail: float = 1.0) -> tuple[float | None, float | None]:
+    """(trajectories/s, trajectories per learner update) between the learner's first and last metrics line, or over
+    the last `tail` of its lines (a policy that learns to play longer episodes gets slower as it learns: on the hunt,
+    the start of a run overstates what the rest of it generates)."""
+    lines = run.lines[-max(2, math.ceil(tail * len(run.lines))):]
+    if len(lines) < 2:
         return None, None
-    first, last = run.lines[0], run.lines[-1]
+    first, last = lines[0], lines[-1]
     finished = last["trajectories_finished"] - first["trajectories_finished"]
     return ratio(finished, last["wall_s"] - first["wall_s"]), ratio(finished, last["version"] - first["version"])
+
+
+def d_from_updates(run: RunResult, delay_s: float) -> float | None:
+    """The run's learner updates per second (between its first and last metrics line) × the judge delay."""
+    if len(run.lines) < 2:
+        return None
+    per_s = ratio(run.lines[-1]["version"] - run.lines[0]["version"], run.lines[-1]["wall_s"] - run.lines[0]["wall_s"])
+    return None if per_s is None else round(delay_s * per_s, 1)
 
 
 def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
@@ -97,6 +114,9 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
         "env_steps_to_half": half and half["env_steps"],
         "wall_s_to_half": half and round(half["wall_s"], 1),
         "d_measured": None if per_s is None else round(delay_s * per_s / per_update, 1),
+        # the run's own learner updates during one judge delay: D by its definition for outcome-only+step (its every
+        # update is an outcome-only one); not comparable for the arms that also step on immediate items
+        "d_from_updates": d_from_updates(run, delay_s),
         "trajectories_per_s": per_s and round(per_s, 1),
         "credit_dropped": last.get("credit_dropped", 0),
         "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
@@ -141,6 +161,9 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=400_000, help="env steps per run")
     parser.add_argument("--max-wall-s", type=float, default=900.0, help="wall cap per run")
     parser.add_argument("--calibrate-steps", type=int, default=30_000, help="env steps of the calibration run")
+    parser.add_argument("--calibrate-tail", type=float, default=1.0, metavar="F",
+                        help="measure the calibration's throughput over the last F of its run (default 1: all of it; "
+                             "0.5 on the hunt, whose episodes lengthen as the policy learns)")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="new-token", help="algo.entropy_per of every arm")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
@@ -152,6 +175,8 @@ def main() -> int:
                         help="algo.max_correction_staleness of every run (default 16, the config's); auto: "
                              "ceil(D) + 16, so that the guard does not cut the D asked for (at 16 it cut D 50 to 4-10)")
     args = parser.parse_args()
+    if not 0.0 < args.calibrate_tail <= 1.0:
+        parser.error(f"--calibrate-tail: expected 0 < F <= 1, got {args.calibrate_tail}")
     if args.quick:
         args.d, args.traps, args.arms, args.lrs, args.seeds = "5", "2", "outcome-only+step,immediate+correction", \
             "5e-4", 1
@@ -196,7 +221,7 @@ def main() -> int:
                 return throughput(train(out_dir, f"{name}-{copy}", [
                     *ARMS["outcome-only+step"], *common, *env_overrides(traps), f"run.seed={copy}",
                     f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"],
-                    timeout_s=args.max_wall_s + 120))
+                    timeout_s=args.max_wall_s + 120), tail=args.calibrate_tail)
 
             with ThreadPoolExecutor(args.parallel) as pool:
                 measured = list(pool.map(calibrate, range(args.parallel)))
@@ -277,6 +302,7 @@ def main() -> int:
                         "reached": sum(m["env_steps_to_target"] is not None for m in runs),
                         "seeds": len(runs),
                         "d_measured": median_or_none([m["d_measured"] for m in runs]),
+                        "d_from_updates": median_or_none([m.get("d_from_updates") for m in runs]),
                         "credit_dropped": sum(m["credit_dropped"] for m in runs),
                         "guard_held_s": median_or_none([m["guard_held_s"] for m in runs]),
                         "reached_half": sum(m.get("env_steps_to_half") is not None for m in runs),
@@ -287,7 +313,8 @@ def main() -> int:
                 lr_best = min(lrs, key=lambda lr: (per_lr[lr]["env_steps"] is None, per_lr[lr]["env_steps"] or 0))
                 best[arm] = {"lr": lr_best, **per_lr[lr_best], "per_lr": per_lr}
                 b = best[arm]
-                rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"), arm, f"{lr_best:g}",
+                rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"),
+                             fmt(b["d_from_updates"], ".1f", "n/a"), arm, f"{lr_best:g}",
                              f"{b['reached']}/{b['seeds']}", fmt(b["env_steps"], ",.0f"), fmt(b["wall_s"], ".0f"),
                              f"{b['reached_half']}/{b['seeds']}", fmt(b["env_steps_half"], ",.0f"),
                              fmt(b["wall_s_half"], ".0f"), fmt(b["final_success"], ".2f", "n/a"),
@@ -302,9 +329,9 @@ def main() -> int:
                                           "wall_s_half": ratio(ours["wall_s_half"], theirs["wall_s_half"])}
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    columns = ["traps (or env)", "D asked", "D measured", "arm", "best lr", "reached", "env steps to 0.8",
-               "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5", "success at end", "credit dropped",
-               "guard held s"]
+    columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "reached",
+               "env steps to 0.8", "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5",
+               "success at end", "credit dropped", "guard held s"]
     caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
         f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
         f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}"
