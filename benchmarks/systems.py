@@ -33,6 +33,9 @@ Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 
     python benchmarks/systems.py            # about 3 minutes on an idle machine, plus the durable part's fsyncs
     python benchmarks/systems.py --quick    # about 1-2 minutes
+    # the learner on a 16x wider, 2x deeper model (fixed per-step costs shrink against the model's work)
+    python benchmarks/systems.py --only learner --rounds 5 --set model.hidden_size=256 --set model.num_layers=4 \
+        --set model.num_heads=8 --set model.num_kv_heads=4 --set model.intermediate_size=512
 
 The last stdout line is JSON: {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token",
 "durable_ratio", ...}.
@@ -156,7 +159,7 @@ def base_config(name: str, extra: list[str] = ()) -> Config:
                               *extra])
 
 
-def measure_learner(num_batches: int, rounds: int) -> dict:
+def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -169,8 +172,8 @@ def measure_learner(num_batches: int, rounds: int) -> dict:
     from rollout.prepare import prepare_model_dir
 
     torch.set_num_threads(1)
-    config = base_config("learner")
-    padded_config = base_config("learner", ["learner.packing=false"])
+    config = base_config("learner", overrides)
+    padded_config = base_config("learner", [*overrides, "learner.packing=false"])
     batches = [b.items for b in ReplayDriver(ReplayService(config), config, seed=0).collect_batches(num_batches)]
     # the bare baseline's tensors: the very micro-batches (packed rows, position ids) the learner trains on
     tensors = [[batch for batch, _ in rank_micro_batches(items, 0, 1, config)] for items in batches]
@@ -461,7 +464,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages and rounds; 10^5 records, not 10^6")
     parser.add_argument("--only", choices=("transport", "learner", "replay", "durability"), action="append",
-                        help="measure only this part (repeatable); default: all three")
+                        help="measure only this part (repeatable); default: all four")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the learner part (repeatable), e.g. model.hidden_size=256: the "
+                             "default tiny model makes the learner's fixed per-step costs look large")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of the learner part (default 3 with --quick, else 11)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -470,7 +478,7 @@ def main() -> int:
     if "transport" in parts:
         transport = measure_transport(messages=10_000 if quick else 50_000, rounds_per_size=3 if quick else 11)
     if "learner" in parts:
-        learner = measure_learner(num_batches=8, rounds=3 if quick else 11)
+        learner = measure_learner(num_batches=8, rounds=args.rounds or (3 if quick else 11), overrides=args.set)
     if "replay" in parts:
         replay = measure_replay((10**3, 10**5 if quick else 10**6), groups_per_round=30, rounds=3 if quick else 11,
                                 memory_records=20_000)
@@ -479,8 +487,9 @@ def main() -> int:
                                         round_sizes=(1, HEADLINE_ROUND) if quick else (1, 16, HEADLINE_ROUND, 256))
     report(transport, learner, replay, durability)
     raw = {"transport": transport, "learner": learner, "replay": replay, "durability": durability, "quick": quick,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    name = "systems" + ("-quick" if quick else "") + ("" if len(parts) == 4 else "-" + "-".join(sorted(parts)))
+           "overrides": args.set, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    name = "systems" + ("-quick" if quick else "") + ("" if len(parts) == 4 else "-" + "-".join(sorted(parts))) + (
+        "-set" if args.set else "")
     (OUT / f"{name}.json").write_text(json.dumps(raw, indent=1))
     headline = {}
     if transport:
