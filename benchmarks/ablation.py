@@ -6,6 +6,8 @@ Variants (`algo.updates`, `algo.credit`):
   immediate-only        updates=immediate-only                     stage rewards at once, never corrected (traps)
   immediate+correction  updates=immediate+correction (default)     this project
   imm+corr-no-entropy   the same with algo.entropy_coef=0          what the entropy bonus buys (docs/algorithm.md)
+  imm+corr-per-token    the same with algo.aggregation=token-sum,  the fixed-per-token learner of docs/algorithm.md
+                        algo.entropy_per=new-token                 (opt-in: --variants)
 
 Every variant runs the default config (configs/local.yaml) with the same seeds (`run.seed` and `env.seed` together)
 and the same budget of environment steps (`run.max_env_steps`; `run.target_success=null` so every run spends all
@@ -22,6 +24,8 @@ The plot (success rate vs env steps, mean and min-max band over seeds on a commo
 
     python benchmarks/ablation.py            # 5 variants x 3 seeds x 250k env steps, ~30 min on 2 cores
     python benchmarks/ablation.py --quick    # 5 variants x 1 seed x 6k env steps: it runs end to end (~1 min)
+    # the default learner against the fixed-per-token one (token-sum + new-token), everything else the default:
+    python benchmarks/ablation.py --variants immediate+correction,imm+corr-per-token --seeds 3
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     RunResult,
     console,
     emit,
+    first_at_target,
     fmt,
     machine,
     markdown_table,
@@ -59,24 +64,32 @@ VARIANTS = {
     "immediate-only": ["algo.updates=immediate-only"],
     "immediate+correction": ["algo.updates=immediate+correction"],
     "imm+corr-no-entropy": ["algo.updates=immediate+correction", "algo.entropy_coef=0"],
+    "imm+corr-per-token": ["algo.updates=immediate+correction", "algo.aggregation=token-sum",
+                           "algo.entropy_per=new-token"],
 }
+DEFAULT_VARIANTS = list(VARIANTS)[:5]
 DESCRIPTION = {
     "outcome-only": "GRPO (credit=outcome)",
     "outcome-only+step": "no immediate, credit=outcome+step",
     "immediate-only": "no corrections",
     "immediate+correction": "this project",
     "imm+corr-no-entropy": "this project without the entropy bonus",
+    "imm+corr-per-token": "this project, token-sum + entropy per new token",
 }
 
 
 def summarize(runs: dict[str, list[RunResult]], budget: int) -> dict:
     steps = {v: [steps_to_target(r.lines, TARGET, WINDOW) for r in rs] for v, rs in runs.items()}
+    hits = {v: [first_at_target(r.lines, TARGET, WINDOW) for r in rs] for v, rs in runs.items()}
+    wall = {v: [hit and round(hit["wall_s"], 1) for hit in h] for v, h in hits.items()}
     finals = {v: [r.lines[-1]["success_rate"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
     stage_rewards = {v: [r.lines[-1]["stage_reward_mean"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
     median = {v: median_or_none(s) for v, s in steps.items()}
-    ours, grpo = median["immediate+correction"], median["outcome-only"]
+    ours, grpo = median.get("immediate+correction"), median.get("outcome-only")
     return {
         "steps_to_target": median,
+        "wall_s_to_target": {v: median_or_none(w) for v, w in wall.items()},
+        "wall_s_to_target_per_seed": wall,
         "final_success": {v: statistics.mean(f) for v, f in finals.items()},
         "steps_ratio": ratio(ours, grpo),
         "steps_ratio_upper_bound": ratio(ours, budget) if ours is not None and grpo is None else None,
@@ -94,7 +107,7 @@ def summarize(runs: dict[str, list[RunResult]], budget: int) -> dict:
 
 def table_rows(result: dict) -> list[list[str]]:
     rows = []
-    for variant in VARIANTS:
+    for variant in result["steps_to_target_per_seed"]:
         per_seed = result["steps_to_target_per_seed"][variant]
         finals = result["final_success_per_seed"][variant]
         reached = sum(s is not None for s in per_seed)
@@ -102,6 +115,7 @@ def table_rows(result: dict) -> list[list[str]]:
             variant,
             DESCRIPTION[variant],
             fmt(result["steps_to_target"][variant], ",.0f"),
+            fmt(result["wall_s_to_target"][variant], ".0f"),
             f"{reached}/{len(per_seed)}",
             f"{result['final_success'][variant]:.3f} ({min(finals):.2f}-{max(finals):.2f})",
             f"{result['final_stage_reward'][variant]:.3f}",
@@ -141,7 +155,7 @@ def plot(runs: dict[str, list[RunResult]], budget: int, path: Path) -> None:
     plt.close(fig)
 
 
-MARKDOWN_COLUMNS = ["variant", "what", "env steps to 80% (median)", "seeds reaching 80%",
+MARKDOWN_COLUMNS = ["variant", "what", "env steps to 80% (median)", "wall s to 80% (median)", "seeds reaching 80%",
                     "final success, mean (min-max)", "final stage reward"]
 
 
@@ -150,15 +164,25 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 seed and a 6k env-step budget (~1 min)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3, quick 1)")
     parser.add_argument("--budget", type=int, default=None, help="env steps per run (default 250000, quick 6000)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (default the first five)")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [variant for variant in variants if variant not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
     seeds = args.seeds or (1 if args.quick else 3)
     budget = args.budget or (6_000 if args.quick else 250_000)
+    custom = variants != DEFAULT_VARIANTS  # a subset or other variants: its own folder, not docs/img/ablation.png
     out_dir = OUT_DIR / ("ablation-quick" if args.quick else "ablation")
+    if custom:
+        out_dir = out_dir.with_name(out_dir.name + "-" + "-".join(variants))
     info = machine()
 
-    runs: dict[str, list[RunResult]] = {variant: [] for variant in VARIANTS}
+    runs: dict[str, list[RunResult]] = {variant: [] for variant in variants}
     for seed in range(seeds):  # seed-major: a slow stretch of the shared machine hits every variant alike
-        for variant, overrides in VARIANTS.items():
+        for variant in variants:
+            overrides = VARIANTS[variant]
             name = f"{variant}-seed{seed}"
             console.print(f"[bold]ablation[/] {name}: {budget:,} env steps")
             run = train(out_dir, name, [
@@ -172,16 +196,17 @@ def main() -> int:
 
     result = summarize(runs, budget)
     result["machine"] = info
-    plot_path = (out_dir / "ablation.png") if args.quick else DOCS_IMG / "ablation.png"
+    plot_path = (out_dir / "ablation.png") if args.quick or custom else DOCS_IMG / "ablation.png"
     plot(runs, budget, plot_path)
     result["plot"] = str(plot_path)
-    command = "python benchmarks/ablation.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/ablation.py", *sys.argv[1:]])
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
     (out_dir / "table.md").write_text(markdown_table(MARKDOWN_COLUMNS, table_rows(result), command))
     caption = (f"{seeds} seed(s), {budget:,} env steps each; steps_ratio (immediate+correction / outcome-only) = "
                f"{fmt(result['steps_ratio'])}")
-    print_table(f"ablation: env steps to {TARGET:.0%} success", ["variant", "what", f"steps to {TARGET:.0%} (median)",
-                "reached", "final success (min-max)", "final stage reward"], table_rows(result), caption)
+    columns = ["variant", "what", f"steps to {TARGET:.0%} (median)", f"wall s to {TARGET:.0%}", "reached",
+               "final success (min-max)", "final stage reward"]
+    print_table(f"ablation: env steps to {TARGET:.0%} success", columns, table_rows(result), caption)
     emit(result)
     return 0
 

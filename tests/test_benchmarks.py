@@ -31,7 +31,15 @@ def test_ablation_quick():
     variants = {"outcome-only", "immediate-only", "immediate+correction"}
     assert variants <= result["steps_to_target"].keys()
     assert variants <= result["final_success"].keys()
+    assert variants <= result["wall_s_to_target"].keys()
     assert "steps_ratio" in result
+
+
+def test_ablation_names_an_unknown_variant():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ablation.py"), "--variants",
+                           "immediate+correction,imm+corr-typo"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    assert "--variants: unknown ['imm+corr-typo']" in done.stderr and "imm+corr-per-token" in done.stderr
 
 
 @pytest.mark.slow
