@@ -202,8 +202,9 @@ def main() -> int:
     command = " ".join(["python benchmarks/ablation.py", *sys.argv[1:]])
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
     (out_dir / "table.md").write_text(markdown_table(MARKDOWN_COLUMNS, table_rows(result), command))
-    caption = (f"{seeds} seed(s), {budget:,} env steps each; steps_ratio (immediate+correction / outcome-only) = "
-               f"{fmt(result['steps_ratio'])}")
+    caption = f"{seeds} seed(s), {budget:,} env steps each"
+    if {"immediate+correction", "outcome-only"} <= set(variants):
+        caption += f"; steps_ratio (immediate+correction / outcome-only) = {fmt(result['steps_ratio'])}"
     columns = ["variant", "what", f"steps to {TARGET:.0%} (median)", f"wall s to {TARGET:.0%}", "reached",
                "final success (min-max)", "final stage reward"]
     print_table(f"ablation: env steps to {TARGET:.0%} success", columns, table_rows(result), caption)
