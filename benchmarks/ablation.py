@@ -79,8 +79,8 @@ DESCRIPTION = {
 
 
 def summarize(runs: dict[str, list[RunResult]], budget: int) -> dict:
-    steps = {v: [steps_to_target(r.lines, TARGET, WINDOW) for r in rs] for v, rs in runs.items()}
     hits = {v: [first_at_target(r.lines, TARGET, WINDOW) for r in rs] for v, rs in runs.items()}
+    steps = {v: [hit and hit["env_steps"] for hit in h] for v, h in hits.items()}
     wall = {v: [hit and round(hit["wall_s"], 1) for hit in h] for v, h in hits.items()}
     finals = {v: [r.lines[-1]["success_rate"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}
     stage_rewards = {v: [r.lines[-1]["stage_reward_mean"] if r.lines else 0.0 for r in rs] for v, rs in runs.items()}

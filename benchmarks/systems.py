@@ -33,7 +33,7 @@ Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 
     python benchmarks/systems.py            # about 3 minutes on an idle machine, plus the durable part's fsyncs
     python benchmarks/systems.py --quick    # about 1-2 minutes
-    # the learner on a 16x wider, 2x deeper model (fixed per-step costs shrink against the model's work)
+    # the learner on a 4x wider, 2x deeper model, ~30x the parameters (fixed per-step costs shrink against its work)
     python benchmarks/systems.py --only learner --rounds 5 --set model.hidden_size=256 --set model.num_layers=4 \
         --set model.num_heads=8 --set model.num_kv_heads=4 --set model.intermediate_size=512
 
