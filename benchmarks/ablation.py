@@ -43,6 +43,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     OUT_DIR,
     TASK_SET_WINDOW,
     RunResult,
+    chosen,
     console,
     emit,
     first_at_target,
@@ -167,10 +168,7 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)} (default the first five)")
     args = parser.parse_args()
-    variants = args.variants.split(",")
-    unknown = [variant for variant in variants if variant not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
+    variants = chosen(parser, "--variants", args.variants, VARIANTS)
     seeds = args.seeds or (1 if args.quick else 3)
     budget = args.budget or (6_000 if args.quick else 250_000)
     custom = variants != DEFAULT_VARIANTS  # a subset or other variants: its own folder, not docs/img/ablation.png

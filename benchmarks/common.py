@@ -7,6 +7,7 @@ environment (the launcher also pins each child through `run.threads_per_process=
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -109,6 +110,15 @@ def first_at_target(
         if line["trajectories_finished"] >= window and line[key] >= target:
             return line
     return None
+
+
+def chosen(parser: argparse.ArgumentParser, flag: str, value: str, known: dict[str, Any]) -> list[str]:
+    """The comma-separated names of `value`, each one of `known`; otherwise the parser's error names the unknown."""
+    names = value.split(",")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; expected some of {list(known)}")
+    return names
 
 
 def median_or_none(values: list[float | None]) -> float | None:

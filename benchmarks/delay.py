@@ -60,6 +60,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     OUT_DIR,
     BenchmarkError,
     RunResult,
+    chosen,
     console,
     emit,
     first_at_target,
@@ -186,10 +187,7 @@ def main() -> int:
     ds = [float(d) for d in args.d.split(",")]
     # a setting: the trap env's env.kwargs.traps, or "hunt"
     traps_list: list[int | str] = ["hunt"] if args.env == "hunt" else [int(t) for t in args.traps.split(",")]
-    arms = args.arms.split(",")
-    unknown = [arm for arm in arms if arm not in ARMS]
-    if unknown:
-        parser.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
+    arms = chosen(parser, "--arms", args.arms, ARMS)
     lrs = [float(lr) for lr in args.lrs.split(",")]
     out_dir = OUT_DIR / (args.out or ("delay-quick" if args.quick else "delay"))
     done_dir = out_dir / "done"  # one JSON per finished run or calibration, written as soon as it finishes
