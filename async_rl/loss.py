@@ -83,6 +83,13 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) ->
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
 
 
+def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """A statistic per action token (KL, entropy), whatever `algo.aggregation` weights the loss by: under token-sum
+    or seq-mean-token-sum the aggregated value grows with the batch's tokens, not with the quantity."""
+    mask = mask.to(values.dtype)
+    return float((values.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+
+
 def bonus_rows(is_correction: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
     """Where the entropy bonus applies, given the correction flags (per row, or per token of packed rows): all
     (None) with entropy_per=step; with new-token, each token of data once: on the item that carries its final
@@ -97,7 +104,7 @@ class LossStats:
     is_ratio_mean: float
     is_ratio_max: float
     is_capped_frac: float
-    kl: float
+    kl: float  # mean per action token (k3), whatever the aggregation
     entropy: float = 0.0  # mean entropy of the policy at the batch's action tokens (0 when not computed)
     grad_norm: float = 0.0  # global L2 norm of the step's gradient before clipping (set by the learner's step)
 
@@ -127,7 +134,7 @@ def policy_loss(
     if algo.kl_beta > 0 and ref_logp is not None:
         kl = k3_kl(logp, ref_logp)
         token_loss = token_loss + algo.kl_beta * kl
-        kl_value = float(aggregate(kl.detach(), mask, algo))
+        kl_value = _token_mean(kl, mask)
     entropy_value = 0.0
     if entropy is not None:
         if algo.entropy_coef > 0:
@@ -137,7 +144,7 @@ def policy_loss(
                 rows = entropy_rows.to(entropy.dtype)
                 bonus = entropy * (rows.unsqueeze(-1) if rows.dim() == 1 else rows)
             token_loss = token_loss - algo.entropy_coef * bonus
-        entropy_value = float(aggregate(entropy.detach(), mask, algo))
+        entropy_value = _token_mean(entropy, mask)
     loss = aggregate(token_loss, mask, algo)
     on = mask.bool()
     rho_on = rho[on] if on.any() else torch.ones(1)

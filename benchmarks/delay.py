@@ -127,6 +127,36 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
     }
 
 
+def fit_delay(args: argparse.Namespace, out_dir: Path, done_dir: Path, traps: int | str, d: float, attempt: int,
+              delay: float, per_update: float, overrides: list[str]) -> tuple[float, float]:
+    """One refit of a judge delay under the judge itself: `--parallel` outcome-only+step runs at `delay`, side by
+    side as the arms will run; D got = their mean trajectories/s (over `--calibrate-tail`) × delay ÷ per update.
+    Returns (the delay scaled by D asked ÷ D got, D got). Saved under done/ like a calibration (`--reuse`)."""
+    name = f"fit-{label(traps)}-D{d:g}-{attempt}"
+    saved = done_dir / f"{name}.json"
+    if saved.exists():
+        kept = json.loads(saved.read_text())
+        console.print(f"[bold]delay[/] {name}: reused from {saved}")
+        return kept["next_delay_s"], kept["d_got"]
+    console.print(f"[bold]delay[/] {name}: {args.parallel} x {args.fit_steps:,} env steps side by side, "
+                  f"judge {delay} s")
+
+    def one(copy: int) -> float | None:
+        run = train(out_dir, f"{name}-{copy}", [*overrides, f"{delay_key(traps)}={delay}", f"run.seed={copy}"],
+                    timeout_s=args.max_wall_s + 180)
+        return throughput(run, tail=args.calibrate_tail)[0]
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        measured = list(pool.map(one, range(args.parallel)))
+    if not all(measured):
+        raise SystemExit(f"{name}: too few learner steps to measure D under the judge; raise --fit-steps")
+    got = round(delay * sum(measured) / len(measured) / per_update, 1)
+    next_delay = round(delay * d / got, 2)
+    saved.write_text(json.dumps({"delay_s": delay, "d_got": got, "next_delay_s": next_delay}))
+    console.print(f"  D {got} at a {delay} s judge: next {next_delay} s")
+    return next_delay, got
+
+
 def bound_arg(value: str) -> str:
     if value != "auto" and not (value.isdigit() and int(value) >= 0):
         raise argparse.ArgumentTypeError(f"expected a non-negative integer or auto, got {value!r}")
@@ -165,6 +195,13 @@ def main() -> int:
     parser.add_argument("--calibrate-tail", type=float, default=1.0, metavar="F",
                         help="measure the calibration's throughput over the last F of its run (default 1: all of it; "
                              "0.5 on the hunt, whose episodes lengthen as the policy learns)")
+    parser.add_argument("--fit-d", type=int, default=0, metavar="K",
+                        help="refit each judge delay K times under the judge itself: --parallel outcome-only+step "
+                             "runs of --fit-steps env steps at the delay, D measured over their --calibrate-tail, "
+                             "the delay scaled by D asked / D got (default 0: the delay from the instant-judge "
+                             "calibration alone, which gets ~half the D asked on the trap env: throughput falls as "
+                             "episodes lengthen and while outcomes are pending)")
+    parser.add_argument("--fit-steps", type=int, default=60_000, help="env steps of each --fit-d run")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="new-token", help="algo.entropy_per of every arm")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
@@ -178,6 +215,8 @@ def main() -> int:
     args = parser.parse_args()
     if not 0.0 < args.calibrate_tail <= 1.0:
         parser.error(f"--calibrate-tail: expected 0 < F <= 1, got {args.calibrate_tail}")
+    if args.fit_d < 0 or args.fit_steps <= 0:
+        parser.error(f"--fit-d and --fit-steps: expected >= 0 and > 0, got {args.fit_d} and {args.fit_steps}")
     if args.quick:
         args.d, args.traps, args.arms, args.lrs, args.seeds = "5", "2", "outcome-only+step,immediate+correction", \
             "5e-4", 1
@@ -200,7 +239,7 @@ def main() -> int:
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},
-                    "runs": {}, "best": {}, "ratios": {}}
+                    "runs": {}, "best": {}, "ratios": {}, "fits": {}}
     jobs: list[tuple[str, list[str], dict]] = []
     for traps in traps_list:
         # Calibration: outcome-only+step, instant judge, the middle lr: trajectories/s and per update.
@@ -235,6 +274,15 @@ def main() -> int:
             delay = round(d * per_update / per_s, 2)
             max_staleness = math.ceil(d) + 4
             bound = math.ceil(d) + 16 if args.max_correction_staleness == "auto" else int(args.max_correction_staleness)
+            fits = []
+            for attempt in range(args.fit_d if d > 0 else 0):
+                delay, got = fit_delay(args, out_dir, done_dir, traps, d, attempt, delay, per_update, [
+                    *ARMS["outcome-only+step"], *common, *env_overrides(traps), f"algo.max_staleness={max_staleness}",
+                    f"algo.max_correction_staleness={bound}", f"run.max_env_steps={args.fit_steps}",
+                    "run.target_success=null"])
+                fits.append({"d_got": got, "next_delay_s": delay})
+            if fits:
+                result["fits"][f"{label(traps)}-D{d:g}"] = fits
             # seed outermost and arm innermost: with --parallel 2 the arms of one seed and lr run side by side,
             # under the same load
             for seed in range(args.seeds):

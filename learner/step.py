@@ -131,9 +131,8 @@ def _logp(
 
 
 def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
-    """One rank's statistics from its micro-batches' (stats, action tokens, loss scale): ratio means by action
-    token; KL and entropy aggregated as the loss is (Σ value · scale: the whole batch's in a world of one, this
-    rank's share scaled up to a batch with more ranks)."""
+    """One rank's statistics from its micro-batches' (stats, action tokens, loss scale): ratio, KL and entropy
+    means by action token (with more ranks, this rank's share of the batch, as the ratio statistics are)."""
     tokens = sum(n for _, n, _ in parts)
     if len(parts) == 1 or tokens == 0:
         return parts[0][0]
@@ -142,8 +141,8 @@ def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
         is_ratio_mean=sum(s.is_ratio_mean * n for s, n, _ in trained) / tokens,
         is_ratio_max=max(s.is_ratio_max for s, _, _ in trained),
         is_capped_frac=sum(s.is_capped_frac * n for s, n, _ in trained) / tokens,
-        kl=sum(s.kl * scale for s, _, scale in trained),
-        entropy=sum(s.entropy * scale for s, _, scale in trained),
+        kl=sum(s.kl * n for s, n, _ in trained) / tokens,
+        entropy=sum(s.entropy * n for s, n, _ in trained) / tokens,
     )
 
 

@@ -143,6 +143,37 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     assert "--reuse" in (tmp_path / "table.md").read_text()  # the table names the command that made it
 
 
+def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
+    """`--fit-d 2` refits the judge delay twice under the judge; with `--reuse` the two kept refits are taken from
+    `done/` in order (no training) and the result records each D got and the delay it led to."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-traps0.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    (done / "fit-traps0-D10-0.json").write_text(json.dumps({"delay_s": 5.0, "d_got": 5.0, "next_delay_s": 10.0}))
+    (done / "fit-traps0-D10-1.json").write_text(json.dumps({"delay_s": 10.0, "d_got": 8.0, "next_delay_s": 12.5}))
+    for arm in ("outcome-only+step", "immediate+correction"):
+        (done / f"traps0-D10-{arm}-lr0.0005-seed0.json").write_text(json.dumps({
+            "traps": 0, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 12.5, "per_update": 50.0,
+            "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": 1000,
+            "wall_s_to_target": 10.0, "d_measured": 10.0, "credit_dropped": 0, "guard_held_s": 0.0}))
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "0", "--arms",
+         "outcome-only+step,immediate+correction", "--lrs", "5e-4", "--seeds", "1", "--fit-d", "2",
+         "--out", str(tmp_path), "--reuse"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert result["fits"]["traps0-D10"] == [{"d_got": 5.0, "next_delay_s": 10.0}, {"d_got": 8.0, "next_delay_s": 12.5}]
+    assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
+
+
+def test_delay_fit_names_a_bad_count():
+    finished = subprocess.run([sys.executable, str(REPO / "benchmarks" / "delay.py"), "--fit-d", "-1"],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert finished.returncode == 2 and "--fit-d" in finished.stderr
+
+
 # Every `python benchmarks/NAME.py ARGS` that README.md, docs/*.md or a script's own docstring prints, joined across
 # `\` line continuations and cut at a comment, a closing backtick or a table bar. Synopses with [optional] parts
 # are not commands.

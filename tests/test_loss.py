@@ -157,6 +157,23 @@ def test_entropy_bonus_raises_the_policy_entropy_and_is_off_by_default(model):
     assert float(aggregate(after.detach(), mask, AlgoConfig())) > stats.entropy
 
 
+def test_entropy_and_kl_are_reported_per_action_token_whatever_the_aggregation():
+    """Under token-sum the loss grows with the batch's tokens; `entropy_mean` and `kl` must not (they were, until
+    2026-11-24, aggregated as the loss was: a token-sum run's entropy_mean rose as its episodes lengthened)."""
+    logits = torch.zeros(2, 4, 7)  # uniform: every position's entropy is log 7
+    tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 0, 0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    logp, entropy = token_logprobs_and_entropy(logits, tokens)
+    ref = logp.detach() - 0.3
+    k3 = math.exp(-0.3) - 1 + 0.3  # k3 KL of a log-ratio 0.3 at every token
+    for aggregation in ("token-mean", "token-sum", "seq-mean-token-sum"):
+        algo = AlgoConfig(aggregation=aggregation, token_norm=1.0, kl_beta=0.1)
+        _, stats = policy_loss(logp, logp.detach(), torch.zeros_like(mask), torch.zeros_like(mask), mask, algo,
+                               ref_logp=ref, entropy=entropy)
+        assert stats.entropy == pytest.approx(math.log(7), rel=1e-6), aggregation
+        assert stats.kl == pytest.approx(k3, rel=1e-5), aggregation
+
+
 def test_token_sum_weighs_a_token_the_same_whatever_else_the_batch_holds():
     """token-sum: the loss of a batch is the sum of its items' losses (a fixed weight per token); token-mean gives
     a one-token item the weight of a whole sequence when it shares a batch with fewer tokens."""
