@@ -10,7 +10,10 @@ with an instant judge (the calibration: `--parallel` runs side by side, as the a
 two cores each get about half the throughput of one alone), sets each judge delay from the D asked for, and prints
 the D each run got (its own trajectories/s × delay ÷ the calibrated trajectories per update), and beside it the
 judge delay × the run's own learner updates/s (D exactly, for outcome-only+step, whose every update is an
-outcome-only one; not comparable for the arms that also step on immediate items).
+outcome-only one; not comparable for the arms that also step on immediate items). With the instant-judge
+calibration alone a run gets about half the D asked on the trap env (its episodes lengthen as it learns, and
+throughput falls while outcomes are pending); `--fit-d K` then refits each delay K times under the judge itself
+(outcome-only+step runs of `--fit-steps` env steps at the delay, the delay scaled by D asked ÷ D got).
 Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
@@ -34,6 +37,10 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
     python benchmarks/delay.py --d 50,0 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
         --calibrate-steps 20000 --out delay-traps0
+    # D ≈ 50 as asked, not ~half of it: the judge delay refit twice under the judge (docs/benchmarks.md, "delay"):
+    python benchmarks/delay.py --d 50 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
+        --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 1200 --budget 1000000 \
+        --calibrate-steps 20000 --fit-d 2 --out delay-traps0-d50
     # on the hunt (its episodes lengthen as it learns: throughput from the calibration's second half):
     python benchmarks/delay.py --env hunt --d 20 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
