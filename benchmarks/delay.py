@@ -58,6 +58,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -129,6 +130,7 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
         "credit_dropped": last.get("credit_dropped", 0),
         "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
         "versions": run.summary["versions"],
+        "wall_s": round(last["wall_s"], 1) if "wall_s" in last else None,
         "final_success_long": last.get("success_rate_long", 0.0),
         "stop_reason": run.summary["stop_reason"],
     }
@@ -162,6 +164,14 @@ def fit_delay(args: argparse.Namespace, out_dir: Path, done_dir: Path, traps: in
     saved.write_text(json.dumps({"delay_s": delay, "d_got": got, "next_delay_s": next_delay}))
     console.print(f"  D {got} at a {delay} s judge: next {next_delay} s")
     return next_delay, got
+
+
+def held_too_long(runs: Iterable[dict], share: float = 0.25) -> list[str]:
+    """The runs whose guard held the learner over `share` of their wall time. The bound counts learner versions:
+    an arm that also steps on immediate items spans ~3x the versions per judge delay (docs/benchmarks.md, "delay"),
+    so a bound sized from D throttles it and its wall time measures the bound, not the rule."""
+    return [f"{label(m['traps'])}-D{m['d']:g}-{m['arm']}-lr{m['lr']:g}-seed{m['seed']}" for m in runs
+            if m.get("guard_held_s") and m.get("wall_s") and m["guard_held_s"] > share * m["wall_s"]]
 
 
 def bound_arg(value: str) -> str:
@@ -389,6 +399,11 @@ def main() -> int:
         f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
         f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}"
         for cell, r in result["ratios"].items())
+    held = held_too_long(result["runs"].values())
+    if held:
+        result["guard_bound_warning"] = held
+        caption += ("; the guard held the learner over a quarter of the wall time in " + ", ".join(held) +
+                    ": the correction bound, not the rule, set their pace (raise --max-correction-staleness)")
     print_table("delay: immediate credit vs late outcomes", columns, rows, caption)
     command = " ".join(["python benchmarks/delay.py", *sys.argv[1:]])
     out_dir.mkdir(parents=True, exist_ok=True)

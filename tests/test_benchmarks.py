@@ -127,7 +127,8 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
             "traps": 0, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 5.0, "per_update": 50.0,
             "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": steps,
             "wall_s_to_target": wall, "env_steps_to_half": half_steps, "wall_s_to_half": half_wall,
-            "d_measured": 9.0, "trajectories_per_s": 90.0, "credit_dropped": 0, "guard_held_s": 0.0,
+            "d_measured": 9.0, "trajectories_per_s": 90.0, "credit_dropped": 0, "wall_s": wall,
+            "guard_held_s": 0.0 if arm == "outcome-only+step" else 0.3 * wall,  # over a quarter: named below
             "versions": 100, "final_success_long": 0.8, "stop_reason": "target_success"}))
     finished = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "0", "--arms",
@@ -140,7 +141,11 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     assert result["ratios"]["traps0-D10"] == {"env_steps": 0.25, "wall_s": 0.5, "env_steps_half": 0.6,
                                                "wall_s_half": 160.0 / 150.0}
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
-    assert "--reuse" in (tmp_path / "table.md").read_text()  # the table names the command that made it
+    table = (tmp_path / "table.md").read_text()
+    assert "--reuse" in table  # the table names the command that made it
+    # the run whose guard held it over a quarter of its wall time is named: the bound set its pace, not the rule
+    assert result["guard_bound_warning"] == ["traps0-D10-immediate+correction-lr0.0005-seed0"]
+    assert "the correction bound, not the rule, set their pace" in table
 
 
 def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
