@@ -136,6 +136,22 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
     }
 
 
+def side_by_side(args: argparse.Namespace, out_dir: Path, name: str,
+                 overrides: list[str]) -> tuple[float, float] | None:
+    """`--parallel` outcome-only+step runs at once (seeds 0, 1, ...; the throughput that sets a judge delay must be
+    measured under the same sharing of the cores as the runs it is set for): their mean (trajectories/s,
+    trajectories per update) over `--calibrate-tail`, or None if one took too few learner steps to tell."""
+    def one(copy: int) -> tuple[float | None, float | None]:
+        run = train(out_dir, f"{name}-{copy}", [*overrides, f"run.seed={copy}"], timeout_s=args.max_wall_s + 180)
+        return throughput(run, tail=args.calibrate_tail)
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        measured = list(pool.map(one, range(args.parallel)))
+    if not all(per_s and per_update for per_s, per_update in measured):
+        return None
+    return (sum(m[0] for m in measured) / len(measured), sum(m[1] for m in measured) / len(measured))
+
+
 def fit_delay(args: argparse.Namespace, out_dir: Path, done_dir: Path, traps: int | str, d: float, attempt: int,
               delay: float, per_update: float, overrides: list[str]) -> tuple[float, float]:
     """One refit of a judge delay under the judge itself: `--parallel` outcome-only+step runs at `delay`, side by
@@ -149,17 +165,10 @@ def fit_delay(args: argparse.Namespace, out_dir: Path, done_dir: Path, traps: in
         return kept["next_delay_s"], kept["d_got"]
     console.print(f"[bold]delay[/] {name}: {args.parallel} x {args.fit_steps:,} env steps side by side, "
                   f"judge {delay} s")
-
-    def one(copy: int) -> float | None:
-        run = train(out_dir, f"{name}-{copy}", [*overrides, f"{delay_key(traps)}={delay}", f"run.seed={copy}"],
-                    timeout_s=args.max_wall_s + 180)
-        return throughput(run, tail=args.calibrate_tail)[0]
-
-    with ThreadPoolExecutor(args.parallel) as pool:
-        measured = list(pool.map(one, range(args.parallel)))
-    if not all(measured):
+    measured = side_by_side(args, out_dir, name, [*overrides, f"{delay_key(traps)}={delay}"])
+    if measured is None:
         raise SystemExit(f"{name}: too few learner steps to measure D under the judge; raise --fit-steps")
-    got = round(delay * sum(measured) / len(measured) / per_update, 1)
+    got = round(delay * measured[0] / per_update, 1)
     next_delay = round(delay * d / got, 2)
     saved.write_text(json.dumps({"delay_s": delay, "d_got": got, "next_delay_s": next_delay}))
     console.print(f"  D {got} at a {delay} s judge: next {next_delay} s")
@@ -266,23 +275,14 @@ def main() -> int:
             per_s, per_update = (json.loads(saved.read_text())[k] for k in ("per_s", "per_update"))
             console.print(f"[bold]delay[/] {name}: reused from {saved}")
         else:
-            # As many calibration runs side by side as the arms will run (--parallel): the throughput that sets the
-            # judge delay must be measured under the same sharing of the cores as the runs it is set for.
             console.print(f"[bold]delay[/] {name}: {args.parallel} x {args.calibrate_steps:,} env steps side by side, "
                           "instant judge")
-
-            def calibrate(copy: int, name: str = name, traps: int | str = traps) -> tuple[float | None, float | None]:
-                return throughput(train(out_dir, f"{name}-{copy}", [
-                    *ARMS["outcome-only+step"], *common, *env_overrides(traps), f"run.seed={copy}",
-                    f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"],
-                    timeout_s=args.max_wall_s + 120), tail=args.calibrate_tail)
-
-            with ThreadPoolExecutor(args.parallel) as pool:
-                measured = list(pool.map(calibrate, range(args.parallel)))
-            if not all(per_s and per_update for per_s, per_update in measured):
+            measured = side_by_side(args, out_dir, name, [
+                *ARMS["outcome-only+step"], *common, *env_overrides(traps),
+                f"run.max_env_steps={args.calibrate_steps}", "run.target_success=null"])
+            if measured is None:
                 raise SystemExit(f"{name}: too few learner steps to calibrate; raise --calibrate-steps")
-            per_s = sum(m[0] for m in measured) / len(measured)
-            per_update = sum(m[1] for m in measured) / len(measured)
+            per_s, per_update = measured
             saved.write_text(json.dumps({"per_s": per_s, "per_update": per_update}))
         result["calibration"][traps] = {"trajectories_per_s": round(per_s, 1),
                                         "trajectories_per_update": round(per_update, 1)}
