@@ -72,22 +72,22 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(r) - r - 1
 
 
+def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over the batch's action tokens: the token-mean loss, and the per-token statistics (KL, entropy) under
+    any aggregation (under token-sum or seq-mean-token-sum the aggregate grows with the batch's tokens)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
     """Token mean over all action tokens of the batch, Dr. GRPO's seq-mean-token-sum / seq_norm, or token-sum /
     token_norm: a fixed weight per token, whatever else the batch holds (docs/algorithm.md, "Loss")."""
-    mask = mask.to(token_loss.dtype)
     if algo.aggregation == "token-mean":
-        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        return token_mean(token_loss, mask)
+    mask = mask.to(token_loss.dtype)
     if algo.aggregation == "token-sum":
         return (token_loss * mask).sum() / algo.token_norm
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
-
-
-def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    """A statistic per action token (KL, entropy), whatever `algo.aggregation` weights the loss by: under token-sum
-    or seq-mean-token-sum the aggregated value grows with the batch's tokens, not with the quantity."""
-    mask = mask.to(values.dtype)
-    return float((values.detach() * mask).sum() / mask.sum().clamp(min=1.0))
 
 
 def bonus_rows(is_correction: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
@@ -134,7 +134,7 @@ def policy_loss(
     if algo.kl_beta > 0 and ref_logp is not None:
         kl = k3_kl(logp, ref_logp)
         token_loss = token_loss + algo.kl_beta * kl
-        kl_value = _token_mean(kl, mask)
+        kl_value = float(token_mean(kl.detach(), mask))
     entropy_value = 0.0
     if entropy is not None:
         if algo.entropy_coef > 0:
@@ -144,7 +144,7 @@ def policy_loss(
                 rows = entropy_rows.to(entropy.dtype)
                 bonus = entropy * (rows.unsqueeze(-1) if rows.dim() == 1 else rows)
             token_loss = token_loss - algo.entropy_coef * bonus
-        entropy_value = _token_mean(entropy, mask)
+        entropy_value = float(token_mean(entropy.detach(), mask))
     loss = aggregate(token_loss, mask, algo)
     on = mask.bool()
     rho_on = rho[on] if on.any() else torch.ones(1)
