@@ -740,7 +740,8 @@ def main() -> int:
     parser.add_argument("--max-correction-staleness", type=int, default=256,
                         help="algo.max_correction_staleness of the compared runs (default 256: nothing dropped)")
     parser.add_argument("--variant-mcs", type=int, default=16,
-                        help="also run async with this max_correction_staleness (configs/cluster.yaml's 16); -1: skip")
+                        help="also run async with this max_correction_staleness (16: the design's default, "
+                             "configs/cluster.yaml's until 2026-11-24); -1: skip")
     parser.add_argument("--unguarded", action=argparse.BooleanOptionalAction, default=None,
                         help="also run async with algo.correction_guard=false (default: on, off with --quick)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -82,6 +82,8 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     train,
 )
 
+from learner.metrics import GuardWatch  # noqa: E402
+
 ARMS = {
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
     "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],
@@ -112,7 +114,17 @@ def d_from_updates(run: RunResult, delay_s: float) -> float | None:
     return None if per_s is None else round(delay_s * per_s, 1)
 
 
-def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
+def bound_needed(lines: list[dict], bound: int) -> int | None:
+    """The 90th percentile over the run's metrics lines of `correction_bound_needed` (learner/metrics.py), recomputed
+    from the lines so runs logged before the learner wrote it get it too: the correction bound at which the guard
+    would not have held this run's learner."""
+    watch = GuardWatch(bound, warn_frac=math.inf)
+    needed = sorted(watch.update(m["wall_s"], m.get("guard_held_s", 0.0), m.get("staleness_max_correction", 0))
+                    ["correction_bound_needed"] for m in lines if "wall_s" in m)
+    return needed[min(len(needed) - 1, int(0.9 * len(needed)))] if needed else None
+
+
+def measure(run: RunResult, delay_s: float, per_update: float, bound: int) -> dict:
     hit = first_at_target(run.lines, TARGET, WINDOW, key="success_rate_long")
     half = first_at_target(run.lines, HALF, WINDOW, key="success_rate_long")
     last = run.lines[-1] if run.lines else {}
@@ -129,6 +141,7 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
         "trajectories_per_s": per_s and round(per_s, 1),
         "credit_dropped": last.get("credit_dropped", 0),
         "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
+        "bound_needed": bound_needed(run.lines, bound),
         "versions": run.summary["versions"],
         "wall_s": round(last["wall_s"], 1) if "wall_s" in last else None,
         "final_success_long": last.get("success_rate_long", 0.0),
@@ -328,7 +341,7 @@ def main() -> int:
                 # measured again from the run's own files, so that figures added since are filled in too
                 summary = json.loads(stdout.read_text().strip().splitlines()[-1])
                 run = RunResult(key, run_dir, summary, read_metrics(run_dir), 0.0)
-                kept = {**kept, **measure(run, meta["delay_s"], meta["per_update"])}
+                kept = {**kept, **measure(run, meta["delay_s"], meta["per_update"], meta["max_correction_staleness"])}
             return key, kept
         console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}, "
                       f"max_correction_staleness {meta['max_correction_staleness']}")
@@ -338,7 +351,7 @@ def main() -> int:
             console.print(f"  [red]failed[/]: {error}")
             return key, {**meta, "failed": str(error).splitlines()[0], "env_steps_to_target": None,
                          "wall_s_to_target": None, "d_measured": None, "credit_dropped": 0, "guard_held_s": None}
-        measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"])}
+        measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"], meta["max_correction_staleness"])}
         saved.write_text(json.dumps(measured))
         console.print(f"  {measured}")
         return key, measured
@@ -368,6 +381,7 @@ def main() -> int:
                         "d_from_updates": median_or_none([m.get("d_from_updates") for m in runs]),
                         "credit_dropped": sum(m["credit_dropped"] for m in runs),
                         "guard_held_s": median_or_none([m["guard_held_s"] for m in runs]),
+                        "bound_needed": median_or_none([m.get("bound_needed") for m in runs]),
                         "reached_half": sum(m.get("env_steps_to_half") is not None for m in runs),
                         "env_steps_half": median_or_none([m.get("env_steps_to_half") for m in runs]),
                         "wall_s_half": median_or_none([m.get("wall_s_to_half") for m in runs]),
@@ -381,7 +395,8 @@ def main() -> int:
                              f"{b['reached']}/{b['seeds']}", fmt(b["env_steps"], ",.0f"), fmt(b["wall_s"], ".0f"),
                              f"{b['reached_half']}/{b['seeds']}", fmt(b["env_steps_half"], ",.0f"),
                              fmt(b["wall_s_half"], ".0f"), fmt(b["final_success"], ".2f", "n/a"),
-                             str(b["credit_dropped"]), fmt(b["guard_held_s"], ".0f", "n/a")])
+                             str(b["credit_dropped"]), fmt(b["guard_held_s"], ".0f", "n/a"),
+                             fmt(b["bound_needed"], ".0f", "n/a")])
             cell = f"{label(traps)}-D{d:g}"
             result["best"][cell] = best
             if {"immediate+correction", "outcome-only+step"} <= best.keys():
@@ -394,7 +409,7 @@ def main() -> int:
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "reached",
                "env steps to 0.8", "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5",
-               "success at end", "credit dropped", "guard held s"]
+               "success at end", "credit dropped", "guard held s", "bound needed"]
     caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
         f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
         f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}"

@@ -6,6 +6,8 @@ Key names are stable; the replay-side ones are echoed from the batch's `ReplaySt
 from __future__ import annotations
 
 import logging
+import math
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +68,56 @@ def step_metrics(
     }
 
 
+class GuardWatch:
+    """What the correction guard costs and the bound that would not have cost it (docs/algorithm.md, "Staleness").
+
+    `max_correction_staleness` counts learner versions, and how many versions a judge delay spans depends on the
+    arm: one that also steps on immediate items takes ~3x the versions of outcome-only+step (docs/benchmarks.md,
+    "delay"), so a bound sized for one throttles the other. Over the last `window_s` of metrics lines:
+    `guard_held_frac`, the share of the wall time the guard held the learner, and `correction_bound_needed`, the
+    largest correction staleness trained, scaled by wall ÷ unheld time (the versions those corrections would have
+    spanned had the learner stepped through the holds as it steps between them; the scale is capped at 20x). With
+    no hold it is the staleness seen. A hold over `warn_frac` of a window of at least `warn_after_s` logs a
+    warning naming both numbers, at most once per `warn_every_s`."""
+
+    def __init__(self, bound: int, window_s: float = 120.0, warn_frac: float = 0.25, warn_after_s: float = 30.0,
+                 warn_every_s: float = 600.0) -> None:
+        self.bound, self.window_s, self.warn_frac = bound, window_s, warn_frac
+        self.warn_after_s, self.warn_every_s = warn_after_s, warn_every_s
+        self.lines: deque[tuple[float, float, int]] = deque()  # (wall_s, guard_held_s, staleness_max_correction)
+        self.warned_at: float | None = None
+
+    def update(self, wall_s: float, guard_held_s: float, staleness_max_correction: int) -> dict[str, Any]:
+        self.lines.append((wall_s, guard_held_s, staleness_max_correction))
+        while len(self.lines) > 2 and self.lines[1][0] <= wall_s - self.window_s:
+            self.lines.popleft()
+        first_wall, first_held, _ = self.lines[0]
+        span = wall_s - first_wall
+        held = min(max(guard_held_s - first_held, 0.0), span)
+        seen = max(staleness for _, _, staleness in self.lines)
+        frac = held / span if span > 0 else 0.0
+        needed = math.ceil(seen / max(1.0 - frac, 0.05)) if held else seen
+        if frac > self.warn_frac and span >= self.warn_after_s and (
+                self.warned_at is None or wall_s - self.warned_at >= self.warn_every_s):
+            self.warned_at = wall_s
+            log.warning("the correction guard held the learner %.0f%% of the last %.0f s: corrections reached %d "
+                        "versions (algo.max_correction_staleness=%d); stepping through the holds they would span ~%d. "
+                        "Raise the bound toward that, or accept the holds (docs/algorithm.md, \"Staleness\")",
+                        100 * frac, span, seen, self.bound, needed)
+        return {"guard_held_frac": round(frac, 4), "correction_bound_needed": needed}
+
+
 class MetricsLog:
     """Appends the learner's lines to metrics.jsonl (flushed per line), mirrored to the learner's W&B run
     (async_rl/telemetry.py: one W&B run per role, grouped per training run)."""
 
     def __init__(self, config: Config, run_dir: Path) -> None:
         self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
+        self._guard = GuardWatch(config.algo.max_correction_staleness)
 
     def write(self, line: dict[str, Any]) -> None:
+        line.update(self._guard.update(line["wall_s"], line.get("guard_held_s", 0.0),
+                                       line.get("staleness_max_correction", 0)))
         self._metrics.write(line, step=line["version"])
 
     def close(self) -> None:

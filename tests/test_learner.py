@@ -43,6 +43,7 @@ from async_rl.protocol import (
 from async_rl.transport import bind_router, connect_subscriber, poll, receive, send
 from learner.batch import collate
 from learner.engine import build_engine
+from learner.metrics import GuardWatch
 from learner.replay_client import ReplayClient
 from learner.step import rank_share, train_on_batch
 from learner.trainer import StopRequest, run, stop_reason
@@ -57,6 +58,7 @@ REQUIRED_KEYS = {
     "items_correction", "credit_dropped", "ledger_residual_max", "wall_s", "loss", "is_ratio_max", "kl",
     "adv_abs_immediate", "adv_abs_correction", "staleness_hist", "tokens", "padding_frac", "step_s",
     "trajectories_finished", "groups_closed", "bad_messages", "steps_skipped_nonfinite", "rejected",
+    "guard_held_frac", "correction_bound_needed",
 }
 
 
@@ -422,6 +424,28 @@ def test_stop_reasons():
     assert stop_reason(config, 0, ReplayStats(), 60.0, idle) == "max_wall_s"
     idle.event.set()
     assert stop_reason(config, 0, ReplayStats(), 1.0, idle) == "stop_requested"
+
+
+def test_the_guard_watch_names_the_bound_that_would_not_have_held_the_learner(caplog):
+    """The case measured at D ~ 47 (docs/benchmarks.md, "delay"): bound 66, the guard holding the learner 62% of
+    the time, corrections reaching 65 versions: stepping through the holds they would have spanned ~172."""
+    watch = GuardWatch(bound=66)
+    with caplog.at_level("WARNING", logger="async_rl.learner"):
+        free = [watch.update(t, 0.0, 10 + t // 10) for t in range(0, 60, 5)]  # no hold: the staleness seen
+        assert [line["correction_bound_needed"] for line in free] == [10 + t // 10 for t in range(0, 60, 5)]
+        assert {line["guard_held_frac"] for line in free} == {0.0} and not caplog.records
+        held = [watch.update(60.0 + t, 0.62 * t, 65) for t in range(5, 185, 5)]  # held 62% of the time
+    last = held[-1]
+    assert last["guard_held_frac"] == pytest.approx(0.62, abs=0.01)
+    assert last["correction_bound_needed"] == pytest.approx(65 / 0.38, abs=2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # once per warn_every_s, not once per step
+    assert "max_correction_staleness=66" in warnings[0] and "corrections reached 65" in warnings[0]
+    # held nearly the whole window: the scale is capped (20x), not divided by ~0
+    watch = GuardWatch(bound=16)
+    watch.update(0.0, 0.0, 16)
+    assert watch.update(100.0, 99.9, 16)["correction_bound_needed"] == 16 * 20
+
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "token-sum"])
