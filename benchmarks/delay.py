@@ -57,6 +57,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +143,7 @@ def measure(run: RunResult, delay_s: float, per_update: float, bound: int) -> di
         "credit_dropped": last.get("credit_dropped", 0),
         "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
         "bound_needed": bound_needed(run.lines, bound),
+        "env_steps_end": last.get("env_steps"),
         "versions": run.summary["versions"],
         "wall_s": round(last["wall_s"], 1) if "wall_s" in last else None,
         "final_success_long": last.get("success_rate_long", 0.0),
@@ -194,6 +196,27 @@ def held_too_long(runs: Iterable[dict], share: float = 0.25) -> list[str]:
     so a bound sized from D throttles it and its wall time measures the bound, not the rule."""
     return [f"{label(m['traps'])}-D{m['d']:g}-{m['arm']}-lr{m['lr']:g}-seed{m['seed']}" for m in runs
             if m.get("guard_held_s") and m.get("wall_s") and m["guard_held_s"] > share * m["wall_s"]]
+
+
+def at_least(runs: list[dict], reached: str, end: str) -> float | None:
+    """The median over seeds of `reached` (env steps or wall s to 0.8), a run that missed counted at its `end`:
+    a lower bound on the true median, where that one is past the cap."""
+    values = [m[reached] if m.get(reached) is not None else m.get(end) for m in runs]
+    return None if not values or None in values else statistics.median(values)
+
+
+def censored(ours: float | None, theirs: dict, key: str) -> float | None:
+    """ours ÷ theirs where only theirs missed 0.8 in the median: an upper bound on the ratio (None otherwise)."""
+    return ratio(ours, theirs[key]) if ours is not None and theirs["env_steps"] is None else None
+
+
+def ratio_text(cell: str, r: dict) -> str:
+    text = (f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
+            f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}")
+    if r.get("env_steps_at_most") is not None:
+        text += (f" (outcome-only+step's median missed 0.8: at most {fmt(r['env_steps_at_most'], '.2f')}, "
+                 f"{fmt(r['wall_s_at_most'], '.2f', 'n/a')}, its misses counted at their end)")
+    return text
 
 
 def bound_arg(value: str) -> str:
@@ -386,6 +409,9 @@ def main() -> int:
                         "env_steps_half": median_or_none([m.get("env_steps_to_half") for m in runs]),
                         "wall_s_half": median_or_none([m.get("wall_s_to_half") for m in runs]),
                         "final_success": median_or_none([m.get("final_success_long") for m in runs]),
+                        # a run that missed counted at its end: a lower bound on the median to 0.8
+                        "env_steps_at_least": at_least(runs, "env_steps_to_target", "env_steps_end"),
+                        "wall_s_at_least": at_least(runs, "wall_s_to_target", "wall_s"),
                     }
                 lr_best = min(lrs, key=lambda lr: (per_lr[lr]["env_steps"] is None, per_lr[lr]["env_steps"] or 0))
                 best[arm] = {"lr": lr_best, **per_lr[lr_best], "per_lr": per_lr}
@@ -404,16 +430,19 @@ def main() -> int:
                 result["ratios"][cell] = {"env_steps": ratio(ours["env_steps"], theirs["env_steps"]),
                                           "wall_s": ratio(ours["wall_s"], theirs["wall_s"]),
                                           "env_steps_half": ratio(ours["env_steps_half"], theirs["env_steps_half"]),
-                                          "wall_s_half": ratio(ours["wall_s_half"], theirs["wall_s_half"])}
+                                          "wall_s_half": ratio(ours["wall_s_half"], theirs["wall_s_half"]),
+                                          # where outcome-only+step's median missed 0.8 within the cap: an upper
+                                          # bound, its misses counted at their end
+                                          "env_steps_at_most": censored(ours["env_steps"], theirs,
+                                                                        "env_steps_at_least"),
+                                          "wall_s_at_most": censored(ours["wall_s"], theirs, "wall_s_at_least")}
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "reached",
                "env steps to 0.8", "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5",
                "success at end", "credit dropped", "guard held s", "bound needed"]
     caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
-        f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
-        f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}"
-        for cell, r in result["ratios"].items())
+        ratio_text(cell, r) for cell, r in result["ratios"].items())
     held = held_too_long(result["runs"].values())
     if held:
         result["guard_bound_warning"] = held

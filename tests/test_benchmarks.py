@@ -139,13 +139,46 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     assert result["ratios"]["traps0-D10"] == {"env_steps": 0.25, "wall_s": 0.5, "env_steps_half": 0.6,
-                                               "wall_s_half": 160.0 / 150.0}
+                                               "wall_s_half": 160.0 / 150.0, "env_steps_at_most": None,
+                                               "wall_s_at_most": None}  # both reached: no bound needed
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
     table = (tmp_path / "table.md").read_text()
     assert "--reuse" in table  # the table names the command that made it
     # the run whose guard held it over a quarter of its wall time is named: the bound set its pace, not the rule
     assert result["guard_bound_warning"] == ["traps0-D10-immediate+correction-lr0.0005-seed0"]
     assert "the correction bound, not the rule, set their pace" in table
+
+
+def test_delay_bounds_the_ratio_where_outcome_only_misses_the_target_within_the_cap(tmp_path):
+    """Where outcome-only+step's median run misses 0.8 within the cap its median is past the cap, so no ratio can be
+    taken; counting its misses at their end gives an upper bound on immediate+correction's ratio instead."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-traps2.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    kept = {("outcome-only+step", 0): (None, None, 400_000, 1200.0),
+            ("outcome-only+step", 1): (300_000, 900.0, 300_000, 900.0),
+            ("outcome-only+step", 2): (None, None, 500_000, 1200.0),
+            ("immediate+correction", 0): (100_000, 300.0, 100_000, 300.0),
+            ("immediate+correction", 1): (200_000, 600.0, 200_000, 600.0),
+            ("immediate+correction", 2): (None, None, 450_000, 1200.0)}
+    for (arm, seed), (steps, wall, steps_end, wall_end) in kept.items():
+        (done / f"traps2-D10-{arm}-lr0.0005-seed{seed}.json").write_text(json.dumps({
+            "traps": 2, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": seed, "delay_s": 5.0, "per_update": 50.0,
+            "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": steps,
+            "wall_s_to_target": wall, "env_steps_end": steps_end, "wall_s": wall_end, "d_measured": 9.0,
+            "credit_dropped": 0, "guard_held_s": 0.0}))
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "2", "--arms",
+         "outcome-only+step,immediate+correction", "--lrs", "5e-4", "--seeds", "3", "--out", str(tmp_path),
+         "--reuse"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    ratios = json.loads(finished.stdout.strip().splitlines()[-1])["ratios"]["traps2-D10"]
+    assert ratios["env_steps"] is None and ratios["wall_s"] is None  # outcome-only+step's median missed
+    # immediate+correction's median 200,000 / 600 s against at least 400,000 / 1,200 s
+    assert ratios["env_steps_at_most"] == 0.5 and ratios["wall_s_at_most"] == 0.5
+    assert "at most 0.50, 0.50" in (tmp_path / "table.md").read_text()
 
 
 def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
