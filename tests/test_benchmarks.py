@@ -140,7 +140,8 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     assert result["ratios"]["traps0-D10"] == {"env_steps": 0.25, "wall_s": 0.5, "env_steps_half": 0.6,
                                                "wall_s_half": 160.0 / 150.0, "env_steps_at_most": None,
-                                               "wall_s_at_most": None}  # both reached: no bound needed
+                                               "wall_s_at_most": None, "env_steps_at_least": None,
+                                               "wall_s_at_least": None}  # both reached: no bounds
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
     table = (tmp_path / "table.md").read_text()
     assert "--reuse" in table  # the table names the command that made it
@@ -149,18 +150,18 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     assert "the correction bound, not the rule, set their pace" in table
 
 
-def test_delay_bounds_the_ratio_where_outcome_only_misses_the_target_within_the_cap(tmp_path):
-    """Where outcome-only+step's median run misses 0.8 within the cap its median is past the cap, so no ratio can be
-    taken; counting its misses at their end gives an upper bound on immediate+correction's ratio instead."""
+@pytest.mark.parametrize("missed", ["outcome-only+step", "immediate+correction"])
+def test_delay_bounds_the_ratio_where_one_arm_misses_the_target_within_the_cap(tmp_path, missed):
+    """Where one arm's median run misses 0.8 within the cap its median is past the cap, so no ratio can be taken;
+    counting its misses at their end bounds immediate+correction ÷ outcome-only+step instead: from above where
+    outcome-only+step missed, from below where immediate+correction did (the result against us)."""
     done = tmp_path / "done"
     done.mkdir()
     (done / "calibrate-traps2.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
-    kept = {("outcome-only+step", 0): (None, None, 400_000, 1200.0),
-            ("outcome-only+step", 1): (300_000, 900.0, 300_000, 900.0),
-            ("outcome-only+step", 2): (None, None, 500_000, 1200.0),
-            ("immediate+correction", 0): (100_000, 300.0, 100_000, 300.0),
-            ("immediate+correction", 1): (200_000, 600.0, 200_000, 600.0),
-            ("immediate+correction", 2): (None, None, 450_000, 1200.0)}
+    other = ({"outcome-only+step", "immediate+correction"} - {missed}).pop()
+    kept = {(missed, 0): (None, None, 400_000, 1200.0), (missed, 1): (300_000, 900.0, 300_000, 900.0),
+            (missed, 2): (None, None, 500_000, 1200.0), (other, 0): (100_000, 300.0, 100_000, 300.0),
+            (other, 1): (200_000, 600.0, 200_000, 600.0), (other, 2): (None, None, 450_000, 1200.0)}
     for (arm, seed), (steps, wall, steps_end, wall_end) in kept.items():
         (done / f"traps2-D10-{arm}-lr0.0005-seed{seed}.json").write_text(json.dumps({
             "traps": 2, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": seed, "delay_s": 5.0, "per_update": 50.0,
@@ -175,10 +176,14 @@ def test_delay_bounds_the_ratio_where_outcome_only_misses_the_target_within_the_
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
     ratios = json.loads(finished.stdout.strip().splitlines()[-1])["ratios"]["traps2-D10"]
-    assert ratios["env_steps"] is None and ratios["wall_s"] is None  # outcome-only+step's median missed
-    # immediate+correction's median 200,000 / 600 s against at least 400,000 / 1,200 s
-    assert ratios["env_steps_at_most"] == 0.5 and ratios["wall_s_at_most"] == 0.5
-    assert "at most 0.50, 0.50" in (tmp_path / "table.md").read_text()
+    assert ratios["env_steps"] is None and ratios["wall_s"] is None  # one median missed
+    # the other arm's median 200,000 / 600 s against at least 400,000 / 1,200 s
+    if missed == "outcome-only+step":
+        assert (ratios["env_steps_at_most"], ratios["wall_s_at_most"]) == (0.5, 0.5)
+        assert ratios["env_steps_at_least"] is None and "at most 0.50, 0.50" in (tmp_path / "table.md").read_text()
+    else:
+        assert (ratios["env_steps_at_least"], ratios["wall_s_at_least"]) == (2.0, 2.0)
+        assert ratios["env_steps_at_most"] is None and "at least 2.00, 2.00" in (tmp_path / "table.md").read_text()
 
 
 def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
