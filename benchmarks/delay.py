@@ -57,7 +57,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -202,7 +201,7 @@ def at_least(runs: list[dict], reached: str, end: str) -> float | None:
     """The median over seeds of `reached` (env steps or wall s to 0.8), a run that missed counted at its `end`:
     a lower bound on the true median, where that one is past the cap."""
     values = [m[reached] if m.get(reached) is not None else m.get(end) for m in runs]
-    return None if not values or None in values else statistics.median(values)
+    return None if not values or None in values else median_or_none(values)
 
 
 def censored(ours: dict, theirs: dict, key: str) -> tuple[float | None, float | None]:
