@@ -114,17 +114,17 @@ def d_from_updates(run: RunResult, delay_s: float) -> float | None:
     return None if per_s is None else round(delay_s * per_s, 1)
 
 
-def bound_needed(lines: list[dict], bound: int) -> int | None:
+def bound_needed(lines: list[dict]) -> int | None:
     """The 90th percentile over the run's metrics lines of `correction_bound_needed` (learner/metrics.py), recomputed
     from the lines so runs logged before the learner wrote it get it too: the correction bound at which the guard
     would not have held this run's learner."""
-    watch = GuardWatch(bound, warn_frac=math.inf)
+    watch = GuardWatch()
     needed = sorted(watch.update(m["wall_s"], m.get("guard_held_s", 0.0), m.get("staleness_max_correction", 0))
                     ["correction_bound_needed"] for m in lines if "wall_s" in m)
     return needed[min(len(needed) - 1, int(0.9 * len(needed)))] if needed else None
 
 
-def measure(run: RunResult, delay_s: float, per_update: float, bound: int) -> dict:
+def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
     hit = first_at_target(run.lines, TARGET, WINDOW, key="success_rate_long")
     half = first_at_target(run.lines, HALF, WINDOW, key="success_rate_long")
     last = run.lines[-1] if run.lines else {}
@@ -141,7 +141,7 @@ def measure(run: RunResult, delay_s: float, per_update: float, bound: int) -> di
         "trajectories_per_s": per_s and round(per_s, 1),
         "credit_dropped": last.get("credit_dropped", 0),
         "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
-        "bound_needed": bound_needed(run.lines, bound),
+        "bound_needed": bound_needed(run.lines),
         "env_steps_end": last.get("env_steps"),
         "versions": run.summary["versions"],
         "wall_s": round(last["wall_s"], 1) if "wall_s" in last else None,
@@ -379,7 +379,7 @@ def main() -> int:
                 # measured again from the run's own files, so that figures added since are filled in too
                 summary = json.loads(stdout.read_text().strip().splitlines()[-1])
                 run = RunResult(key, run_dir, summary, read_metrics(run_dir), 0.0)
-                kept = {**kept, **measure(run, meta["delay_s"], meta["per_update"], meta["max_correction_staleness"])}
+                kept = {**kept, **measure(run, meta["delay_s"], meta["per_update"])}
             return key, kept
         console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}, "
                       f"max_correction_staleness {meta['max_correction_staleness']}")
@@ -389,7 +389,7 @@ def main() -> int:
             console.print(f"  [red]failed[/]: {error}")
             return key, {**meta, "failed": str(error).splitlines()[0], "env_steps_to_target": None,
                          "wall_s_to_target": None, "d_measured": None, "credit_dropped": 0, "guard_held_s": None}
-        measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"], meta["max_correction_staleness"])}
+        measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"])}
         saved.write_text(json.dumps(measured))
         console.print(f"  {measured}")
         return key, measured

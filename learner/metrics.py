@@ -77,11 +77,12 @@ class GuardWatch:
     `guard_held_frac`, the share of the wall time the guard held the learner, and `correction_bound_needed`, the
     largest correction staleness trained, scaled by wall ÷ unheld time (the versions those corrections would have
     spanned had the learner stepped through the holds as it steps between them; the scale is capped at 20x). With
-    no hold it is the staleness seen. A hold over `warn_frac` of a window of at least `warn_after_s` logs a
-    warning naming both numbers, at most once per `warn_every_s`."""
+    no hold it is the staleness seen. With the run's `bound` given, a hold over `warn_frac` of a window of at least
+    `warn_after_s` logs a warning naming both numbers, at most once per `warn_every_s` (without it, no warning:
+    `benchmarks/delay.py` recomputes the figures from finished runs' lines)."""
 
-    def __init__(self, bound: int, window_s: float = 120.0, warn_frac: float = 0.25, warn_after_s: float = 30.0,
-                 warn_every_s: float = 600.0) -> None:
+    def __init__(self, bound: int | None = None, window_s: float = 120.0, warn_frac: float = 0.25,
+                 warn_after_s: float = 30.0, warn_every_s: float = 600.0) -> None:
         self.bound, self.window_s, self.warn_frac = bound, window_s, warn_frac
         self.warn_after_s, self.warn_every_s = warn_after_s, warn_every_s
         self.lines: deque[tuple[float, float, int]] = deque()  # (wall_s, guard_held_s, staleness_max_correction)
@@ -97,7 +98,7 @@ class GuardWatch:
         seen = max(staleness for _, _, staleness in self.lines)
         frac = held / span if span > 0 else 0.0
         needed = math.ceil(seen / max(1.0 - frac, 0.05)) if held else seen
-        if frac > self.warn_frac and span >= self.warn_after_s and (
+        if self.bound is not None and frac > self.warn_frac and span >= self.warn_after_s and (
                 self.warned_at is None or wall_s - self.warned_at >= self.warn_every_s):
             self.warned_at = wall_s
             log.warning("the correction guard held the learner %.0f%% of the last %.0f s: corrections reached %d "
