@@ -204,6 +204,17 @@ def at_least(runs: list[dict], reached: str, end: str) -> float | None:
     return None if not values or None in values else median_or_none(values)
 
 
+def best_lr(per_lr: dict[float, dict]) -> float:
+    """An arm's best lr: the fewest median env steps to 0.8; where no lr's median reached it, the lowest bound on it
+    (misses counted at their end), so the ratio is bounded with the lr most favourable to that arm (then the higher
+    success at the end)."""
+    def key(lr: float) -> tuple[bool, float, float]:
+        cell = per_lr[lr]
+        steps = cell["env_steps"] if cell["env_steps"] is not None else cell["env_steps_at_least"]
+        return cell["env_steps"] is None, math.inf if steps is None else steps, -(cell["final_success"] or 0.0)
+    return min(per_lr, key=key)
+
+
 def censored(ours: dict, theirs: dict, key: str) -> tuple[float | None, float | None]:
     """(at most, at least) for ours ÷ theirs in `key` (env_steps or wall_s) where one median missed 0.8 and the
     other did not: the one that missed counted at its runs' end gives an upper bound (theirs missed) or a lower
@@ -428,7 +439,7 @@ def main() -> int:
                         "env_steps_at_least": at_least(runs, "env_steps_to_target", "env_steps_end"),
                         "wall_s_at_least": at_least(runs, "wall_s_to_target", "wall_s"),
                     }
-                lr_best = min(lrs, key=lambda lr: (per_lr[lr]["env_steps"] is None, per_lr[lr]["env_steps"] or 0))
+                lr_best = best_lr(per_lr)
                 best[arm] = {"lr": lr_best, **per_lr[lr_best], "per_lr": per_lr}
                 b = best[arm]
                 rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"),

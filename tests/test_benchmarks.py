@@ -186,6 +186,38 @@ def test_delay_bounds_the_ratio_where_one_arm_misses_the_target_within_the_cap(t
         assert ratios["env_steps_at_most"] is None and "at least 2.00, 2.00" in (tmp_path / "table.md").read_text()
 
 
+def test_delay_best_lr_where_an_arm_misses_at_every_lr_is_its_lowest_bound(tmp_path):
+    """An arm whose median misses 0.8 at every lr is compared at the lr most favourable to it: the lowest bound
+    (misses counted at their end), not the first lr of the sweep."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-traps2.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    # (arm, lr) -> per seed (env steps to 0.8 or None, env steps at the end)
+    kept = {("immediate+correction", 0.0005): [(None, 900_000), (None, 900_000)],
+            ("immediate+correction", 0.00025): [(300_000, 300_000), (None, 600_000)],
+            ("outcome-only+step", 0.0005): [(400_000, 400_000), (200_000, 200_000)],
+            ("outcome-only+step", 0.00025): [(500_000, 500_000), (None, 900_000)]}
+    for (arm, lr), seeds in kept.items():
+        for seed, (steps, steps_end) in enumerate(seeds):
+            (done / f"traps2-D10-{arm}-lr{lr:g}-seed{seed}.json").write_text(json.dumps({
+                "traps": 2, "d": 10.0, "arm": arm, "lr": lr, "seed": seed, "delay_s": 5.0, "per_update": 50.0,
+                "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": steps,
+                "wall_s_to_target": None if steps is None else steps / 1000, "env_steps_end": steps_end,
+                "wall_s": steps_end / 1000, "d_measured": 9.0, "credit_dropped": 0, "guard_held_s": 0.0}))
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "2", "--arms",
+         "outcome-only+step,immediate+correction", "--lrs", "5e-4,2.5e-4", "--seeds", "2", "--out", str(tmp_path),
+         "--reuse"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    best = result["best"]["traps2-D10"]
+    assert best["outcome-only+step"]["lr"] == 0.0005  # its median reached: 300,000
+    assert best["immediate+correction"]["lr"] == 0.00025  # at least 450,000 there, 900,000 at 5e-4
+    assert result["ratios"]["traps2-D10"]["env_steps_at_least"] == 1.5
+
+
 def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
     """`--fit-d 2` refits the judge delay twice under the judge; with `--reuse` the two kept refits are taken from
     `done/` in order (no training) and the result records each D got and the delay it led to."""
