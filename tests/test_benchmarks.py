@@ -113,6 +113,19 @@ def test_delay_quick():
     assert "traps2-D5" in result["ratios"]
 
 
+BOTH_ARMS = "outcome-only+step,immediate+correction"
+
+
+def kept_delay(tmp_path: Path, *args: str) -> dict:
+    """`delay.py ARGS --out tmp_path --reuse` on the runs a test kept in tmp_path/done: its result (no training)."""
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), *args, "--out", str(tmp_path), "--reuse"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     """`--reuse` keeps the runs an interrupted sweep saved (here: made up, one per arm) and starts no training run:
     the calibration and both runs come from `done/`, the best-vs-best ratios from their figures."""
@@ -130,14 +143,8 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
             "d_measured": 9.0, "trajectories_per_s": 90.0, "credit_dropped": 0, "wall_s": wall,
             "guard_held_s": 0.0 if arm == "outcome-only+step" else 0.3 * wall,  # over a quarter: named below
             "versions": 100, "final_success_long": 0.8, "stop_reason": "target_success"}))
-    finished = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "0", "--arms",
-         "outcome-only+step,immediate+correction", "--lrs", "5e-4", "--seeds", "1", "--max-correction-staleness",
-         "auto", "--out", str(tmp_path), "--reuse"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    result = kept_delay(tmp_path, "--d", "10", "--traps", "0", "--arms", BOTH_ARMS,
+                        "--lrs", "5e-4", "--seeds", "1", "--max-correction-staleness", "auto")
     assert result["ratios"]["traps0-D10"] == {"env_steps": 0.25, "wall_s": 0.5, "env_steps_half": 0.6,
                                                "wall_s_half": 160.0 / 150.0, "env_steps_at_most": None,
                                                "wall_s_at_most": None, "env_steps_at_least": None,
@@ -168,14 +175,8 @@ def test_delay_bounds_the_ratio_where_one_arm_misses_the_target_within_the_cap(t
             "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": steps,
             "wall_s_to_target": wall, "env_steps_end": steps_end, "wall_s": wall_end, "d_measured": 9.0,
             "credit_dropped": 0, "guard_held_s": 0.0}))
-    finished = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "2", "--arms",
-         "outcome-only+step,immediate+correction", "--lrs", "5e-4", "--seeds", "3", "--out", str(tmp_path),
-         "--reuse"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    ratios = json.loads(finished.stdout.strip().splitlines()[-1])["ratios"]["traps2-D10"]
+    ratios = kept_delay(tmp_path, "--d", "10", "--traps", "2", "--arms", BOTH_ARMS,
+                        "--lrs", "5e-4", "--seeds", "3")["ratios"]["traps2-D10"]
     assert ratios["env_steps"] is None and ratios["wall_s"] is None  # one median missed
     # the other arm's median 200,000 / 600 s against at least 400,000 / 1,200 s
     if missed == "outcome-only+step":
@@ -204,14 +205,8 @@ def test_delay_best_lr_where_an_arm_misses_at_every_lr_is_its_lowest_bound(tmp_p
                 "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": steps,
                 "wall_s_to_target": None if steps is None else steps / 1000, "env_steps_end": steps_end,
                 "wall_s": steps_end / 1000, "d_measured": 9.0, "credit_dropped": 0, "guard_held_s": 0.0}))
-    finished = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "2", "--arms",
-         "outcome-only+step,immediate+correction", "--lrs", "5e-4,2.5e-4", "--seeds", "2", "--out", str(tmp_path),
-         "--reuse"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    result = kept_delay(tmp_path, "--d", "10", "--traps", "2", "--arms", BOTH_ARMS,
+                        "--lrs", "5e-4,2.5e-4", "--seeds", "2")
     best = result["best"]["traps2-D10"]
     assert best["outcome-only+step"]["lr"] == 0.0005  # its median reached: 300,000
     assert best["immediate+correction"]["lr"] == 0.00025  # at least 450,000 there, 900,000 at 5e-4
@@ -231,14 +226,8 @@ def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
             "traps": 0, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 12.5, "per_update": 50.0,
             "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": 1000,
             "wall_s_to_target": 10.0, "d_measured": 10.0, "credit_dropped": 0, "guard_held_s": 0.0}))
-    finished = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "10", "--traps", "0", "--arms",
-         "outcome-only+step,immediate+correction", "--lrs", "5e-4", "--seeds", "1", "--fit-d", "2",
-         "--out", str(tmp_path), "--reuse"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    result = kept_delay(tmp_path, "--d", "10", "--traps", "0", "--arms", BOTH_ARMS,
+                        "--lrs", "5e-4", "--seeds", "1", "--fit-d", "2")
     assert result["fits"]["traps0-D10"] == [{"d_got": 5.0, "next_delay_s": 10.0}, {"d_got": 8.0, "next_delay_s": 12.5}]
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
 
