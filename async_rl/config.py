@@ -203,8 +203,9 @@ class AlgoConfig(_Section):
     entropy_coef: NonNegFloat = 0.0  # − coef · H(π) per action token (exploration bonus); 0 = off (docs/algorithm.md)
     # step: on every trained action token (immediate+correction trains a token twice, over ~5× the steps);
     # new-token: once per token of data, on the item that carries its final credit (the correction; immediate
-    # items in immediate-only), so every arm gets the same bonus per token generated.
-    entropy_per: Literal["step", "new-token"] = "step"
+    # items in immediate-only), so every arm gets the same bonus per token generated; first-train: once per token
+    # of data, on the first item that trains it (its immediate item where one was trained, else its correction).
+    entropy_per: Literal["step", "new-token", "first-train"] = "step"
     # Never let the learner run so far ahead of outcomes still being judged that their corrections would pass
     # max_correction_staleness (docs/algorithm.md, "Staleness"): credit_dropped stays 0.
     correction_guard: bool = True

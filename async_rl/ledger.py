@@ -1,7 +1,8 @@
 """The per-group credit ledger of docs/algorithm.md, "Final credit and correction" (pure: no I/O, no clock).
 
-For every stage (i, k) it keeps `issued[i,k]`, the immediate advantage already trained for those tokens,
-and `trained[i,k]`, everything trained for them (immediate + correction). Once the group is final,
+For every stage (i, k) it keeps `issued[i,k]`, the immediate advantage already trained for those tokens (a key
+exactly while the stage's immediate item stands trained: `algo.entropy_per=first-train` reads that), and
+`trained[i,k]`, everything trained for them (immediate + correction). Once the group is final,
 
     C[i,k] = A_final[i,k] − issued[i,k]
 
@@ -93,8 +94,8 @@ class GroupLedger:
 
     def undo_trained(self, i: int, k: int, advantage: float, immediate: bool) -> None:
         """A rollback (the learner resumed from a checkpoint older than the ack) takes the item's credit back."""
-        if immediate:
-            self.issued[(i, k)] -= advantage
+        if immediate:  # one immediate item per stage: with its ack undone, none was trained (the key goes)
+            del self.issued[(i, k)]
         self.trained[(i, k)] -= advantage
 
     def unfinalize(self) -> None:

@@ -90,13 +90,14 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) ->
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
 
 
-def bonus_rows(is_correction: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
-    """Where the entropy bonus applies, given the correction flags (per row, or per token of packed rows): all
-    (None) with entropy_per=step; with new-token, each token of data once: on the item that carries its final
-    credit, the correction (immediate items only in immediate-only)."""
+def bonus_rows(is_correction: torch.Tensor, first_trained: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
+    """Where the entropy bonus applies, given the correction flags and the first-trained flags (per row, or per
+    token of packed rows): all (None) with entropy_per=step; otherwise each token of data once: with new-token on
+    the item that carries its final credit, the correction; with first-train on the first item that trains it,
+    its immediate item where one was trained, else its correction (immediate-only: every item, either way)."""
     if algo.entropy_per == "step" or algo.updates == "immediate-only":
         return None
-    return is_correction
+    return first_trained if algo.entropy_per == "first-train" else is_correction
 
 
 @dataclass
@@ -125,7 +126,8 @@ def policy_loss(
 
     With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to the action tokens' loss
     (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss): of every row, or with
-    `entropy_rows` ((B,) per row or (B, T) per token) only where it is 1 (algo.entropy_per=new-token: `bonus_rows`)."""
+    `entropy_rows` ((B,) per row or (B, T) per token) only where it is 1 (algo.entropy_per new-token or first-train:
+    `bonus_rows`)."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:

@@ -31,7 +31,8 @@ from async_rl.errors import ProtocolError
 # 2: tasks belong to the rollout side (string ids), outcomes carry success
 # 3: ReplayStats.rejected (counts by reason); BatchAck.trained (False: the learner skipped a non-finite step)
 # 4: resume after a crash: BatchRequest.session/checkpoint, LeaseRequest/Heartbeat.session, ReplayStats.rollbacks
-PROTOCOL_VERSION = 4
+# 5: TrainItem.first_trained (algo.entropy_per=first-train)
+PROTOCOL_VERSION = 5
 
 TOKEN = np.dtype("<i4")  # token ids and policy versions
 LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
@@ -196,6 +197,9 @@ class TrainItem(Message, tag="train_item"):
     advantages: bytes  # float64 per token (0 off the mask): A_imm or C
     behaviour_logprobs: bytes  # float32 per token (0 off the mask)
     policy_versions: bytes  # int32 per token (0 off the mask)
+    # uint8 per token: 1 on the action tokens this item is the first to train (a correction's stages whose
+    # immediate item was trained are 0); empty: every trained token (immediate items, and all of outcome-only)
+    first_trained: bytes = b""
 
     def __post_init__(self) -> None:
         n = _count(self.tokens, TOKEN, "tokens")
@@ -209,6 +213,8 @@ class TrainItem(Message, tag="train_item"):
         ):
             if _count(getattr(self, name), dtype, name) != n:
                 raise ValueError(f"{name}: expected one per token ({n})")
+        if self.first_trained and _count(self.first_trained, MASK, "first_trained") != n:
+            raise ValueError(f"first_trained: expected one per token ({n}) or none")
 
     def token_ids(self) -> np.ndarray:
         return unpack(self.tokens, TOKEN)
@@ -228,6 +234,10 @@ class TrainItem(Message, tag="train_item"):
 
     def versions(self) -> np.ndarray:
         return unpack(self.policy_versions, TOKEN)
+
+    def first_mask(self) -> np.ndarray:
+        """1 on the tokens this item is the first to train (`first_trained`, or the loss mask where it is empty)."""
+        return unpack(self.first_trained, MASK) if self.first_trained else self.mask()
 
 
 class ReplayStats(Message, tag="replay_stats"):

@@ -291,7 +291,8 @@ def main() -> int:
                              "episodes lengthen and while outcomes are pending)")
     parser.add_argument("--fit-steps", type=int, default=60_000, help="env steps of each --fit-d run")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
-    parser.add_argument("--entropy-per", default="new-token", help="algo.entropy_per of every arm")
+    parser.add_argument("--entropy-per", default="new-token", choices=["step", "new-token", "first-train"],
+                        help="algo.entropy_per of every arm")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
     parser.add_argument("--out", default=None, help="folder under benchmarks/out (default delay, delay-quick)")
     parser.add_argument("--reuse", action="store_true",

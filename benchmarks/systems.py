@@ -223,8 +223,9 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
             for t in micro:
                 logp, entropy = token_logprobs_and_entropy(bare_same(**t.model_inputs()).logits, t.tokens,
                                                            config.rollout.temperature, entropy=algo.entropy_coef > 0)
+                rows = bonus_rows(t.correction_tokens, t.first_tokens, algo)
                 loss, _ = policy_loss(logp, t.behaviour_logp, t.advantages, t.staleness(version), t.loss_mask, algo,
-                                      entropy=entropy, entropy_rows=bonus_rows(t.correction_tokens, algo))
+                                      entropy=entropy, entropy_rows=rows)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(bare_same.parameters(), config.learner.grad_clip)
             same.step()

@@ -202,7 +202,7 @@ def train_on_micro_batches(
             loss, stats = policy_loss(
                 logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
                 prox_logp=prox_logp[m], ref_logp=ref_logp[m], entropy=entropy,
-                entropy_rows=bonus_rows(batch.correction_tokens, algo),
+                entropy_rows=bonus_rows(batch.correction_tokens, batch.first_tokens, algo),
             )
             scaled = loss * scale
             if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):

@@ -488,11 +488,13 @@ def test_collated_rows_hold_every_item_end_to_end_with_its_own_positions_and_fie
     rng = np.random.default_rng(0)
 
     def item(n: int, kind: str) -> TrainItem:
+        mask = rng.integers(0, 2, n)
+        first = b"" if kind == "immediate" or rng.integers(2) else pack(mask * rng.integers(0, 2, n), MASK)
         return TrainItem(item_id=0, kind=kind, group_id="g", trajectory_id="t",
-                         tokens=pack(rng.integers(1, 50, n), TOKEN), loss_mask=pack(rng.integers(0, 2, n), MASK),
+                         tokens=pack(rng.integers(1, 50, n), TOKEN), loss_mask=pack(mask, MASK),
                          advantages=pack(rng.normal(size=n), ADVANTAGE),
                          behaviour_logprobs=pack(-rng.random(n), LOGPROB),
-                         policy_versions=pack(rng.integers(0, 9, n), TOKEN))
+                         policy_versions=pack(rng.integers(0, 9, n), TOKEN), first_trained=first)
 
     for _ in range(60):
         items = [item(int(rng.integers(1, 30)), ("immediate", "correction")[int(rng.integers(2))])
@@ -521,6 +523,8 @@ def test_collated_rows_hold_every_item_end_to_end_with_its_own_positions_and_fie
                             it.advantage_values().astype(np.float32)[0 if start else 1:].tolist()
                         assert batch.versions[r, cols].tolist() == it.versions()[0 if start else 1:].tolist()
                         assert batch.correction_tokens[r, cols].eq(float(it.kind == "correction")).all()
+                        assert batch.first_tokens[r, cols].tolist() == \
+                            it.first_mask().astype(np.float32)[0 if start else 1:].tolist()
                         if packing:
                             assert batch.position_ids[r, start:end].tolist() == list(range(lengths[index]))
                         start = end

@@ -47,12 +47,15 @@ def random_items(config: Config, count: int = 10, seed: int = 0) -> list[TrainIt
         mask = (rng.random(length) < 0.5).astype(int)
         mask[0] = 0
         mask[-1] = 1
+        correction = n % 3 == 0
+        first = mask * (rng.random(length) < 0.5) if correction else None  # some stages had a trained immediate
         items.append(TrainItem(
-            item_id=n, kind="correction" if n % 3 == 0 else "immediate", group_id=f"g{n // 4}",
+            item_id=n, kind="correction" if correction else "immediate", group_id=f"g{n // 4}",
             trajectory_id=f"t{n}", tokens=pack(rng.integers(3, vocab, length).tolist(), TOKEN),
             loss_mask=pack(mask.tolist(), MASK), advantages=pack((rng.normal(size=length) * mask).tolist(), ADVANTAGE),
             behaviour_logprobs=pack((rng.uniform(-5, -1, length) * mask).tolist(), LOGPROB),
             policy_versions=pack([0] * length, TOKEN),
+            first_trained=b"" if first is None else pack(first.tolist(), MASK),
         ))
     return items
 
@@ -61,8 +64,9 @@ def loss_and_grads(model: torch.nn.Module, batch, config: Config, scale: float =
     """The project's loss (TIS form + entropy bonus) on one tensor batch, backward into `model`'s .grad."""
     logits = model(**batch.model_inputs()).logits
     logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, entropy=True)
+    rows = bonus_rows(batch.correction_tokens, batch.first_tokens, config.algo)
     loss, _ = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.staleness(0), batch.loss_mask,
-                          config.algo, entropy=entropy, entropy_rows=bonus_rows(batch.correction_tokens, config.algo))
+                          config.algo, entropy=entropy, entropy_rows=rows)
     (loss * scale).backward()
     return float(loss.detach()) * scale, logp
 
@@ -77,10 +81,11 @@ def setup(tmp_path_factory):
     return config, random_items(config)
 
 
-@pytest.mark.parametrize("entropy_per", ["step", "new-token"])
+@pytest.mark.parametrize("entropy_per", ["step", "new-token", "first-train"])
 def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
     """One packed row of all items (position ids, no attention mask) against one right-padded row per item; with
-    the entropy bonus on correction items only (new-token), which a packed row mixes with immediate ones."""
+    the entropy bonus on correction items only (new-token), which a packed row mixes with immediate ones, or on
+    the tokens each item is the first to train (first-train: per token within a correction)."""
     base, items = setup
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "entropy_per": entropy_per})
     padded, packed = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))

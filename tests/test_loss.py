@@ -198,7 +198,7 @@ def test_entropy_per_new_token_gives_each_token_of_data_the_bonus_once(model, up
     logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
     zero_adv = torch.zeros_like(mask)
     per_token = AlgoConfig(updates=updates, entropy_coef=0.5, entropy_per="new-token", aggregation="token-sum")
-    rows = bonus_rows(is_correction, per_token)
+    rows = bonus_rows(is_correction, mask, per_token)
     loss, _ = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, per_token, entropy=entropy,
                           entropy_rows=rows)
     bonus_mask = mask.clone()
@@ -206,4 +206,26 @@ def test_entropy_per_new_token_gives_each_token_of_data_the_bonus_once(model, up
         bonus_mask[0] = 0  # the immediate row
     expected = -0.5 * float((entropy.detach() * bonus_mask).sum()) / per_token.token_norm
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
-    assert bonus_rows(is_correction, AlgoConfig(entropy_per="step")) is None
+    assert bonus_rows(is_correction, mask, AlgoConfig(entropy_per="step")) is None
+
+
+def test_entropy_per_first_train_gives_each_token_the_bonus_on_the_first_item_that_trains_it(model):
+    """entropy_per=first-train: an immediate item's tokens get the bonus (its push is the token's first); a
+    correction's only on the stages no immediate item trained (its first-trained flags), so each token of data
+    gets it once, and on the immediate item where there was one (not on the correction, as new-token does)."""
+    tokens, mask, _, staleness = batch(3)
+    is_correction = torch.tensor([False, True, True])
+    first = mask.clone()
+    first[1] = 0  # a correction whose stages were all trained by immediate items first
+    first[2, 4] = 0  # a correction whose first stage (position 4) had an immediate item, the rest none
+    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
+    algo = AlgoConfig(entropy_coef=0.5, entropy_per="first-train", aggregation="token-sum")
+    loss, _ = policy_loss(logp, logp.detach(), torch.zeros_like(mask), staleness, mask, algo, entropy=entropy,
+                          entropy_rows=bonus_rows(is_correction, first, algo))
+    expected = -0.5 * float((entropy.detach() * first * mask).sum()) / algo.token_norm
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+    assert float((first * mask).sum()) < float(mask.sum()), "some trained tokens get no bonus"
+    new_token = AlgoConfig(entropy_coef=0.5, entropy_per="new-token", aggregation="token-sum")
+    assert torch.equal(bonus_rows(is_correction, first, new_token), is_correction)
+    only_immediate = AlgoConfig(updates="immediate-only", entropy_per="first-train")
+    assert bonus_rows(is_correction, first, only_immediate) is None
