@@ -213,8 +213,11 @@ class TrainItem(Message, tag="train_item"):
         ):
             if _count(getattr(self, name), dtype, name) != n:
                 raise ValueError(f"{name}: expected one per token ({n})")
-        if self.first_trained and _count(self.first_trained, MASK, "first_trained") != n:
-            raise ValueError(f"first_trained: expected one per token ({n}) or none")
+        if self.first_trained:
+            if _count(self.first_trained, MASK, "first_trained") != n:
+                raise ValueError(f"first_trained: expected one per token ({n}) or none")
+            if (unpack(self.first_trained, MASK) > unpack(self.loss_mask, MASK)).any():
+                raise ValueError("first_trained: a flag above 1 or off the loss mask")
 
     def token_ids(self) -> np.ndarray:
         return unpack(self.tokens, TOKEN)

@@ -123,9 +123,11 @@ def test_a_train_item_s_first_trained_flags_are_one_per_token_or_none():
     np.testing.assert_array_equal(item.first_mask(), [0, 1, 1])  # none: every trained token is trained first
     np.testing.assert_array_equal(train_item(first_trained=pack([0, 0, 1], MASK)).first_mask(), [0, 0, 1])
     raw = msgspec.msgpack.decode(encode(Batch(msg_id=1, batch_id=1, items=[item], stats=ReplayStats())))
-    raw["items"][0]["first_trained"] = pack([1, 1], MASK)
-    with pytest.raises(ProtocolError, match="first_trained: expected one per token"):
-        decode(msgspec.msgpack.encode(raw))
+    for flags, problem in (([1, 1], "expected one per token"), ([1, 1, 1], "off the loss mask"),
+                           ([0, 2, 1], "above 1")):
+        raw["items"][0]["first_trained"] = pack(flags, MASK)
+        with pytest.raises(ProtocolError, match=f"first_trained: .*{problem}"):
+            decode(msgspec.msgpack.encode(raw))
 
 
 def test_other_protocol_versions_are_rejected():
