@@ -216,7 +216,8 @@ class TrainItem(Message, tag="train_item"):
         if self.first_trained:
             if _count(self.first_trained, MASK, "first_trained") != n:
                 raise ValueError(f"first_trained: expected one per token ({n}) or none")
-            if (unpack(self.first_trained, MASK) > unpack(self.loss_mask, MASK)).any():
+            flags = unpack(self.first_trained, MASK)
+            if flags.max() > 1 or (flags > unpack(self.loss_mask, MASK)).any():
                 raise ValueError("first_trained: a flag above 1 or off the loss mask")
 
     def token_ids(self) -> np.ndarray:

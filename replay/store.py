@@ -93,7 +93,8 @@ def assemble_item(
     tokens = b"".join(part for stage in stages for part in (stage.observation, stage.action))
     n = len(tokens) // TOKEN.itemsize
     mask = np.zeros(n, MASK)
-    first_mask = np.zeros(n, MASK)
+    # flags only where some trained stage is not this item's first; else empty (every trained token is)
+    first_mask = np.zeros(n, MASK) if first is not None and not first >= credit.keys() else None
     advantages = np.zeros(n, ADVANTAGE)
     logprobs = np.zeros(n, LOGPROB)
     versions = np.zeros(n, TOKEN)
@@ -105,7 +106,8 @@ def assemble_item(
         if k not in credit:
             continue
         mask[start:offset] = 1
-        first_mask[start:offset] = first is None or k in first
+        if first_mask is not None and k in first:
+            first_mask[start:offset] = 1
         advantages[start:offset] = credit[k]
         logprobs[start:offset] = unpack(stage.logprobs, LOGPROB)
         versions[start:offset] = unpack(stage.versions, TOKEN)
@@ -121,6 +123,6 @@ def assemble_item(
         advantages=advantages.tobytes(),
         behaviour_logprobs=logprobs.tobytes(),
         policy_versions=versions.tobytes(),
-        first_trained=b"" if first is None or first >= credit.keys() else first_mask.tobytes(),
+        first_trained=b"" if first_mask is None else first_mask.tobytes(),
     )
     return QueuedItem(item, trajectory.member, dict(credit), oldest_version, n)

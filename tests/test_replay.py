@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -151,24 +152,30 @@ def ack_batch(service: ReplayService, batch: Batch, version: int, now: float = 0
     return only_reply(service.handle(LEARNER, ack, now), LEARNER)
 
 
+def stage_layout(item: TrainItem) -> Iterator[tuple[int, slice, slice]]:
+    """(k, observation, action) token slices of every stage in `item`, by the layout of Worker.lengths."""
+    member, n, offset = int(item.trajectory_id.split("/")[1]), item.num_tokens(), 0
+    for k in itertools.count():
+        if offset >= n:
+            assert offset == n
+            return
+        n_obs, n_act = Worker.lengths(member, k)
+        yield k, slice(offset, offset + n_obs), slice(offset + n_obs, offset + n_obs + n_act)
+        offset += n_obs + n_act
+
+
 def stage_credit(item: TrainItem) -> dict[int, float]:
     """The advantage each stage's action tokens carry in `item` (checking the layout of Worker.lengths)."""
-    member = int(item.trajectory_id.split("/")[1])
     mask, advantages = item.mask(), item.advantage_values()
-    credit, offset = {}, 0
-    k = 0
-    while offset < len(mask):
-        n_obs, n_act = Worker.lengths(member, k)
-        assert not mask[offset : offset + n_obs].any(), "observation tokens are never trained"
-        assert not advantages[offset : offset + n_obs].any()
-        action = slice(offset + n_obs, offset + n_obs + n_act)
+    credit = {}
+    for k, observation, action in stage_layout(item):
+        assert not mask[observation].any(), "observation tokens are never trained"
+        assert not advantages[observation].any()
         if mask[action].any():
             assert mask[action].all() and np.all(advantages[action] == advantages[action][0])
             credit[k] = float(advantages[action][0])
         else:
             assert not advantages[action].any()
-        offset, k = action.stop, k + 1
-    assert offset == len(mask)
     return credit
 
 
@@ -281,16 +288,12 @@ def test_outcome_only_mode_serves_no_immediate_items():
 
 def first_trained_stages(item: TrainItem) -> set[int]:
     """The stages whose action tokens `item` is the first to train (its `first_trained` flags, whole stages)."""
-    member, first, offset, stages = int(item.trajectory_id.split("/")[1]), item.first_mask(), 0, set()
-    for k in itertools.count():
-        if offset >= len(first):
-            return stages
-        n_obs, n_act = Worker.lengths(member, k)
-        action = first[offset + n_obs : offset + n_obs + n_act]
-        assert not first[offset : offset + n_obs].any() and action.min() == action.max(), "whole action tokens"
-        if action.all():
+    first, stages = item.first_mask(), set()
+    for k, observation, action in stage_layout(item):
+        assert not first[observation].any() and first[action].min() == first[action].max(), "whole action tokens"
+        if first[action].all():
             stages.add(k)
-        offset += n_obs + n_act
+    return stages
 
 
 def test_a_correction_flags_as_first_trained_only_the_stages_no_immediate_item_trained():
