@@ -206,6 +206,12 @@ class AlgoConfig(_Section):
     # items in immediate-only), so every arm gets the same bonus per token generated; first-train: once per token
     # of data, on the first item that trains it (its immediate item where one was trained, else its correction).
     entropy_per: Literal["step", "new-token", "first-train"] = "step"
+    # Adaptive entropy floor (docs/algorithm.md, "Entropy floor"), in nats per action token; 0 = off. While a
+    # step's trained tokens have a mean entropy below it, the bonus coefficient grows by entropy_floor_step per
+    # optimizer step; above it, it shrinks back: between entropy_coef and entropy_coef + entropy_floor_max.
+    entropy_floor: NonNegFloat = 0.0
+    entropy_floor_step: PosFloat = 0.005
+    entropy_floor_max: NonNegFloat = 1.0
     # Never let the learner run so far ahead of outcomes still being judged that their corrections would pass
     # max_correction_staleness (docs/algorithm.md, "Staleness"): credit_dropped stays 0.
     correction_guard: bool = True

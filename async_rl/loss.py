@@ -13,6 +13,7 @@ With one epoch (π_prox = π_θ) both give the same gradient.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,20 @@ def bonus_rows(is_correction: torch.Tensor, first_trained: torch.Tensor, algo: A
     if algo.entropy_per == "step" or algo.updates == "immediate-only":
         return None
     return first_trained if algo.entropy_per == "first-train" else is_correction
+
+
+def entropy_floor_boost(boost: float, entropy: float, algo: AlgoConfig) -> float:
+    """The entropy floor's next extra bonus coefficient after an optimizer step whose trained tokens had mean
+    `entropy` (docs/algorithm.md, "Entropy floor"): up by algo.entropy_floor_step while the entropy is below
+    algo.entropy_floor, down by it otherwise, within [0, algo.entropy_floor_max]; 0 with the floor off. A
+    non-finite entropy (the step was not measured) leaves it as it was. The coefficient trained with is
+    algo.entropy_coef + boost, on the tokens algo.entropy_per names (`bonus_rows`)."""
+    if algo.entropy_floor <= 0:
+        return 0.0
+    if not math.isfinite(entropy):
+        return boost
+    step = algo.entropy_floor_step if entropy < algo.entropy_floor else -algo.entropy_floor_step
+    return min(max(boost + step, 0.0), algo.entropy_floor_max)
 
 
 @dataclass

@@ -20,8 +20,8 @@ Arms, all with `credit=outcome+step`:
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
 Every run: the trap env (`env.kwargs.traps`; `--env hunt`: the long-horizon hunt, its judge delayed by
 `env.kwargs.judge_delay_s`), `learner.lr` from the sweep, `algo.aggregation` and
-`algo.entropy_per` (and `algo.entropy_coef`) as given (default the fixed-per-token learner: token-sum, new-token,
-the config's 0.2), the default
+`algo.entropy_per` (and `algo.entropy_coef`, `algo.entropy_floor`) as given (default the fixed-per-token
+learner: token-sum, new-token, the config's 0.2, no floor), the default
 `algo.max_correction_staleness` (16; `--max-correction-staleness auto`: ceil(D) + 16) with the
 correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
 admission must let D updates' worth of groups be in flight, or it, not the rule, sets the pace (the default 4
@@ -296,6 +296,8 @@ def main() -> int:
                         help="algo.entropy_per of every arm")
     parser.add_argument("--entropy-coef", type=float, default=None,
                         help="algo.entropy_coef of every arm (default the config's, 0.2)")
+    parser.add_argument("--entropy-floor", type=float, default=None,
+                        help="algo.entropy_floor of every arm, nats per action token (default the config's, 0: off)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
     parser.add_argument("--out", default=None, help="folder under benchmarks/out (default delay, delay-quick)")
     parser.add_argument("--reuse", action="store_true",
@@ -309,6 +311,8 @@ def main() -> int:
         parser.error(f"--calibrate-tail: expected 0 < F <= 1, got {args.calibrate_tail}")
     if args.entropy_coef is not None and not (math.isfinite(args.entropy_coef) and args.entropy_coef >= 0):
         parser.error(f"--entropy-coef: expected a finite number >= 0, got {args.entropy_coef}")
+    if args.entropy_floor is not None and not (math.isfinite(args.entropy_floor) and args.entropy_floor >= 0):
+        parser.error(f"--entropy-floor: expected a finite number >= 0, got {args.entropy_floor}")
     if args.fit_d < 0 or args.fit_steps <= 0:
         parser.error(f"--fit-d and --fit-steps: expected >= 0 and > 0, got {args.fit_d} and {args.fit_steps}")
     if args.quick:
@@ -332,6 +336,8 @@ def main() -> int:
     learner = [f"algo.aggregation={args.aggregation}", f"algo.entropy_per={args.entropy_per}"]
     if args.entropy_coef is not None:
         learner.append(f"algo.entropy_coef={args.entropy_coef}")
+    if args.entropy_floor is not None:
+        learner.append(f"algo.entropy_floor={args.entropy_floor}")
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},

@@ -195,12 +195,17 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 
 
-def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None) -> None:
-    """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version and the torch,
-    numpy and python RNG states in its client state; every rank must call it. DeepSpeed points `latest` at it
+def save_checkpoint(
+    engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None,
+    state: dict[str, float] | None = None,
+) -> None:
+    """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version, the torch,
+    numpy and python RNG states and the learner's own `state` (the entropy floor's coefficient) in its client
+    state; every rank must call it. DeepSpeed points `latest` at it
     only once it is written, so a learner killed mid-save resumes from the one before. `keep`: delete all but the
     newest `keep` checkpoints (rank 0)."""
-    engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={"version": version, "rng": _rng_state()})
+    engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={"version": version, "rng": _rng_state(),
+                                                                   "learner": dict(state or {})})
     log.info("checkpoint v%d written to %s", version, directory)
     if keep is not None and rank() == 0:
         tags = sorted((p for p in directory.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name)),
@@ -220,9 +225,10 @@ def latest_checkpoint(directory: Path) -> int | None:
     return int(tag[1:])
 
 
-def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int | None:
-    """Restore the latest checkpoint in `directory` (weights, optimizer, RNG states); its version, or None when
-    there is none (a fresh start). Every rank must call it."""
+def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> tuple[int, dict[str, float]] | None:
+    """Restore the latest checkpoint in `directory` (weights, optimizer, RNG states); its version and the
+    learner's state saved with it ({} from a checkpoint written before there was any), or None when there is none
+    (a fresh start). Every rank must call it."""
     version = latest_checkpoint(directory)
     if version is None:
         return None
@@ -234,4 +240,4 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int |
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     log.info("resumed from checkpoint v%d in %s", version, directory)
-    return version
+    return version, dict(client_state.get("learner") or {})

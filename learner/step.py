@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import deepspeed
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -91,6 +92,16 @@ def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     return flag
 
 
+def mean_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
+    """The mean of a per-rank number over the ranks, the same on every rank (the entropy floor's controller must
+    agree across ranks)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(box)
+        return float(box.item()) / dist.get_world_size()
+    return value
+
+
 def _parameters(engine: deepspeed.DeepSpeedEngine) -> list[torch.nn.Parameter]:
     """The module's parameters, listed once per engine: walking the module tree twice a step (the norm, the clip)
     cost more than the norm itself on a small model."""
@@ -148,11 +159,11 @@ def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
 
 def train_on_items(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, items: list[TrainItem], version: int,
-    config: Config,
+    config: Config, entropy_boost: float = 0.0,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """This rank's share of a batch's items, in micro-batches: `train_on_micro_batches`."""
     micro = rank_micro_batches(items, rank(), world_size(), config)
-    return train_on_micro_batches(engine, reference, micro, version, config)
+    return train_on_micro_batches(engine, reference, micro, version, config, entropy_boost)
 
 
 def train_on_batch(
@@ -165,7 +176,7 @@ def train_on_batch(
 
 def train_on_micro_batches(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    version: int, config: Config,
+    version: int, config: Config, entropy_boost: float = 0.0,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
@@ -177,8 +188,14 @@ def train_on_micro_batches(
     A non-finite input, loss (checked before each backward) or gradient (after the last) refuses the step: the
     gradients are zeroed, the optimizer does not step, the weights stay exactly as they were, and the batch's
     remaining epochs are not run. Fewer results than algo.ppo_epochs say so (none: nothing of the batch was trained).
+    `entropy_boost`: the entropy floor's extra bonus coefficient (`async_rl.loss.entropy_floor_boost`).
     """
     algo, temperature, device = config.algo, config.rollout.temperature, engine.device
+    if entropy_boost > 0:
+        algo = msgspec.structs.replace(algo, entropy_coef=algo.entropy_coef + entropy_boost)
+    # The entropy is a second vocabulary-sized tensor: computed only when trained or watched (entropy_mean is 0
+    # otherwise).
+    want_entropy = algo.entropy_coef > 0 or algo.entropy_floor > 0
     micro = [(batch.to(device), scale) for batch, scale in micro]
     if _on_any_rank(not all(_inputs_finite(batch) for batch, _ in micro), device):
         log.warning("non-finite advantages or behaviour log-probs at version %d: the step is skipped", version)
@@ -197,8 +214,7 @@ def train_on_micro_batches(
         parts = []
         refused = False
         for m, (batch, scale) in enumerate(micro):
-            # The entropy is a second vocabulary-sized tensor: computed only when trained (entropy_mean is 0 then).
-            logp, entropy = _logp(engine, batch, temperature, entropy=algo.entropy_coef > 0)
+            logp, entropy = _logp(engine, batch, temperature, entropy=want_entropy)
             loss, stats = policy_loss(
                 logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
                 prox_logp=prox_logp[m], ref_logp=ref_logp[m], entropy=entropy,

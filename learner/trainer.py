@@ -29,6 +29,7 @@ import torch.distributed as dist
 import zmq
 
 from async_rl.config import Config
+from async_rl.loss import entropy_floor_boost
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, decode, encode
 from async_rl.security import load_keys
@@ -46,7 +47,7 @@ from learner.metrics import MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher
 from learner.replay_client import ReplayClient
 from learner.sglang_sync import make_publisher
-from learner.step import layout_metrics, train_on_items
+from learner.step import layout_metrics, mean_over_ranks, train_on_items
 
 log = logging.getLogger("async_rl.learner")
 
@@ -153,8 +154,11 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     checkpoints = run_dir / "checkpoints"
     # Resume (docs/architecture.md, "Resume after a crash"): the latest checkpoint in the run directory, with its
     # version numbering, optimizer and RNG states; the replay rolls back to it if it saw later versions acked.
-    resumed = load_checkpoint(engine, checkpoints)
+    loaded = load_checkpoint(engine, checkpoints)
+    resumed, saved_state = loaded if loaded is not None else (None, {})
     version, stats, reason = resumed or 0, ReplayStats(), None
+    # The entropy floor's extra bonus coefficient (async_rl.loss.entropy_floor_boost), checkpointed with the weights.
+    entropy_boost = float(saved_state.get("entropy_boost", 0.0)) if config.algo.entropy_floor > 0 else 0.0
     checkpointed = published = -1  # the same on every rank: the final gather must be collective or skipped by all
     keep = config.learner.keep_checkpoints
     if resumed is not None:
@@ -200,8 +204,12 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 continue
             step_started = time.monotonic()
             trained_at = version
-            version, losses = train_on_items(engine, reference, items, version, config)
+            boost_used = entropy_boost
+            version, losses = train_on_items(engine, reference, items, version, config, entropy_boost)
             step_s = time.monotonic() - step_started
+            for _, step_stats in losses:  # once per optimizer step, the same on every rank
+                entropy_boost = entropy_floor_boost(
+                    entropy_boost, mean_over_ranks(step_stats.entropy, engine.device), config.algo)
             skipped_nonfinite += len(losses) < config.algo.ppo_epochs
             if leader:
                 # Honest acks: a batch with no step taken says so, and the replay counts none of its credit trained.
@@ -216,7 +224,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
             if every and version - max(checkpointed, 0) >= every:
                 # After the ack: a learner killed before this completes resumes from the previous checkpoint, and
                 # the replay rolls back the acks above it. The next BatchRequest reports it durable.
-                save_checkpoint(engine, checkpoints, version, keep)
+                save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
                 checkpointed = version
                 if leader:
                     client.checkpoint = version
@@ -226,13 +234,14 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 line = step_metrics(version, stats, batch_line, losses, step_s,
                                     wall_s(), client.bad_messages + bad_items, skipped_nonfinite,
                                     lr=float(engine.get_lr()[0]))
+                line["entropy_coef"] = config.algo.entropy_coef + boost_used  # the coefficient this step trained with
                 if config.learner.log_item_ids:
                     line["item_ids"] = [item.item_id for item in items]
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
                          stats.env_steps)
         if checkpointed != version:
-            save_checkpoint(engine, checkpoints, version, keep)
+            save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
         if published != version:
             _publish(engine, publisher, version)
         summary = _share_summary({

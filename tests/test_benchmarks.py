@@ -144,8 +144,10 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
             "guard_held_s": 0.0 if arm == "outcome-only+step" else 0.3 * wall,  # over a quarter: named below
             "versions": 100, "final_success_long": 0.8, "stop_reason": "target_success"}))
     result = kept_delay(tmp_path, "--d", "10", "--traps", "0", "--arms", BOTH_ARMS, "--lrs", "5e-4", "--seeds", "1",
-                        "--max-correction-staleness", "auto", "--entropy-per", "first-train", "--entropy-coef", "0.4")
-    assert result["learner"] == ["algo.aggregation=token-sum", "algo.entropy_per=first-train", "algo.entropy_coef=0.4"]
+                        "--max-correction-staleness", "auto", "--entropy-per", "first-train", "--entropy-coef", "0.4",
+                        "--entropy-floor", "0.2")
+    assert result["learner"] == ["algo.aggregation=token-sum", "algo.entropy_per=first-train", "algo.entropy_coef=0.4",
+                                 "algo.entropy_floor=0.2"]
     assert result["ratios"]["traps0-D10"] == {"env_steps": 0.25, "wall_s": 0.5, "env_steps_half": 0.6,
                                                "wall_s_half": 160.0 / 150.0, "env_steps_at_most": None,
                                                "wall_s_at_most": None, "env_steps_at_least": None,
@@ -233,7 +235,8 @@ def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
 
 
-@pytest.mark.parametrize("flag", [("--fit-d", "-1"), ("--entropy-coef", "-0.1"), ("--entropy-coef", "nan")])
+@pytest.mark.parametrize("flag", [("--fit-d", "-1"), ("--entropy-coef", "-0.1"), ("--entropy-coef", "nan"),
+                                  ("--entropy-floor", "-1"), ("--entropy-floor", "inf")])
 def test_delay_names_a_bad_count_or_coefficient(flag):
     finished = subprocess.run([sys.executable, str(REPO / "benchmarks" / "delay.py"), *flag],
                               capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -58,7 +58,7 @@ REQUIRED_KEYS = {
     "items_correction", "credit_dropped", "ledger_residual_max", "wall_s", "loss", "is_ratio_max", "kl",
     "adv_abs_immediate", "adv_abs_correction", "staleness_hist", "tokens", "padding_frac", "step_s",
     "trajectories_finished", "groups_closed", "bad_messages", "steps_skipped_nonfinite", "rejected",
-    "guard_held_frac", "correction_bound_needed",
+    "guard_held_frac", "correction_bound_needed", "entropy_coef", "entropy_mean",
 }
 
 
@@ -617,6 +617,30 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
     one_rank_losses = [line["loss"] for line in trained.metrics()]
     assert [line["loss"] for line in json_lines(config.run_dir / "metrics.jsonl")] == pytest.approx(one_rank_losses,
                                                                                                      rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_entropy_floor_raises_the_coefficient_each_step_and_a_resumed_learner_goes_on_from_it(tmp_path):
+    """algo.entropy_floor above any entropy this tiny vocabulary allows: the bonus coefficient a step trains with
+    grows by entropy_floor_step per optimizer step (metrics' entropy_coef), is checkpointed with the weights, and a
+    learner resumed at v4 goes on from it: its v6 weights are bit-identical to an uninterrupted run's, which they
+    would not be had it restarted the coefficient at entropy_coef."""
+    algo = {"entropy_coef": 0.01, "entropy_floor": 50.0, "entropy_floor_step": 0.02}
+    keep = {"checkpoint_every": 2, "keep_checkpoints": 1}
+    first = LearnerRun(make_config(tmp_path / "a", learner=keep, algo=algo)).start().finish()
+    assert [line["entropy_coef"] for line in first.metrics()] == pytest.approx([0.01, 0.03, 0.05, 0.07])
+    resumed = LearnerRun(make_config(tmp_path / "a", learner=keep, algo=algo, run={"max_versions": 6})).start()
+    resumed.finish()
+    assert [line["entropy_coef"] for line in resumed.metrics()][4:] == pytest.approx([0.09, 0.11])
+    straight = LearnerRun(make_config(tmp_path / "b", learner=keep, algo=algo, run={"max_versions": 6})).start()
+    straight.finish()
+    fresh, again = load_model(prepare_model_dir(straight.config)), load_model(prepare_model_dir(straight.config))
+    load_weights(fresh, straight.run_dir / "weights" / "v6.safetensors")
+    load_weights(again, resumed.run_dir / "weights" / "v6.safetensors")
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    without = LearnerRun(make_config(tmp_path / "c", algo={"entropy_coef": 0.01})).start().finish()
+    assert [line["entropy_coef"] for line in without.metrics()] == [0.01] * 4  # the floor is off by default
 
 
 # --- a non-finite step is refused; a lost request is sent again ---------------------------------------------------

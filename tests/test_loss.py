@@ -10,6 +10,7 @@ from async_rl.config import AlgoConfig, load_config
 from async_rl.loss import (
     aggregate,
     bonus_rows,
+    entropy_floor_boost,
     importance_weights,
     k3_kl,
     policy_loss,
@@ -229,3 +230,48 @@ def test_entropy_per_first_train_gives_each_token_the_bonus_on_the_first_item_th
     assert torch.equal(bonus_rows(is_correction, first, new_token), is_correction)
     only_immediate = AlgoConfig(updates="immediate-only", entropy_per="first-train")
     assert bonus_rows(is_correction, first, only_immediate) is None
+
+
+def test_the_entropy_floor_raises_the_bonus_below_it_lowers_it_above_within_its_bounds():
+    """algo.entropy_floor: +step per optimizer step while the trained tokens' entropy is under the floor, -step
+    above it, never below 0 (the bonus is then entropy_coef alone) nor above entropy_floor_max; off, always 0; a
+    step with no entropy measured (NaN) changes nothing."""
+    algo = AlgoConfig(entropy_floor=0.2, entropy_floor_step=0.05, entropy_floor_max=0.12)
+    assert entropy_floor_boost(0.0, 0.1, algo) == pytest.approx(0.05)
+    assert entropy_floor_boost(0.05, 0.1, algo) == pytest.approx(0.10)
+    assert entropy_floor_boost(0.10, 0.1, algo) == pytest.approx(0.12)  # capped
+    assert entropy_floor_boost(0.12, 0.3, algo) == pytest.approx(0.07)
+    assert entropy_floor_boost(0.02, 0.3, algo) == 0.0  # not below the plain coefficient
+    assert entropy_floor_boost(0.0, 0.2, algo) == 0.0  # at the floor is not below it
+    assert entropy_floor_boost(0.07, float("nan"), algo) == 0.07
+    assert entropy_floor_boost(0.07, 0.0, AlgoConfig()) == 0.0  # off by default
+
+
+def test_the_entropy_floor_pulls_a_collapsed_policy_back_up_to_it(model):
+    """The controller on a real tiny model: a constant positive advantage on the sampled tokens collapses the policy
+    without the floor (entropy ~0); with a floor of 1 nat the coefficient rises while the entropy is under it, and
+    the policy comes back and stays near the floor (the last 20 of 80 steps)."""
+    tokens, mask, _, staleness = batch(4)
+    advantages = mask.clone() * 2.0
+
+    def train(floor: float) -> tuple[list[float], float]:
+        net = copy.deepcopy(model)
+        optimizer = torch.optim.Adam(net.parameters(), lr=3e-2)
+        algo = AlgoConfig(entropy_floor=floor, entropy_floor_step=0.05, entropy_floor_max=10.0)
+        boost, seen = 0.0, []
+        for _ in range(80):
+            logp, entropy = token_logprobs_and_entropy(net(tokens).logits, tokens)
+            step_algo = AlgoConfig(entropy_coef=boost, entropy_floor=floor)
+            loss, stats = policy_loss(logp, logp.detach(), advantages, staleness, mask, step_algo, entropy=entropy)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen.append(stats.entropy)
+            boost = entropy_floor_boost(boost, stats.entropy, algo)
+        return seen, boost
+
+    collapsed, no_boost = train(0.0)
+    held, boost = train(1.0)
+    assert no_boost == 0.0 and max(collapsed[-20:]) < 0.05
+    assert min(held[:40]) < 0.2, "it collapsed first"
+    assert boost > 0 and 0.6 < sum(held[-20:]) / 20 < 1.8
