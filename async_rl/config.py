@@ -263,11 +263,24 @@ def configured_model_path(config: Config) -> Path | None:
     return path
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: `3e-4` is a number (YAML 1.1 wants `3.0e-4` and reads `3e-4`
+    as a string, which then failed validation as "expected float, got '3e-4'")."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read YAML (the embedded local default when `path` is None), apply `a.b=value` overrides, validate."""
     source = Path(path) if path is not None else DEFAULT_CONFIG
     try:
-        raw = yaml.safe_load(source.read_text()) if source.exists() else None
+        raw = _yaml(source.read_text()) if source.exists() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if path is not None and not source.exists():
@@ -303,7 +316,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key or not re.fullmatch(r"[a-z_]+(\.[A-Za-z_][A-Za-z0-9_]*)+", key):
         raise ConfigError(f"override {override!r}: expected section.key=value, e.g. algo.max_staleness=2")
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = _yaml(text) if text != "" else ""
     except yaml.YAMLError:
         value = text
     *parents, leaf = key.split(".")

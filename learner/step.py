@@ -92,13 +92,13 @@ def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     return flag
 
 
-def mean_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
-    """The mean of a per-rank number over the ranks, the same on every rank (the entropy floor's controller must
-    agree across ranks)."""
+def _mean_over_ranks(value: float, tokens: float, device: torch.device | str = "cpu") -> float:
+    """A per-token mean of this rank's `tokens` as the whole batch's, the same on every rank (a rank that trained
+    only a masked filler has no tokens and no say): the entropy floor's controller must agree across ranks."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = torch.tensor([value], dtype=torch.float64, device=device)
+        box = torch.tensor([value * tokens, tokens], dtype=torch.float64, device=device)
         dist.all_reduce(box)
-        return float(box.item()) / dist.get_world_size()
+        return float(box[0] / box[1]) if box[1] > 0 else value
     return value
 
 
@@ -183,7 +183,7 @@ def train_on_micro_batches(
     Each step accumulates the gradients of every micro-batch's scaled loss (`rank_micro_batches`), then DeepSpeed
     reduces them across ranks and steps once (managed_gradient_accumulation off: learner/engine.py).
     One epoch uses the TIS form; more use decoupled PPO with π_prox = the policy when the batch arrived.
-    The loss is the whole batch's; the ratio statistics are this rank's share.
+    The loss and the entropy are the whole batch's; the ratio statistics are this rank's share.
 
     A non-finite input, loss (checked before each backward) or gradient (after the last) refuses the step: the
     gradients are zeroed, the optimizer does not step, the weights stay exactly as they were, and the batch's
@@ -244,7 +244,10 @@ def train_on_micro_batches(
         version += 1
         reported = engine.get_global_grad_norm()  # DeepSpeed's, where it clipped or reduced (ZeRO >= 1)
         norm = float(reported) if reported is not None else (norm if norm is not None else 0.0)
-        results.append((_whole_batch_loss(total), replace(_combined_stats(parts), grad_norm=norm)))
+        stats = replace(_combined_stats(parts), grad_norm=norm)
+        if want_entropy:  # the whole batch's, not this rank's share: the entropy floor steers by it
+            stats = replace(stats, entropy=_mean_over_ranks(stats.entropy, sum(n for _, n, _ in parts), device))
+        results.append((_whole_batch_loss(total), stats))
     return version, results
 
 

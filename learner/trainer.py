@@ -17,6 +17,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -47,7 +48,7 @@ from learner.metrics import MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher
 from learner.replay_client import ReplayClient
 from learner.sglang_sync import make_publisher
-from learner.step import layout_metrics, mean_over_ranks, train_on_items
+from learner.step import layout_metrics, train_on_items
 
 log = logging.getLogger("async_rl.learner")
 
@@ -158,7 +159,7 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
     resumed, saved_state = loaded if loaded is not None else (None, {})
     version, stats, reason = resumed or 0, ReplayStats(), None
     # The entropy floor's extra bonus coefficient (async_rl.loss.entropy_floor_boost), checkpointed with the weights.
-    entropy_boost = float(saved_state.get("entropy_boost", 0.0)) if config.algo.entropy_floor > 0 else 0.0
+    entropy_boost = _saved_boost(saved_state, config) if config.algo.entropy_floor > 0 else 0.0
     checkpointed = published = -1  # the same on every rank: the final gather must be collective or skipped by all
     keep = config.learner.keep_checkpoints
     if resumed is not None:
@@ -207,9 +208,8 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
             boost_used = entropy_boost
             version, losses = train_on_items(engine, reference, items, version, config, entropy_boost)
             step_s = time.monotonic() - step_started
-            for _, step_stats in losses:  # once per optimizer step, the same on every rank
-                entropy_boost = entropy_floor_boost(
-                    entropy_boost, mean_over_ranks(step_stats.entropy, engine.device), config.algo)
+            for _, step_stats in losses:  # once per optimizer step; the whole batch's entropy, alike on every rank
+                entropy_boost = entropy_floor_boost(entropy_boost, step_stats.entropy, config.algo)
             skipped_nonfinite += len(losses) < config.algo.ppo_epochs
             if leader:
                 # Honest acks: a batch with no step taken says so, and the replay counts none of its credit trained.
@@ -266,6 +266,16 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 owned.close()
         context.term()
         engine.destroy()
+
+
+def _saved_boost(saved_state: dict[str, Any], config: Config) -> float:
+    """The entropy floor's coefficient a checkpoint carried, checked: a number in [0, algo.entropy_floor_max]
+    (clipped into it, e.g. after the bound was lowered), else 0 with a warning."""
+    value = saved_state.get("entropy_boost", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        log.warning("checkpoint's entropy_boost %r is not a finite number: starting the entropy floor at 0", value)
+        return 0.0
+    return min(max(float(value), 0.0), config.algo.entropy_floor_max)
 
 
 def _publish(engine: Any, publisher: WeightPublisher | None, version: int) -> None:

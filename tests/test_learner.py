@@ -46,7 +46,7 @@ from learner.engine import build_engine
 from learner.metrics import GuardWatch
 from learner.replay_client import ReplayClient
 from learner.step import rank_share, train_on_batch
-from learner.trainer import StopRequest, run, stop_reason
+from learner.trainer import StopRequest, _saved_boost, run, stop_reason
 from rollout.prepare import prepare_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -598,7 +598,8 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
     try:
         completed = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-             *command_line(config)],
+             # a floor no entropy is under: the entropy is computed and reduced over the ranks, the bonus stays 0
+             *command_line(config), "algo.entropy_floor=1e-9"],
             env=learner_process_env(), cwd=tmp_path, timeout=240, capture_output=True, text=True,
         )
     finally:
@@ -615,8 +616,9 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
     for name, weight in one_rank.state_dict().items():
         torch.testing.assert_close(two_ranks.state_dict()[name], weight, rtol=1e-4, atol=5e-5)
     one_rank_losses = [line["loss"] for line in trained.metrics()]
-    assert [line["loss"] for line in json_lines(config.run_dir / "metrics.jsonl")] == pytest.approx(one_rank_losses,
-                                                                                                     rel=1e-4)
+    two_rank_lines = json_lines(config.run_dir / "metrics.jsonl")
+    assert [line["loss"] for line in two_rank_lines] == pytest.approx(one_rank_losses, rel=1e-4)
+    assert all(line["entropy_mean"] > 0 and line["entropy_coef"] == 0.0 for line in two_rank_lines)
 
 
 @pytest.mark.slow
@@ -744,3 +746,12 @@ def test_a_restarted_learner_resumes_from_its_last_checkpoint_exactly(tmp_path):
     load_weights(again, resumed.run_dir / "weights" / "v6.safetensors")
     for (name, a), (_, b) in zip(fresh.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(("saved", "expected"), [({}, 0.0), ({"entropy_boost": 0.3}, 0.3),
+                                                 ({"entropy_boost": 7.0}, 1.0), ({"entropy_boost": -1.0}, 0.0),
+                                                 ({"entropy_boost": float("nan")}, 0.0),
+                                                 ({"entropy_boost": "0.3"}, 0.0), ({"entropy_boost": True}, 0.0)])
+def test_a_checkpointed_entropy_boost_is_checked_before_it_is_trusted(tmp_path, saved, expected):
+    config = make_config(tmp_path, algo={"entropy_floor": 0.2})
+    assert _saved_boost(saved, config) == expected
