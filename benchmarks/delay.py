@@ -46,6 +46,10 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
     python benchmarks/delay.py --env hunt --d 20 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
         --calibrate-steps 100000 --calibrate-tail 0.5 --out delay-hunt
+    # the hunt at D ≈ 50 (its fits run 200,000 env steps there by default, to reach the phase where it learns):
+    python benchmarks/delay.py --env hunt --d 50 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
+        --seeds 5 --max-correction-staleness 256 --parallel 2 --max-wall-s 1200 --budget 1000000 \
+        --calibrate-steps 100000 --calibrate-tail 0.5 --fit-d 2 --out delay-hunt-d50-long
 
 Each finished run (and calibration) is saved under `benchmarks/out/<--out>/done/` as soon as it ends; `--reuse`
 keeps those of an interrupted invocation with the same arguments and runs only the missing ones. With
@@ -290,7 +294,10 @@ def main() -> int:
                              "the delay scaled by D asked / D got (default 0: the delay from the instant-judge "
                              "calibration alone, which gets ~half the D asked on the trap env: throughput falls as "
                              "episodes lengthen and while outcomes are pending)")
-    parser.add_argument("--fit-steps", type=int, default=60_000, help="env steps of each --fit-d run")
+    parser.add_argument("--fit-steps", type=int, default=None,
+                        help="env steps of each --fit-d run (default 60,000; 200,000 on the hunt, whose fits must "
+                             "reach the phase where the baseline learns and plays longer episodes: at 60,000 they "
+                             "see only its start and set half the delay needed)")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="new-token", choices=["step", "new-token", "first-train"],
                         help="algo.entropy_per of every arm")
@@ -313,6 +320,8 @@ def main() -> int:
         parser.error(f"--entropy-coef: expected a finite number >= 0, got {args.entropy_coef}")
     if args.entropy_floor is not None and not (math.isfinite(args.entropy_floor) and args.entropy_floor >= 0):
         parser.error(f"--entropy-floor: expected a finite number >= 0, got {args.entropy_floor}")
+    if args.fit_steps is None:
+        args.fit_steps = 200_000 if args.env == "hunt" else 60_000
     if args.fit_d < 0 or args.fit_steps <= 0:
         parser.error(f"--fit-d and --fit-steps: expected >= 0 and > 0, got {args.fit_d} and {args.fit_steps}")
     if args.quick:
@@ -341,7 +350,8 @@ def main() -> int:
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},
-                    "runs": {}, "best": {}, "ratios": {}, "fits": {}}
+                    "runs": {}, "best": {}, "ratios": {}, "fits": {},
+                    "fit_steps": args.fit_steps if args.fit_d else None}
     jobs: list[tuple[str, list[str], dict]] = []
     for traps in traps_list:
         # Calibration: outcome-only+step, instant judge, the middle lr: trajectories/s and per update.

@@ -216,22 +216,26 @@ def test_delay_best_lr_where_an_arm_misses_at_every_lr_is_its_lowest_bound(tmp_p
     assert result["ratios"]["traps2-D10"]["env_steps_at_least"] == 1.5
 
 
-def test_delay_fit_reuses_kept_refits_in_order(tmp_path):
+@pytest.mark.parametrize(("env", "setting", "fit_steps"), [("trap", "traps0", 60_000), ("hunt", "hunt", 200_000)])
+def test_delay_fit_reuses_kept_refits_in_order(tmp_path, env, setting, fit_steps):
     """`--fit-d 2` refits the judge delay twice under the judge; with `--reuse` the two kept refits are taken from
-    `done/` in order (no training) and the result records each D got and the delay it led to."""
+    `done/` in order (no training) and the result records each D got and the delay it led to, and the fits' length:
+    by default 60,000 env steps, 200,000 on the hunt (a shorter fit sees only its start and sets half the delay)."""
     done = tmp_path / "done"
     done.mkdir()
-    (done / "calibrate-traps0.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
-    (done / "fit-traps0-D10-0.json").write_text(json.dumps({"delay_s": 5.0, "d_got": 5.0, "next_delay_s": 10.0}))
-    (done / "fit-traps0-D10-1.json").write_text(json.dumps({"delay_s": 10.0, "d_got": 8.0, "next_delay_s": 12.5}))
+    (done / f"calibrate-{setting}.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    (done / f"fit-{setting}-D10-0.json").write_text(json.dumps({"delay_s": 5.0, "d_got": 5.0, "next_delay_s": 10.0}))
+    (done / f"fit-{setting}-D10-1.json").write_text(json.dumps({"delay_s": 10.0, "d_got": 8.0, "next_delay_s": 12.5}))
     for arm in ("outcome-only+step", "immediate+correction"):
-        (done / f"traps0-D10-{arm}-lr0.0005-seed0.json").write_text(json.dumps({
-            "traps": 0, "d": 10.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 12.5, "per_update": 50.0,
-            "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": 1000,
+        (done / f"{setting}-D10-{arm}-lr0.0005-seed0.json").write_text(json.dumps({
+            "traps": 0 if env == "trap" else "hunt", "d": 10.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 12.5,
+            "per_update": 50.0, "max_staleness": 14, "max_correction_staleness": 26, "env_steps_to_target": 1000,
             "wall_s_to_target": 10.0, "d_measured": 10.0, "credit_dropped": 0, "guard_held_s": 0.0}))
-    result = kept_delay(tmp_path, "--d", "10", "--traps", "0", "--arms", BOTH_ARMS,
+    result = kept_delay(tmp_path, "--env", env, "--d", "10", "--traps", "0", "--arms", BOTH_ARMS,
                         "--lrs", "5e-4", "--seeds", "1", "--fit-d", "2")
-    assert result["fits"]["traps0-D10"] == [{"d_got": 5.0, "next_delay_s": 10.0}, {"d_got": 8.0, "next_delay_s": 12.5}]
+    assert result["fits"][f"{setting}-D10"] == [{"d_got": 5.0, "next_delay_s": 10.0},
+                                                {"d_got": 8.0, "next_delay_s": 12.5}]
+    assert result["fit_steps"] == fit_steps
     assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
 
 
