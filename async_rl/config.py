@@ -204,8 +204,11 @@ class AlgoConfig(_Section):
     # step: on every trained action token (immediate+correction trains a token twice, over ~5× the steps);
     # new-token: once per token of data, on the item that carries its final credit (the correction; immediate
     # items in immediate-only), so every arm gets the same bonus per token generated; first-train: once per token
-    # of data, on the first item that trains it (its immediate item where one was trained, else its correction).
-    entropy_per: Literal["step", "new-token", "first-train"] = "step"
+    # of data, on the first item that trains it (its immediate item where one was trained, else its correction);
+    # credit: on every trained action token, weighted by |its advantage in the item| (A_imm or C), so a token whose
+    # stage credit and outcome disagree (an immediate push undone by its correction) gets more bonus than one whose
+    # credit came in one piece.
+    entropy_per: Literal["step", "new-token", "first-train", "credit"] = "step"
     # Adaptive entropy floor (docs/algorithm.md, "Entropy floor"), in nats per action token; 0 = off. While a
     # step's trained tokens have a mean entropy below it, the bonus coefficient grows by entropy_floor_step per
     # optimizer step; above it, it shrinks back: between entropy_coef and entropy_coef + entropy_floor_max.

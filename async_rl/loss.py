@@ -95,8 +95,9 @@ def bonus_rows(is_correction: torch.Tensor, first_trained: torch.Tensor, algo: A
     """Where the entropy bonus applies, given the correction flags and the first-trained flags (per row, or per
     token of packed rows): all (None) with entropy_per=step; otherwise each token of data once: with new-token on
     the item that carries its final credit, the correction; with first-train on the first item that trains it,
-    its immediate item where one was trained, else its correction (immediate-only: every item, either way)."""
-    if algo.entropy_per == "step" or algo.updates == "immediate-only":
+    its immediate item where one was trained, else its correction (immediate-only: every item, either way); with
+    credit on every trained token too (None), `policy_loss` weighting each by |its advantage|."""
+    if algo.entropy_per in ("step", "credit") or algo.updates == "immediate-only":
         return None
     return first_trained if algo.entropy_per == "first-train" else is_correction
 
@@ -142,7 +143,7 @@ def policy_loss(
     With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to the action tokens' loss
     (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss): of every row, or with
     `entropy_rows` ((B,) per row or (B, T) per token) only where it is 1 (algo.entropy_per new-token or first-train:
-    `bonus_rows`)."""
+    `bonus_rows`); with algo.entropy_per=credit on every token, times |its advantage|."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:
@@ -155,7 +156,9 @@ def policy_loss(
     entropy_value = 0.0
     if entropy is not None:
         if algo.entropy_coef > 0:
-            if entropy_rows is None:
+            if algo.entropy_per == "credit":  # weighted by |A_imm| or |C|: more where the pieces disagree
+                bonus = entropy * advantages.abs()
+            elif entropy_rows is None:
                 bonus = entropy
             else:  # (B,) a flag per row, or (B, T) per token (packed rows mix item kinds)
                 rows = entropy_rows.to(entropy.dtype)

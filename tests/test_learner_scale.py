@@ -81,7 +81,7 @@ def setup(tmp_path_factory):
     return config, random_items(config)
 
 
-@pytest.mark.parametrize("entropy_per", ["step", "new-token", "first-train"])
+@pytest.mark.parametrize("entropy_per", ["step", "new-token", "first-train", "credit"])
 def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
     """One packed row of all items (position ids, no attention mask) against one right-padded row per item; with
     the entropy bonus on correction items only (new-token), which a packed row mixes with immediate ones, or on

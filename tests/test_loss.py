@@ -232,6 +232,27 @@ def test_entropy_per_first_train_gives_each_token_the_bonus_on_the_first_item_th
     assert bonus_rows(is_correction, first, only_immediate) is None
 
 
+def test_entropy_per_credit_weights_each_tokens_bonus_by_its_advantage(model):
+    """entropy_per=credit: the bonus on every trained token (as step), times |its advantage in the item|, so a token
+    whose immediate push (A_imm) and correction (C) disagree gets |A_imm| + |C| > |A_final|, and one of a group
+    without variance (advantage 0) gets none."""
+    tokens, mask, _, staleness = batch(3)
+    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
+    advantages = torch.zeros_like(mask)
+    advantages[0], advantages[1] = 1.5, -0.5  # row 2: advantage 0
+    algo = AlgoConfig(entropy_coef=0.5, entropy_per="credit", aggregation="token-sum")
+    assert bonus_rows(torch.tensor([False, True, True]), mask, algo) is None
+    # the entropy term alone: the policy-gradient term's value is 0 at any advantage when logp has no gradient
+    loss, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo, entropy=entropy)
+    pg, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo)
+    weight = advantages.abs() * mask
+    expected = -0.5 * float((entropy.detach() * weight).sum()) / algo.token_norm
+    assert float(loss.detach() - pg.detach()) == pytest.approx(expected, rel=1e-5)
+    assert float((entropy.detach() * weight)[2].sum()) == 0.0, "no advantage, no bonus"
+    loss.backward()  # it trains: the bonus reaches the model through the entropy
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
+
+
 def test_the_entropy_floor_raises_the_bonus_below_it_lowers_it_above_within_its_bounds():
     """algo.entropy_floor: +step per optimizer step while the trained tokens' entropy is under the floor, -step
     above it, never below 0 (the bonus is then entropy_coef alone) nor above entropy_floor_max; off, always 0; a
