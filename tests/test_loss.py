@@ -242,13 +242,19 @@ def test_entropy_per_credit_weights_each_tokens_bonus_by_its_advantage(model):
     advantages[0], advantages[1] = 1.5, -0.5  # row 2: advantage 0
     algo = AlgoConfig(entropy_coef=0.5, entropy_per="credit", aggregation="token-sum")
     assert bonus_rows(torch.tensor([False, True, True]), mask, algo) is None
-    # the entropy term alone: the policy-gradient term's value is 0 at any advantage when logp has no gradient
+    # the entropy term alone: the loss less the same loss without the entropy
     loss, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo, entropy=entropy)
     pg, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo)
     weight = advantages.abs() * mask
     expected = -0.5 * float((entropy.detach() * weight).sum()) / algo.token_norm
     assert float(loss.detach() - pg.detach()) == pytest.approx(expected, rel=1e-5)
-    assert float((entropy.detach() * weight)[2].sum()) == 0.0, "no advantage, no bonus"
+    # no advantage, no bonus: the row without credit alone moves no weight through its entropy
+    row2, _ = policy_loss(logp[2:].detach(), logp[2:].detach(), advantages[2:], staleness[2:], mask[2:], algo,
+                          entropy=entropy[2:])
+    model.zero_grad()
+    row2.backward(retain_graph=True)
+    assert all(p.grad is None or float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
+    model.zero_grad()
     loss.backward()  # it trains: the bonus reaches the model through the entropy
     assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
 
