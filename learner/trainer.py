@@ -220,15 +220,9 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
             if version % config.learner.publish_every == 0:
                 _publish(engine, publisher, version)
                 published = version
-            every = config.learner.checkpoint_every
-            if every and version - max(checkpointed, 0) >= every:
-                # After the ack: a learner killed before this completes resumes from the previous checkpoint, and
-                # the replay rolls back the acks above it. The next BatchRequest reports it durable.
-                save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
-                checkpointed = version
-                if leader:
-                    client.checkpoint = version
             if leader:
+                # Before the checkpoint: a learner killed between the two resumes from the previous checkpoint
+                # (this line is then superseded), never from a version whose line was not written.
                 layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
                 batch_line = {**batch_metrics(collate(items), trained_at), **layout}
                 line = step_metrics(version, stats, batch_line, losses, step_s,
@@ -240,6 +234,14 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                 metrics.write(line)
                 log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
                          stats.env_steps)
+            every = config.learner.checkpoint_every
+            if every and version - max(checkpointed, 0) >= every:
+                # After the ack: a learner killed before this completes resumes from the previous checkpoint, and
+                # the replay rolls back the acks above it. The next BatchRequest reports it durable.
+                save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
+                checkpointed = version
+                if leader:
+                    client.checkpoint = version
         if checkpointed != version:
             save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
         if published != version:

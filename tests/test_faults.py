@@ -103,16 +103,36 @@ def check_run(run_dir: Path, max_versions: int) -> dict:
             "trajectories_abandoned": last["trajectories_abandoned"], "items_trained": len(trained)}
 
 
-def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str) -> tuple[subprocess.CompletedProcess,
-                                                                                     Path, int]:
-    """`async-rl train` with `role` SIGKILLed after a random number of versions; the launcher restarts it."""
+def wait_for_checkpoint(run_dir: Path, version: int, launcher: subprocess.Popen, timeout_s: float = 180) -> int:
+    """Polls the learner's checkpoints until DeepSpeed's `latest` names v`version` (written once that checkpoint is
+    complete); returns how many metrics lines there were at that moment."""
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, "the run ended before the fault"
+        try:
+            if latest.read_text().strip() == f"v{version}":
+                return len(metrics(run_dir))
+        except OSError:
+            pass
+        time.sleep(0.002)
+    pytest.fail(f"no checkpoint v{version} within {timeout_s} s")
+
+
+def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str,
+                     at_checkpoint: int | None = None) -> tuple[subprocess.CompletedProcess, Path, int]:
+    """`async-rl train` with `role` SIGKILLed after a random number of versions (or the moment checkpoint
+    v`at_checkpoint` is complete, returning the metrics lines there were then); the launcher restarts it."""
     run_dir = tmp_path / "t"
     kill_after = random.Random(seed).randint(6, 20)
     args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *FAULT_RUN,
             f"run.max_versions={MAX_VERSIONS}", f"run.seed={seed}", *overrides]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_versions(run_dir, kill_after, launcher)
+        if at_checkpoint is None:
+            wait_for_versions(run_dir, kill_after, launcher)
+        else:
+            kill_after = wait_for_checkpoint(run_dir, at_checkpoint, launcher)
         os.kill(json.loads((run_dir / "processes.json").read_text())[role], signal.SIGKILL)
         out, err = launcher.communicate(timeout=240)
     finally:
@@ -132,6 +152,17 @@ def test_a_killed_learner_is_restarted_and_resumes_from_its_checkpoint(tmp_path,
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert "resumed from checkpoint" in learner_log or numbers["versions_lost"] < 5  # killed before v5: no checkpoint
     print(json.dumps({"fault": "learner", "trial": trial, "killed_after_versions": kill_after, **numbers}))
+
+
+def test_a_learner_killed_the_moment_it_checkpoints_loses_no_version(tmp_path):
+    """The learner writes a step's metrics line before its checkpoint: killed right after checkpoint v10 is
+    complete, the line of v10 is there (it once was not, and the resumed run had no line for v10)."""
+    done, run_dir, lines_then = train_with_fault(tmp_path, "learner", seed=7, at_checkpoint=10)
+    assert lines_then >= 10, f"checkpoint v10 was complete with {lines_then} metrics lines written"
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "learner died (exit code -9); restart 1 of 3" in done.stderr
+    check_run(run_dir, MAX_VERSIONS)
+    assert "resumed from checkpoint v10" in (run_dir / "logs" / "learner.log").read_text()
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
