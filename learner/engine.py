@@ -22,6 +22,8 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator, set_accelerator
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from async_rl.config import Config, LearnerConfig
 from async_rl.errors import AsyncRLError, ConfigError
@@ -72,6 +74,33 @@ def resolve_hardware(learner: LearnerConfig) -> tuple[str, str]:
     return device, select_precision(learner, device, cuda and torch.cuda.is_bf16_supported())
 
 
+def local_gpu(local_rank: int, device_count: int) -> int:
+    """The GPU index of the rank with LOCAL_RANK `local_rank` on a node where torch sees `device_count` GPUs: one
+    GPU per rank, so a launcher that starts more ranks than the node has GPUs gets an error that says so (CUDA's
+    own is "invalid device ordinal", raised from deep inside DeepSpeed)."""
+    if not 0 <= local_rank < device_count:
+        raise ConfigError(
+            f"learner.device: cuda needs one GPU per rank, but LOCAL_RANK is {local_rank} and torch sees "
+            f"{device_count} GPU(s) on this node: start at most {device_count} rank(s) per node "
+            "(torchrun --nproc_per_node), or set learner.device=cpu"
+        )
+    return local_rank
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """HF's non-reentrant activation checkpointing, under the name the installed transformers has: 5.x calls it
+    activation checkpointing, older releases (and early 5.x) gradient checkpointing."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def activation_checkpointing_on(model: torch.nn.Module) -> bool:
+    """Whether any layer of `model` recomputes its activations (the flag HF's layers carry, under every release)."""
+    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
 def init_distributed(device: str = "cpu") -> None:
     """Join (or, without a launcher, create) the process group; a single process needs no port. On CUDA each rank
     first takes the GPU of its LOCAL_RANK (NCCL and DeepSpeed use the current device)."""
@@ -80,8 +109,12 @@ def init_distributed(device: str = "cpu") -> None:
     # The shared-memory comm op would be JIT-compiled (minutes) on CPU for a world > 1; gloo is enough for us.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = backend_for(device)
+    if device == "cpu" and get_accelerator().device_name() != "cpu":
+        # DeepSpeed takes the GPU whenever torch sees one: a CPU learner (learner.device=cpu) on a GPU machine would
+        # have its model moved there and each rank's process group bound to the GPU of its LOCAL_RANK.
+        set_accelerator(CPU_Accelerator())
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_gpu(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
     if "RANK" not in os.environ:
         # No launcher: a world of one. An in-memory store needs no port, so nothing can race us for one (a free
         # port picked here and bound later was taken by another process often enough to fail CI runs).
@@ -148,7 +181,7 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     if config.learner.activation_checkpointing:
         model.config.use_cache = False
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     reference = None
     if config.algo.kl_beta > 0:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32

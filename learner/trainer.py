@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import zmq
 
@@ -229,6 +230,9 @@ def _train(config: Config, request: StopRequest, started: float) -> dict[str, An
                                     wall_s(), client.bad_messages + bad_items, skipped_nonfinite,
                                     lr=float(engine.get_lr()[0]))
                 line["entropy_coef"] = config.algo.entropy_coef + boost_used  # the coefficient this step trained with
+                if engine.device.type == "cuda":  # this rank's peak since the last line: weights, state, activations
+                    line["gpu_peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+                    torch.cuda.reset_peak_memory_stats(engine.device)
                 if config.learner.log_item_ids:
                     line["item_ids"] = [item.item_id for item in items]
                 metrics.write(line)

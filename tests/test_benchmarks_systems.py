@@ -42,3 +42,12 @@ def test_systems_quick():
 def test_vs_trl_quick():
     headline = run_quick("vs_trl.py", timeout_s=600)
     assert {"time_to_target_ratio", "samples_ratio"} <= headline.keys()
+
+
+def test_gpu_learner_quick():
+    """The GPU learner benchmark's --quick form runs on whatever device there is (here the CPU); on a GPU it
+    reports peak memory and MFU too."""
+    headline = run_quick("gpu_learner.py", timeout_s=300)
+    assert {"device", "parameters", "ours_tokens_per_s", "ratio", "same_math_ratio", "peak_gib", "mfu"} <= (
+        headline.keys())
+    assert headline["ours_tokens_per_s"] > 0 and headline["ratio"] > 0

@@ -7,6 +7,7 @@ tests/test_learner.py (test_two_ranks_at_zero3_under_torchrun_train_like_one_pro
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,16 @@ from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model
 from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
 from learner.batch import collate, collate_rows
-from learner.engine import backend_for, build_engine, deepspeed_config, select_device, select_precision
+from learner.engine import (
+    activation_checkpointing_on,
+    backend_for,
+    build_engine,
+    deepspeed_config,
+    enable_activation_checkpointing,
+    local_gpu,
+    select_device,
+    select_precision,
+)
 from learner.pack import MicroBatch, balance_shards, pack_rows, padding_fraction, plan_shards
 from learner.step import rank_micro_batches, train_on_items
 from rollout.prepare import prepare_model_dir
@@ -30,8 +40,10 @@ FAKE_GPU_PRESENT = True
 
 
 def make_config(tmp_path: Path, **sections: dict) -> Config:
+    # fp32 wherever the engine runs (the CPU here, the GPU on a GPU machine): these tests compare layouts to 1e-5;
+    # bf16 is tests/test_gpu.py's.
     raw: dict = {"run": {"dir": str(tmp_path), "name": "scale", "seed": 0}, "wandb": {"mode": "disabled"},
-                 "algo": {"entropy_coef": 0.1}}
+                 "algo": {"entropy_coef": 0.1}, "learner": {"precision": "fp32"}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return config_from_dict(raw)
@@ -162,7 +174,7 @@ def test_ranks_with_fewer_micro_batches_get_masked_fillers():
 
 
 def test_device_precision_and_backend_selection():
-    learner = make_config(Path("/unused")).learner
+    learner = make_config(Path("/unused"), learner={"precision": "auto"}).learner
     assert select_device(learner, cuda_available=False) == "cpu"
     assert select_device(learner, cuda_available=FAKE_GPU_PRESENT) == "cuda"
     assert select_precision(learner, "cuda", bf16_supported=True) == "bf16"
@@ -176,6 +188,35 @@ def test_device_precision_and_backend_selection():
         select_device(make_config(Path("/unused"), learner={"device": "cuda"}).learner, cuda_available=False)
     with pytest.raises(ConfigError, match="learner.precision: bf16 needs a CUDA device"):
         select_precision(make_config(Path("/unused"), learner={"precision": "bf16"}).learner, "cpu", False)
+
+
+def test_each_rank_takes_its_own_gpu_and_a_rank_without_one_is_named():
+    assert [local_gpu(rank, device_count=8) for rank in range(8)] == list(range(8))
+    with pytest.raises(ConfigError, match="LOCAL_RANK is 1 and torch sees 1 GPU") as raised:
+        local_gpu(1, device_count=1)  # two ranks on a one-GPU node (the 2-rank test on an H100 did this)
+    assert "--nproc_per_node" in str(raised.value) and "learner.device=cpu" in str(raised.value)
+
+
+def test_activation_checkpointing_is_enabled_under_either_name_transformers_gives_it():
+    """transformers 5.24 has activation_checkpointing_enable; 5.17 (the H200 image's) has only
+    gradient_checkpointing_enable, and build_engine called the former there. The stand-in is a module with the
+    older release's method alone (no such release is installed here)."""
+    class OlderRelease(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+            self.kwargs = gradient_checkpointing_kwargs
+            self.layer.gradient_checkpointing = True
+
+    older = OlderRelease()
+    assert not activation_checkpointing_on(older)
+    enable_activation_checkpointing(older)
+    assert activation_checkpointing_on(older) and older.kwargs == {"use_reentrant": False}
+    current = load_model(prepare_model_dir(make_config(Path(tempfile.mkdtemp()))))
+    enable_activation_checkpointing(current)
+    assert activation_checkpointing_on(current)
 
 
 def test_deepspeed_config_for_bf16_and_caller_owned_accumulation():
@@ -209,12 +250,12 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
         config = make_config(Path(base.run.dir), learner=learner, algo={"entropy_coef": 0.1, "kl_beta": 0.05})
         engine, reference = build_engine(config)
         try:
-            assert engine.module.is_activation_checkpointing == learner.get("activation_checkpointing", False)
+            assert activation_checkpointing_on(engine.module) == learner.get("activation_checkpointing", False)
             assert (len(rank_micro_batches(items, 0, 1, config)) > 1) == ("micro_batch_tokens" in learner)
             version, losses = train_on_items(engine, reference, items, 0, config)
             version, more = train_on_items(engine, reference, items, version, config)
             results.append(([loss for loss, _ in losses + more], [s for _, s in losses + more],
-                            {k: v.clone() for k, v in engine.module.state_dict().items()}, version))
+                            {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}, version))
         finally:
             engine.destroy()
     (losses_a, stats_a, weights_a, version_a), (losses_b, stats_b, weights_b, version_b) = results
