@@ -121,6 +121,12 @@ def chosen(parser: argparse.ArgumentParser, flag: str, value: str, known: dict[s
     return names
 
 
+def paired_ratio(ours: list[float], baseline: list[float]) -> float:
+    """The median over rounds of ours ÷ baseline measured back to back: the load of a shared machine changes
+    between rounds, much less within one pair. Of times, pass the baseline's first to get our speed ÷ theirs."""
+    return statistics.median(a / b for a, b in zip(ours, baseline, strict=True))
+
+
 def median_or_none(values: list[float | None]) -> float | None:
     """Median over seeds with a miss (None) counted as infinity: None once half or more of the seeds miss."""
     value = statistics.median([math.inf if v is None else v for v in values])

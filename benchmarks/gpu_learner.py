@@ -42,6 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import paired_ratio  # noqa: E402 - benchmarks/ is not a package; scripts run as `python benchmarks/NAME.py`
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "out" / "gpu_learner"
 AGENT_MODEL = ["model.hidden_size=1024", "model.num_layers=24", "model.num_heads=16", "model.num_kv_heads=8",
@@ -78,11 +81,6 @@ def agent_items(vocab: int, count: int, mean_tokens: int, max_tokens: int, seed:
     return items
 
 
-def paired_ratio(ours: list[float], baseline: list[float]) -> float:
-    """Median over rounds of baseline time ÷ our time, back to back (= our tokens/s ÷ theirs)."""
-    return statistics.median(b / a for a, b in zip(ours, baseline, strict=True))
-
-
 def measure(overrides: list[str], batches: int, items_per_batch: int, mean_tokens: int, rounds: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -90,6 +88,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     from async_rl.config import load_config
     from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
+    from async_rl.protocol import MASK, unpack
     from learner.engine import build_engine
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from rollout.prepare import prepare_model_dir
@@ -110,7 +109,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     parameters = sum(p.numel() for p in engine.module.parameters())
     data = [agent_items(vocab, items_per_batch, mean_tokens, config.model.max_seq_len, seed) for seed in range(batches)]
     tokens = sum(item.num_tokens() for items in data for item in items)
-    trained = sum(int(np.frombuffer(item.loss_mask, np.uint8).sum()) for items in data for item in items)
+    trained = sum(int(unpack(item.loss_mask, MASK).sum()) for items in data for item in items)
     layout = [layout_metrics(items, 1, config) for items in data]
 
     def ours(version: int = 0) -> None:
@@ -183,8 +182,9 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
         "ours_tokens_per_s": tokens / ours_s, "ours_s_per_step": ours_s / batches,
         "bare_tokens_per_s": tokens / statistics.median(wall["bare"]),
         "bare_same_tokens_per_s": tokens / statistics.median(wall["bare_same"]),
-        "ratio": paired_ratio(wall["ours"], wall["bare"]), "same_math_ratio": paired_ratio(wall["ours"],
-                                                                                            wall["bare_same"]),
+        # time bare ÷ time ours = our tokens/s ÷ theirs
+        "ratio": paired_ratio(wall["bare"], wall["ours"]), "same_math_ratio": paired_ratio(wall["bare_same"],
+                                                                                            wall["ours"]),
         "peak_gib": peak / 2**30 if peak is not None else None,
         "weights_fp32_gib": parameters * 4 / 2**30,
     }

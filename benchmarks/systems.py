@@ -74,6 +74,7 @@ from _systems_parts import (  # noqa: E402
     receiver,
     send_round,
 )
+from common import paired_ratio  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "out" / "systems"
@@ -85,12 +86,6 @@ def free_endpoint() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-
-
-def paired_ratio(ours: list[float], baseline: list[float]) -> float:
-    """The median over rounds of ours ÷ baseline measured back to back: the load of a shared machine changes
-    between rounds, much less within one pair."""
-    return statistics.median(a / b for a, b in zip(ours, baseline, strict=True))
 
 
 # --- transport ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ metric, and `async-rl train` with its learner on the GPU.
 These tests skip on a machine without CUDA (CI has none). On a GPU machine the rest of the learner's tests run
 there too: tests/test_learner.py and tests/test_learner_scale.py build their engines with learner.device auto, so
 they train on the GPU in fp32 (they compare runs to 1e-4, which bf16 cannot meet); the 2-rank ZeRO-3 test runs on
-the GPU only where there are two. Run on an H200 on 2026-11-26 (docs/benchmarks.md, "The learner on a GPU").
+the GPU only where there are two. Run on an H200 on 2026-11-26 (docs/benchmarks.md, "gpu_learner").
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_bf16_engine_keeps_fp32_master_weights_and_learns_what_fp32_learns(tmp_path):
-    """The same items, three steps each: bf16 (precision auto on a GPU) against fp32 on the same GPU. The losses
-    agree to bf16's precision, both raise the log-prob of the positively advantaged token, and the bf16 engine's
-    optimizer updates fp32 copies of bf16 weights."""
+    """The same items, three steps each: bf16 (precision auto on a GPU) against fp32 on the same GPU. The bf16
+    engine's optimizer updates fp32 copies of bf16 weights, the losses agree to bf16's precision, and each weight
+    tensor moves about as far in both."""
     results = {}
     for precision in ("auto", "fp32"):
         config = make_config(tmp_path / precision, learner={"precision": precision})

@@ -7,7 +7,6 @@ tests/test_learner.py (test_two_ranks_at_zero3_under_torchrun_train_like_one_pro
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -197,7 +196,7 @@ def test_each_rank_takes_its_own_gpu_and_a_rank_without_one_is_named():
     assert "--nproc_per_node" in str(raised.value) and "learner.device=cpu" in str(raised.value)
 
 
-def test_activation_checkpointing_is_enabled_under_either_name_transformers_gives_it():
+def test_activation_checkpointing_is_enabled_under_either_name_transformers_gives_it(tmp_path):
     """transformers 5.24 has activation_checkpointing_enable; 5.17 (the H200 image's) has only
     gradient_checkpointing_enable, and build_engine called the former there. The stand-in is a module with the
     older release's method alone (no such release is installed here)."""
@@ -214,7 +213,7 @@ def test_activation_checkpointing_is_enabled_under_either_name_transformers_give
     assert not activation_checkpointing_on(older)
     enable_activation_checkpointing(older)
     assert activation_checkpointing_on(older) and older.kwargs == {"use_reentrant": False}
-    current = load_model(prepare_model_dir(make_config(Path(tempfile.mkdtemp()))))
+    current = load_model(prepare_model_dir(make_config(tmp_path)))
     enable_activation_checkpointing(current)
     assert activation_checkpointing_on(current)
 
