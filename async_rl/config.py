@@ -207,8 +207,9 @@ class AlgoConfig(_Section):
     # of data, on the first item that trains it (its immediate item where one was trained, else its correction);
     # credit: on every trained action token, weighted by |its advantage in the item| (A_imm or C), so a token whose
     # stage credit and outcome disagree (an immediate push undone by its correction) gets more bonus than one whose
-    # credit came in one piece.
-    entropy_per: Literal["step", "new-token", "first-train", "credit"] = "step"
+    # credit came in one piece; credit-norm: the same weights scaled so that each batch gets new-token's bonus (one
+    # per token of data), none more than 4× the batch's mean (async_rl.loss.credit_bonus_weights).
+    entropy_per: Literal["step", "new-token", "first-train", "credit", "credit-norm"] = "step"
     # Adaptive entropy floor (docs/algorithm.md, "Entropy floor"), in nats per action token; 0 = off. While a
     # step's trained tokens have a mean entropy below it, the bonus coefficient grows by entropy_floor_step per
     # optimizer step; above it, it shrinks back: between entropy_coef and entropy_coef + entropy_floor_max.

@@ -299,7 +299,8 @@ def main() -> int:
                              "reach the phase where the baseline learns and plays longer episodes: at 60,000 they "
                              "see only its start and set half the delay needed)")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
-    parser.add_argument("--entropy-per", default="new-token", choices=["step", "new-token", "first-train", "credit"],
+    parser.add_argument("--entropy-per", default="new-token",
+                        choices=["step", "new-token", "first-train", "credit", "credit-norm"],
                         help="algo.entropy_per of every arm")
     parser.add_argument("--entropy-coef", type=float, default=None,
                         help="algo.entropy_coef of every arm (default the config's, 0.2)")

@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgoConfig, Config
-from async_rl.loss import LossStats, aggregate, bonus_rows, policy_loss, token_logprobs_and_entropy
+from async_rl.loss import (
+    LossStats,
+    aggregate,
+    bonus_rows,
+    credit_bonus_weights,
+    policy_loss,
+    token_logprobs_and_entropy,
+)
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate, collate_micro_batch
 from learner.engine import rank, world_size
@@ -163,7 +170,15 @@ def train_on_items(
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """This rank's share of a batch's items, in micro-batches: `train_on_micro_batches`."""
     micro = rank_micro_batches(items, rank(), world_size(), config)
-    return train_on_micro_batches(engine, reference, micro, version, config, entropy_boost)
+    return train_on_micro_batches(engine, reference, micro, version, config, entropy_boost, batch_credit(items, config))
+
+
+def batch_credit(items: list[TrainItem], config: Config) -> tuple[float, float]:
+    """The whole batch's `credit_bonus_weights` (every rank holds every item): read only under credit-norm."""
+    if config.algo.entropy_per != "credit-norm":
+        return 1.0, math.inf
+    whole = collate(items)
+    return credit_bonus_weights(whole.advantages, whole.loss_mask, whole.correction_tokens, config.algo)
 
 
 def train_on_batch(
@@ -171,12 +186,13 @@ def train_on_batch(
     config: Config, loss_scale: float = 1.0,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """One tensor batch as a single micro-batch: `train_on_micro_batches`."""
-    return train_on_micro_batches(engine, reference, [(batch, loss_scale)], version, config)
+    credit = credit_bonus_weights(batch.advantages, batch.loss_mask, batch.correction_tokens, config.algo)
+    return train_on_micro_batches(engine, reference, [(batch, loss_scale)], version, config, credit_weights=credit)
 
 
 def train_on_micro_batches(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    version: int, config: Config, entropy_boost: float = 0.0,
+    version: int, config: Config, entropy_boost: float = 0.0, credit_weights: tuple[float, float] = (1.0, math.inf),
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
@@ -188,7 +204,8 @@ def train_on_micro_batches(
     A non-finite input, loss (checked before each backward) or gradient (after the last) refuses the step: the
     gradients are zeroed, the optimizer does not step, the weights stay exactly as they were, and the batch's
     remaining epochs are not run. Fewer results than algo.ppo_epochs say so (none: nothing of the batch was trained).
-    `entropy_boost`: the entropy floor's extra bonus coefficient (`async_rl.loss.entropy_floor_boost`).
+    `entropy_boost`: the entropy floor's extra bonus coefficient (`async_rl.loss.entropy_floor_boost`);
+    `credit_weights`: the whole batch's (`async_rl.loss.credit_bonus_weights`, read under entropy_per=credit-norm).
     """
     algo, temperature, device = config.algo, config.rollout.temperature, engine.device
     if entropy_boost > 0:
@@ -219,6 +236,7 @@ def train_on_micro_batches(
                 logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
                 prox_logp=prox_logp[m], ref_logp=ref_logp[m], entropy=entropy,
                 entropy_rows=bonus_rows(batch.correction_tokens, batch.first_tokens, algo),
+                credit_weights=credit_weights,
             )
             scaled = loss * scale
             if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):

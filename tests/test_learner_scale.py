@@ -15,7 +15,7 @@ import torch
 
 from async_rl.config import Config, config_from_dict
 from async_rl.errors import ConfigError
-from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
+from async_rl.loss import bonus_rows, credit_bonus_weights, policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model
 from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
 from learner.batch import collate, collate_rows
@@ -30,7 +30,7 @@ from learner.engine import (
     select_precision,
 )
 from learner.pack import MicroBatch, balance_shards, pack_rows, padding_fraction, plan_shards
-from learner.step import rank_micro_batches, train_on_items
+from learner.step import batch_credit, rank_micro_batches, train_on_items
 from rollout.prepare import prepare_model_dir
 
 # This machine has no GPU: the device-selection tests pass torch's answer for one as a plain flag. That flag is
@@ -71,13 +71,16 @@ def random_items(config: Config, count: int = 10, seed: int = 0) -> list[TrainIt
     return items
 
 
-def loss_and_grads(model: torch.nn.Module, batch, config: Config, scale: float = 1.0):
-    """The project's loss (TIS form + entropy bonus) on one tensor batch, backward into `model`'s .grad."""
+def loss_and_grads(model: torch.nn.Module, batch, config: Config, scale: float = 1.0, credit=None):
+    """The project's loss (TIS form + entropy bonus) on one tensor batch, backward into `model`'s .grad; `credit`:
+    the whole batch's credit-norm weights (by default this batch's own)."""
     logits = model(**batch.model_inputs()).logits
     logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, entropy=True)
     rows = bonus_rows(batch.correction_tokens, batch.first_tokens, config.algo)
+    if credit is None:
+        credit = credit_bonus_weights(batch.advantages, batch.loss_mask, batch.correction_tokens, config.algo)
     loss, _ = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.staleness(0), batch.loss_mask,
-                          config.algo, entropy=entropy, entropy_rows=rows)
+                          config.algo, entropy=entropy, entropy_rows=rows, credit_weights=credit)
     (loss * scale).backward()
     return float(loss.detach()) * scale, logp
 
@@ -92,11 +95,12 @@ def setup(tmp_path_factory):
     return config, random_items(config)
 
 
-@pytest.mark.parametrize("entropy_per", ["step", "new-token", "first-train", "credit"])
+@pytest.mark.parametrize("entropy_per", ["step", "new-token", "first-train", "credit", "credit-norm"])
 def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
     """One packed row of all items (position ids, no attention mask) against one right-padded row per item; with
     the entropy bonus on correction items only (new-token), which a packed row mixes with immediate ones, or on
-    the tokens each item is the first to train (first-train: per token within a correction)."""
+    the tokens each item is the first to train (first-train: per token within a correction), or weighted by
+    credit scaled over the batch (credit-norm: the same scale and clip from either layout)."""
     base, items = setup
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "entropy_per": entropy_per})
     padded, packed = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
@@ -116,14 +120,18 @@ def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
         torch.testing.assert_close(g_packed[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "token-sum"])
+@pytest.mark.parametrize("aggregation,entropy_per", [("token-mean", "step"), ("seq-mean-token-sum", "step"),
+                                                     ("token-sum", "step"), ("token-sum", "credit-norm")])
 @pytest.mark.parametrize("packing", [True, False])
-def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, aggregation, packing):
+def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, aggregation, entropy_per, packing):
     """Two ranks' micro-batches (32-token budget), scaled and summed, then averaged over ranks as DeepSpeed does,
-    give the whole padded batch's loss and gradient."""
+    give the whole padded batch's loss and gradient; under credit-norm each micro-batch trains with the whole
+    batch's weights (`batch_credit`, as `train_on_items` passes them)."""
     base, items = setup
-    config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "aggregation": aggregation},
+    config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "aggregation": aggregation,
+                                                   "entropy_per": entropy_per},
                          learner={"micro_batch_tokens": 32, "packing": packing})
+    credit = batch_credit(items, config)
     whole, parts = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
     expected, _ = loss_and_grads(whole, collate(items), config)
     world, total, micro_counts = 2, 0.0, []
@@ -132,7 +140,7 @@ def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, agg
         micro_counts.append(len(micro))
         for batch, scale in micro:
             assert batch.tokens.numel() <= 32 or len(batch) == 1
-            loss, _ = loss_and_grads(parts, batch, config, scale / world)
+            loss, _ = loss_and_grads(parts, batch, config, scale / world, credit)
             total += loss
     assert micro_counts[0] == micro_counts[1] > 1
     assert total == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -240,13 +248,16 @@ def test_bad_learner_keys_are_named():
         make_config(Path("/unused"), learner={"device": "tpu"})
 
 
-def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_padded_batch(setup):
+@pytest.mark.parametrize("entropy_per", ["step", "credit-norm"])
+def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_padded_batch(setup, entropy_per):
     """Real DeepSpeed engines, two steps on the same batch: one padded micro-batch versus packed 24-token
-    micro-batches (accumulated, one optimizer step each) with activation checkpointing."""
+    micro-batches (accumulated, one optimizer step each) with activation checkpointing; the first step's loss is
+    the whole batch's (under credit-norm: with the whole batch's bonus weights in every micro-batch)."""
     base, items = setup
     results = []
+    algo = {"entropy_coef": 0.1, "kl_beta": 0.05, "entropy_per": entropy_per}
     for learner in ({"packing": False}, {"micro_batch_tokens": 24, "activation_checkpointing": True}):
-        config = make_config(Path(base.run.dir), learner=learner, algo={"entropy_coef": 0.1, "kl_beta": 0.05})
+        config = make_config(Path(base.run.dir), learner=learner, algo=algo)
         engine, reference = build_engine(config)
         try:
             assert activation_checkpointing_on(engine.module) == learner.get("activation_checkpointing", False)
@@ -260,6 +271,9 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
     (losses_a, stats_a, weights_a, version_a), (losses_b, stats_b, weights_b, version_b) = results
     assert version_a == version_b == 2
     assert losses_b == pytest.approx(losses_a, rel=1e-5)
+    whole, _ = loss_and_grads(load_model(prepare_model_dir(base)), collate(items), make_config(Path(base.run.dir),
+                                                                                               algo=algo))
+    assert losses_a[0] == pytest.approx(whole, rel=1e-5)  # the KL is 0 at the reference's weights
     for a, b in zip(stats_a, stats_b, strict=True):
         assert (b.is_ratio_mean, b.kl, b.entropy) == pytest.approx((a.is_ratio_mean, a.kl, a.entropy), rel=1e-5)
         assert b.is_ratio_max == pytest.approx(a.is_ratio_max, rel=1e-5)

@@ -10,6 +10,7 @@ from async_rl.config import AlgoConfig, load_config
 from async_rl.loss import (
     aggregate,
     bonus_rows,
+    credit_bonus_weights,
     entropy_floor_boost,
     importance_weights,
     k3_kl,
@@ -257,6 +258,45 @@ def test_entropy_per_credit_weights_each_tokens_bonus_by_its_advantage(model):
     model.zero_grad()
     loss.backward()  # it trains: the bonus reaches the model through the entropy
     assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("updates,paid", [("immediate+correction", 6.0), ("outcome-only", 10.0)])
+def test_entropy_per_credit_norm_pays_new_tokens_bonus_in_proportion_to_credit(model, updates, paid):
+    """entropy_per=credit-norm: the weights of credit (|A| on every trained token) scaled so that the batch's
+    bonus sums to new-token's (one per token of data: here the 6 correction tokens of immediate+correction, or all
+    10 trained tokens of outcome-only); a row without credit gets none."""
+    tokens, mask, _, staleness = batch(3)  # 4, 4 and 2 trained tokens
+    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
+    advantages = torch.zeros_like(mask)
+    advantages[0], advantages[1] = 1.5, -0.5  # Σ|A| over the trained tokens: 8; row 2: advantage 0
+    is_correction = torch.tensor([[0.0], [1.0], [1.0]]).expand_as(mask)
+    algo = AlgoConfig(updates=updates, entropy_coef=0.5, entropy_per="credit-norm", aggregation="token-sum")
+    assert bonus_rows(is_correction, mask, algo) is None
+    scale, clip = credit_bonus_weights(advantages, mask, is_correction, algo)
+    assert scale == pytest.approx(paid / 8) and clip == pytest.approx(4 * 0.8)
+    loss, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo, entropy=entropy,
+                          credit_weights=(scale, clip))
+    pg, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo)
+    weight = advantages.abs() * scale * mask
+    assert float(weight.sum()) == pytest.approx(paid)  # new-token's bonus, all of it
+    assert float(weight[2].sum()) == 0.0
+    expected = -0.5 * float((entropy.detach() * weight).sum()) / algo.token_norm
+    assert float(loss.detach() - pg.detach()) == pytest.approx(expected, rel=1e-5)
+    # any other rule leaves the weights as they are (credit: |A| itself)
+    assert credit_bonus_weights(advantages, mask, is_correction, AlgoConfig(entropy_per="credit")) == (1.0, math.inf)
+
+
+def test_entropy_per_credit_norm_caps_a_lone_credited_token_and_pays_nothing_without_credit():
+    """One token with credit among ten: it would take all ten tokens' bonus; the clip holds it to 4× the batch's
+    mean weight (4, not 10). A batch with no credit at all pays no bonus (scale 0)."""
+    mask = torch.zeros(2, 8)
+    mask[:, 3:] = 1  # 10 trained tokens
+    advantages = torch.zeros_like(mask)
+    advantages[0, 3] = 2.0
+    algo = AlgoConfig(updates="outcome-only", entropy_per="credit-norm")
+    scale, clip = credit_bonus_weights(advantages, mask, torch.ones_like(mask), algo)
+    assert float((advantages.abs().clamp(max=clip) * scale).max()) == pytest.approx(4.0)
+    assert credit_bonus_weights(torch.zeros_like(mask), mask, torch.ones_like(mask), algo) == (0.0, 0.0)
 
 
 def test_the_entropy_floor_raises_the_bonus_below_it_lowers_it_above_within_its_bounds():
