@@ -105,6 +105,8 @@ def bonus_rows(is_correction: torch.Tensor, first_trained: torch.Tensor, algo: A
 # credit-norm: no token's bonus weight passes this many times the batch's mean weight (one item with credit in a
 # batch of uncredited ones would otherwise take the whole batch's bonus)
 CREDIT_NORM_CLIP = 4.0
+# (scale, clip) that leave |A| as it is: `credit`'s weights, and what every rule but credit-norm passes
+UNSCALED_CREDIT = (1.0, math.inf)
 
 
 def credit_bonus_weights(
@@ -116,9 +118,9 @@ def credit_bonus_weights(
     |A|; clip = CREDIT_NORM_CLIP × the mean |A|, so no token gets more than CREDIT_NORM_CLIP × the batch's mean
     weight (what the clip cuts is not paid elsewhere). (0, 0) where no trained token has credit: no bonus.
     Per-token (B, T−1) tensors of the whole batch, so that every micro-batch and rank trains with the same
-    weights; under any other rule (1, inf), which leaves `credit` as it is."""
+    weights; under any other rule UNSCALED_CREDIT."""
     if algo.entropy_per != "credit-norm":
-        return 1.0, math.inf
+        return UNSCALED_CREDIT
     mask = mask.double()
     paid = mask if algo.updates in ("immediate-only", "outcome-only") else mask * is_correction.double()
     credit = float((advantages.double().abs() * mask).sum())
@@ -162,7 +164,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_rows: torch.Tensor | None = None,
-    credit_weights: tuple[float, float] = (1.0, math.inf),
+    credit_weights: tuple[float, float] = UNSCALED_CREDIT,
 ) -> tuple[torch.Tensor, LossStats]:
     """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1).
 

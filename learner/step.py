@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from async_rl.config import AlgoConfig, Config
 from async_rl.loss import (
+    UNSCALED_CREDIT,
     LossStats,
     aggregate,
     bonus_rows,
@@ -175,8 +176,8 @@ def train_on_items(
 
 def batch_credit(items: list[TrainItem], config: Config) -> tuple[float, float]:
     """The whole batch's `credit_bonus_weights` (every rank holds every item): read only under credit-norm."""
-    if config.algo.entropy_per != "credit-norm":
-        return 1.0, math.inf
+    if config.algo.entropy_per != "credit-norm":  # without building the whole batch's tensors
+        return UNSCALED_CREDIT
     whole = collate(items)
     return credit_bonus_weights(whole.advantages, whole.loss_mask, whole.correction_tokens, config.algo)
 
@@ -192,7 +193,7 @@ def train_on_batch(
 
 def train_on_micro_batches(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    version: int, config: Config, entropy_boost: float = 0.0, credit_weights: tuple[float, float] = (1.0, math.inf),
+    version: int, config: Config, entropy_boost: float = 0.0, credit_weights: tuple[float, float] = UNSCALED_CREDIT,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
