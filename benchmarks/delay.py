@@ -27,9 +27,13 @@ correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
 admission must let D updates' worth of groups be in flight, or it, not the rule, sets the pace (the default 4
 throttles an outcome-only arm while the judge is pending). A run stops at 0.8 success over the last 2,048
 trajectories (`replay.long_success_window`, the learner's stop rule), the env-step budget or the wall cap.
-Reported per (traps, D, arm): the best lr (fewest median env steps to 0.8, a missed seed counting as infinite) and
-its median env steps and wall seconds to 0.8; the ratios immediate+correction ÷ outcome-only+step, best lr vs best
-lr; `credit_dropped` and the seconds the guard held the learner, per run.
+`--batch-scales` sweeps the learner's batch beside the lr (`learner.batch_tokens` and `learner.min_batch_items` at
+a fraction of the config's): immediate+correction steps on every stage's items and so takes several times the
+optimizer steps per env step of outcome-only+step; a baseline given smaller batches takes more steps too, so that
+best against best compares the rules, not their step counts.
+Reported per (traps, D, arm): the best lr and batch scale (fewest median env steps to 0.8, a missed seed counting as
+infinite) and its median env steps and wall seconds to 0.8; the ratios immediate+correction ÷ outcome-only+step,
+best setting vs best setting; `credit_dropped` and the seconds the guard held the learner, per run.
 
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
@@ -50,6 +54,10 @@ lr; `credit_dropped` and the seconds the guard held the learner, per run.
     python benchmarks/delay.py --env hunt --d 50 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness 256 --parallel 2 --max-wall-s 1200 --budget 1000000 \
         --calibrate-steps 100000 --calibrate-tail 0.5 --fit-d 2 --out delay-hunt-d50-long
+    # the hunt's baseline with a quarter of the batch (~4x its optimizer steps), beside the config's, instant judge:
+    python benchmarks/delay.py --env hunt --d 0 --arms outcome-only+step --lrs 5e-4 --batch-scales 1,0.25 \
+        --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
+        --calibrate-steps 100000 --calibrate-tail 0.5 --out delay-hunt-d0-batch
 
 Each finished run (and calibration) is saved under `benchmarks/out/<--out>/done/` as soon as it ends; `--reuse`
 keeps those of an interrupted invocation with the same arguments and runs only the missing ones. With
@@ -87,6 +95,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
     train,
 )
 
+from async_rl.config import LearnerConfig  # noqa: E402
 from learner.metrics import GuardWatch  # noqa: E402
 
 ARMS = {
@@ -95,6 +104,7 @@ ARMS = {
     "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
 }
 TARGET, WINDOW = 0.8, 2048
+BATCH_TOKENS, MIN_BATCH_ITEMS = LearnerConfig().batch_tokens, LearnerConfig().min_batch_items
 HALF = 0.5  # a second, lower target: where neither arm reaches 0.8 within the cap, how fast each got half-way
 STEP_LATENCY_S = 0.01  # a tool call: every trajectory waits a little, as in slow_judge
 
@@ -198,7 +208,8 @@ def held_too_long(runs: Iterable[dict], share: float = 0.25) -> list[str]:
     """The runs whose guard held the learner over `share` of their wall time. The bound counts learner versions:
     an arm that also steps on immediate items spans ~3x the versions per judge delay (docs/benchmarks.md, "delay"),
     so a bound sized from D throttles it and its wall time measures the bound, not the rule."""
-    return [f"{label(m['traps'])}-D{m['d']:g}-{m['arm']}-lr{m['lr']:g}-seed{m['seed']}" for m in runs
+    return [f"{label(m['traps'])}-D{m['d']:g}-{m['arm']}-{setting_key(m['lr'], m.get('batch_scale', 1.0))}"
+            f"-seed{m['seed']}" for m in runs
             if m.get("guard_held_s") and m.get("wall_s") and m["guard_held_s"] > share * m["wall_s"]]
 
 
@@ -209,15 +220,15 @@ def at_least(runs: list[dict], reached: str, end: str) -> float | None:
     return None if not values or None in values else median_or_none(values)
 
 
-def best_lr(per_lr: dict[float, dict]) -> float:
-    """An arm's best lr: the fewest median env steps to 0.8; where no lr's median reached it, the lowest bound on it
-    (misses counted at their end), so the ratio is bounded with the lr most favourable to that arm (then the higher
-    success at the end)."""
-    def key(lr: float) -> tuple[bool, float, float]:
-        cell = per_lr[lr]
+def best_setting(per_setting: dict[tuple[float, float], dict]) -> tuple[float, float]:
+    """An arm's best (lr, batch scale): the fewest median env steps to 0.8; where no setting's median reached it, the
+    lowest bound on it (misses counted at their end), so the ratio is bounded with the setting most favourable to
+    that arm (then the higher success at the end)."""
+    def key(setting: tuple[float, float]) -> tuple[bool, float, float]:
+        cell = per_setting[setting]
         steps = cell["env_steps"] if cell["env_steps"] is not None else cell["env_steps_at_least"]
         return cell["env_steps"] is None, math.inf if steps is None else steps, -(cell["final_success"] or 0.0)
-    return min(per_lr, key=key)
+    return min(per_setting, key=key)
 
 
 def censored(ours: dict, theirs: dict, key: str) -> tuple[float | None, float | None]:
@@ -256,6 +267,29 @@ def bound_arg(value: str) -> str:
     return value
 
 
+def scales_arg(value: str) -> list[float]:
+    try:
+        scales = [float(s) for s in value.split(",")]
+    except ValueError:
+        scales = []
+    if not scales or not all(math.isfinite(s) and 0 < s <= 1 for s in scales):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in (0, 1], got {value!r}")
+    return scales
+
+
+def batch_overrides(scale: float) -> list[str]:
+    """The learner's batch at `scale` x the config's: its token budget and the items it waits for (scale 1: none)."""
+    if scale == 1:
+        return []
+    return [f"learner.batch_tokens={max(1, round(BATCH_TOKENS * scale))}",
+            f"learner.min_batch_items={max(1, round(MIN_BATCH_ITEMS * scale))}"]
+
+
+def setting_key(lr: float, scale: float) -> str:
+    """A run's lr (and batch scale, where not 1) in its key: lr0.0005, lr0.0005-b0.25."""
+    return f"lr{lr:g}" if scale == 1 else f"lr{lr:g}-b{scale:g}"
+
+
 def label(traps: int | str) -> str:
     """A setting's name in run keys and result cells: traps2, traps0, hunt."""
     return "hunt" if traps == "hunt" else f"traps{traps}"
@@ -281,6 +315,10 @@ def main() -> int:
                              "judge delayed by env.kwargs.judge_delay_s; --traps ignored)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"arms (default all: {', '.join(ARMS)})")
     parser.add_argument("--lrs", default="2.5e-4,5e-4,1e-3", help="learner.lr sweep per arm")
+    parser.add_argument("--batch-scales", default="1", type=scales_arg, metavar="S,...",
+                        help="a sweep of the learner's batch size per arm, beside the lr: learner.batch_tokens and "
+                             f"learner.min_batch_items at S x the config's ({BATCH_TOKENS}, {MIN_BATCH_ITEMS}); "
+                             "0.25 takes ~4x the optimizer steps per env step (default 1: the config's)")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--budget", type=int, default=400_000, help="env steps per run")
     parser.add_argument("--max-wall-s", type=float, default=900.0, help="wall cap per run")
@@ -336,6 +374,7 @@ def main() -> int:
     traps_list: list[int | str] = ["hunt"] if args.env == "hunt" else [int(t) for t in args.traps.split(",")]
     arms = chosen(parser, "--arms", args.arms, ARMS)
     lrs = [float(lr) for lr in args.lrs.split(",")]
+    settings = [(lr, scale) for lr in lrs for scale in args.batch_scales]
     out_dir = OUT_DIR / (args.out or ("delay-quick" if args.quick else "delay"))
     done_dir = out_dir / "done"  # one JSON per finished run or calibration, written as soon as it finishes
     done_dir.mkdir(parents=True, exist_ok=True)
@@ -390,17 +429,18 @@ def main() -> int:
             # seed outermost and arm innermost: with --parallel 2 the arms of one seed and lr run side by side,
             # under the same load
             for seed in range(args.seeds):
-                for lr in lrs:
+                for lr, scale in settings:
                     for arm in arms:
-                        key = f"{label(traps)}-D{d:g}-{arm}-lr{lr:g}-seed{seed}"
+                        key = f"{label(traps)}-D{d:g}-{arm}-{setting_key(lr, scale)}-seed{seed}"
                         overrides = [*ARMS[arm], *common, *env_overrides(traps),
                                      f"{delay_key(traps)}={delay}", f"algo.max_staleness={max_staleness}",
                                      f"algo.max_correction_staleness={bound}", f"learner.lr={lr}",
+                                     *batch_overrides(scale),
                                      f"run.seed={seed}", f"env.kwargs.seed={seed}", f"env.seed={seed}",
                                      f"run.max_env_steps={args.budget}",
                                      f"run.max_wall_s={args.max_wall_s}"]
-                        meta = {"traps": traps, "d": d, "arm": arm, "lr": lr, "seed": seed, "delay_s": delay,
-                                "max_staleness": max_staleness, "max_correction_staleness": bound,
+                        meta = {"traps": traps, "d": d, "arm": arm, "lr": lr, "batch_scale": scale, "seed": seed,
+                                "delay_s": delay, "max_staleness": max_staleness, "max_correction_staleness": bound,
                                 "per_update": per_update}
                         jobs.append((key, overrides, meta))
 
@@ -442,11 +482,12 @@ def main() -> int:
         for d in ds:
             best: dict[str, dict] = {}
             for arm in arms:
-                per_lr = {}
-                for lr in lrs:
+                per_setting = {}
+                for lr, scale in settings:
                     runs = [m for m in result["runs"].values()
-                            if (m["traps"], m["d"], m["arm"], m["lr"]) == (traps, d, arm, lr)]
-                    per_lr[lr] = {
+                            if (m["traps"], m["d"], m["arm"], m["lr"], m.get("batch_scale", 1.0))
+                            == (traps, d, arm, lr, scale)]
+                    per_setting[lr, scale] = {
                         "env_steps": median_or_none([m["env_steps_to_target"] for m in runs]),
                         "wall_s": median_or_none([m["wall_s_to_target"] for m in runs]),
                         "reached": sum(m["env_steps_to_target"] is not None for m in runs),
@@ -464,11 +505,12 @@ def main() -> int:
                         "env_steps_at_least": at_least(runs, "env_steps_to_target", "env_steps_end"),
                         "wall_s_at_least": at_least(runs, "wall_s_to_target", "wall_s"),
                     }
-                lr_best = best_lr(per_lr)
-                best[arm] = {"lr": lr_best, **per_lr[lr_best], "per_lr": per_lr}
+                lr_best, scale_best = best_setting(per_setting)
+                best[arm] = {"lr": lr_best, "batch_scale": scale_best, **per_setting[lr_best, scale_best],
+                             "per_setting": {setting_key(*k): v for k, v in per_setting.items()}}
                 b = best[arm]
                 rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"),
-                             fmt(b["d_from_updates"], ".1f", "n/a"), arm, f"{lr_best:g}",
+                             fmt(b["d_from_updates"], ".1f", "n/a"), arm, f"{lr_best:g}", f"{scale_best:g}",
                              f"{b['reached']}/{b['seeds']}", fmt(b["env_steps"], ",.0f"), fmt(b["wall_s"], ".0f"),
                              f"{b['reached_half']}/{b['seeds']}", fmt(b["env_steps_half"], ",.0f"),
                              fmt(b["wall_s_half"], ".0f"), fmt(b["final_success"], ".2f", "n/a"),
@@ -487,8 +529,8 @@ def main() -> int:
                                           **bounds(ours, theirs)}
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "reached",
-               "env steps to 0.8", "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5",
+    columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "batch scale",
+               "reached", "env steps to 0.8", "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5",
                "success at end", "credit dropped", "guard held s", "bound needed"]
     caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
         ratio_text(cell, r) for cell, r in result["ratios"].items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from async_rl.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,6 +219,44 @@ def test_delay_best_lr_where_an_arm_misses_at_every_lr_is_its_lowest_bound(tmp_p
     assert result["ratios"]["traps2-D10"]["env_steps_at_least"] == 1.5
 
 
+def test_delay_batch_scales_sweep_the_batch_beside_the_lr(tmp_path):
+    """`--batch-scales 1,0.25` runs every arm at the config's batch and at a quarter of it (keys `-b0.25`); each
+    arm's best is taken over (lr, batch scale), so a baseline that learns faster with more optimizer steps per env
+    step is compared at that batch."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-hunt.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    kept = {("outcome-only+step", "lr0.0005"): 200_000, ("outcome-only+step", "lr0.0005-b0.25"): 90_000,
+            ("immediate+correction", "lr0.0005"): 80_000, ("immediate+correction", "lr0.0005-b0.25"): 120_000}
+    for (arm, setting), steps in kept.items():
+        (done / f"hunt-D0-{arm}-{setting}-seed0.json").write_text(json.dumps({
+            "traps": "hunt", "d": 0.0, "arm": arm, "lr": 0.0005, "batch_scale": 0.25 if "-b" in setting else 1.0,
+            "seed": 0, "delay_s": 0.0, "per_update": 50.0, "max_staleness": 4, "max_correction_staleness": 16,
+            "env_steps_to_target": steps, "wall_s_to_target": steps / 1000, "d_measured": 0.0, "credit_dropped": 0,
+            "guard_held_s": 0.0}))
+    result = kept_delay(tmp_path, "--env", "hunt", "--d", "0", "--arms", BOTH_ARMS, "--lrs", "5e-4",
+                        "--batch-scales", "1,0.25", "--seeds", "1")
+    best = result["best"]["hunt-D0"]
+    assert (best["outcome-only+step"]["lr"], best["outcome-only+step"]["batch_scale"]) == (0.0005, 0.25)
+    assert best["immediate+correction"]["batch_scale"] == 1.0
+    assert set(best["outcome-only+step"]["per_setting"]) == {"lr0.0005", "lr0.0005-b0.25"}
+    assert result["ratios"]["hunt-D0"]["env_steps"] == 80_000 / 90_000  # best against best
+    assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
+
+
+def test_delay_batch_scale_overrides_make_a_valid_config():
+    """A batch scale sets the learner's token budget and the items it waits for, both at that fraction (at least 1):
+    a config the CLI accepts."""
+    spec = importlib.util.spec_from_file_location("delay", REPO / "benchmarks" / "delay.py")
+    delay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(delay)
+    assert delay.batch_overrides(1.0) == []
+    assert delay.batch_overrides(0.25) == ["learner.batch_tokens=1024", "learner.min_batch_items=16"]
+    assert delay.batch_overrides(0.001) == ["learner.batch_tokens=4", "learner.min_batch_items=1"]
+    config = load_config(None, delay.batch_overrides(0.25))
+    assert (config.learner.batch_tokens, config.learner.min_batch_items) == (1024, 16)
+
+
 @pytest.mark.parametrize(("env", "setting", "fit_steps"), [("trap", "traps0", 60_000), ("hunt", "hunt", 200_000)])
 def test_delay_fit_reuses_kept_refits_in_order(tmp_path, env, setting, fit_steps):
     """`--fit-d 2` refits the judge delay twice under the judge; with `--reuse` the two kept refits are taken from
@@ -240,7 +281,8 @@ def test_delay_fit_reuses_kept_refits_in_order(tmp_path, env, setting, fit_steps
 
 
 @pytest.mark.parametrize("flag", [("--fit-d", "-1"), ("--entropy-coef", "-0.1"), ("--entropy-coef", "nan"),
-                                  ("--entropy-floor", "-1"), ("--entropy-floor", "inf")])
+                                  ("--entropy-floor", "-1"), ("--entropy-floor", "inf"), ("--batch-scales", "0"),
+                                  ("--batch-scales", "1,x"), ("--batch-scales", "2")])
 def test_delay_names_a_bad_count_or_coefficient(flag):
     finished = subprocess.run([sys.executable, str(REPO / "benchmarks" / "delay.py"), *flag],
                               capture_output=True, text=True, timeout=60, cwd=REPO)
