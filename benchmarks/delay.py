@@ -104,7 +104,8 @@ ARMS = {
     "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
 }
 TARGET, WINDOW = 0.8, 2048
-BATCH_TOKENS, MIN_BATCH_ITEMS = LearnerConfig().batch_tokens, LearnerConfig().min_batch_items
+LEARNER_DEFAULTS = LearnerConfig()  # what --batch-scales scales
+BATCH_TOKENS, MIN_BATCH_ITEMS = LEARNER_DEFAULTS.batch_tokens, LEARNER_DEFAULTS.min_batch_items
 HALF = 0.5  # a second, lower target: where neither arm reaches 0.8 within the cap, how fast each got half-way
 STEP_LATENCY_S = 0.01  # a tool call: every trajectory waits a little, as in slow_judge
 
@@ -208,8 +209,7 @@ def held_too_long(runs: Iterable[dict], share: float = 0.25) -> list[str]:
     """The runs whose guard held the learner over `share` of their wall time. The bound counts learner versions:
     an arm that also steps on immediate items spans ~3x the versions per judge delay (docs/benchmarks.md, "delay"),
     so a bound sized from D throttles it and its wall time measures the bound, not the rule."""
-    return [f"{label(m['traps'])}-D{m['d']:g}-{m['arm']}-{setting_key(m['lr'], m.get('batch_scale', 1.0))}"
-            f"-seed{m['seed']}" for m in runs
+    return [run_key(m["traps"], m["d"], m["arm"], m["lr"], m.get("batch_scale", 1.0), m["seed"]) for m in runs
             if m.get("guard_held_s") and m.get("wall_s") and m["guard_held_s"] > share * m["wall_s"]]
 
 
@@ -288,6 +288,12 @@ def batch_overrides(scale: float) -> list[str]:
 def setting_key(lr: float, scale: float) -> str:
     """A run's lr (and batch scale, where not 1) in its key: lr0.0005, lr0.0005-b0.25."""
     return f"lr{lr:g}" if scale == 1 else f"lr{lr:g}-b{scale:g}"
+
+
+def run_key(traps: int | str, d: float, arm: str, lr: float, scale: float, seed: int) -> str:
+    """A run's name: its folder and its file in done/ (what --reuse matches), e.g.
+    hunt-D0-outcome-only+step-lr0.0005-seed0."""
+    return f"{label(traps)}-D{d:g}-{arm}-{setting_key(lr, scale)}-seed{seed}"
 
 
 def label(traps: int | str) -> str:
@@ -431,7 +437,7 @@ def main() -> int:
             for seed in range(args.seeds):
                 for lr, scale in settings:
                     for arm in arms:
-                        key = f"{label(traps)}-D{d:g}-{arm}-{setting_key(lr, scale)}-seed{seed}"
+                        key = run_key(traps, d, arm, lr, scale, seed)
                         overrides = [*ARMS[arm], *common, *env_overrides(traps),
                                      f"{delay_key(traps)}={delay}", f"algo.max_staleness={max_staleness}",
                                      f"algo.max_correction_staleness={bound}", f"learner.lr={lr}",
