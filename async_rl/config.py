@@ -105,6 +105,10 @@ class RolloutConfig(_Section):
     max_new_tokens: PosInt | None = None
     stop: list[str] = []  # stop strings: a turn's action ends right after the first one it produces
     max_inflight: PosInt = 32  # trajectories one worker keeps going at once, across groups (>= group_size)
+    # Where the built-in torch engine runs (the sglang engine ignores it: its servers have their own GPUs). cpu: the
+    # default, so the workers leave a local GPU to the learner; cuda: each worker loads the model onto the current
+    # GPU (fp32, as the learner publishes it or upcast from bf16); auto: cuda when torch sees one.
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
     ack_timeout_s: PosFloat = 5.0  # resend an unacknowledged record after this long
     heartbeat_s: PosFloat = 2.0
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)

@@ -116,14 +116,32 @@ def _check_run_dir_creatable(run_dir: Path) -> None:
 
 
 def preflight(config: Config, resume: bool = False) -> None:
-    """What `async-rl train` can refuse before importing torch (seconds on a busy machine) or creating anything:
-    a missing or invalid model.path, missing CURVE keys, a run directory that cannot be created. Raises ConfigError
-    naming the path."""
+    """What `async-rl train` can refuse before creating anything, and before importing torch (seconds on a busy
+    machine) unless a device is set to cuda: a missing or invalid model.path, cuda without a GPU, missing CURVE keys,
+    a run directory that cannot be created. Raises ConfigError naming the path or the key."""
     configured_model_path(config)
+    _check_devices(config)
     for role in ROLES:  # security.curve_dir: every role's key files are there (all roles run here)
         load_keys(config, role)
     if not resume:
         _check_run_dir_creatable(_fresh_run_dir(config).run_dir)
+
+
+def _check_devices(config: Config) -> None:
+    """learner.device or rollout.device (torch engine) set to cuda on a machine where torch sees no GPU: refused
+    here, before any role starts (a rollout worker that found out itself would be restarted to the same error).
+    torch is imported only when cuda is asked for."""
+    asked = [("learner.device", config.learner.device)]
+    if config.rollout.engine == "torch":
+        asked.append(("rollout.device", config.rollout.device))
+    asked = [(key, value) for key, value in asked if value == "cuda"]
+    if asked:
+        import torch
+
+        from async_rl.model import resolve_device
+
+        for key, value in asked:
+            resolve_device(value, key, torch.cuda.is_available())
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -135,6 +135,17 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def resolve_device(setting: str, key: str, cuda_available: bool) -> str:
+    """A `device` setting ("auto", "cpu" or "cuda") resolved to "cuda" or "cpu": auto is cuda when torch sees a GPU.
+    `key` names the setting in the error (learner.device, rollout.device). The caller passes
+    torch.cuda.is_available(); tests pass the answer of a machine they are not on."""
+    if setting == "cuda" and not cuda_available:
+        raise ConfigError(f"{key}: cuda was asked for but torch sees no CUDA device (set auto or cpu)")
+    if setting == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return setting
+
+
 def load_weights(model: torch.nn.Module, path: Path) -> None:
     missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
     if unexpected or [k for k in missing if "rotary" not in k]:

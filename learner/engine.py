@@ -27,7 +27,7 @@ from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from async_rl.config import Config, LearnerConfig
 from async_rl.errors import AsyncRLError, ConfigError
-from async_rl.model import load_model, wait_for_model_dir
+from async_rl.model import load_model, resolve_device, wait_for_model_dir
 
 log = logging.getLogger("async_rl.learner")
 
@@ -41,13 +41,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 
 
 def select_device(learner: LearnerConfig, cuda_available: bool) -> str:
-    """learner.device resolved: "cuda" or "cpu" (auto: cuda when torch sees a GPU). The caller passes
-    torch.cuda.is_available(); tests pass the answer of a machine they are not on."""
-    if learner.device == "cuda" and not cuda_available:
-        raise ConfigError("learner.device: cuda was asked for but torch sees no CUDA device (set auto or cpu)")
-    if learner.device == "auto":
-        return "cuda" if cuda_available else "cpu"
-    return learner.device
+    """learner.device resolved: "cuda" or "cpu" (auto: cuda when torch sees a GPU)."""
+    return resolve_device(learner.device, "learner.device", cuda_available)
 
 
 def select_precision(learner: LearnerConfig, device: str, bf16_supported: bool) -> str:

@@ -22,7 +22,7 @@ from async_rl.errors import AsyncRLError
 from async_rl.model import load_tokenizer
 from rollout.agent import Episode, EpisodeRunner, sampling_params
 from rollout.engines import Generation, InferenceEngine, SamplingParams
-from rollout.engines.torch_engine import TorchEngine
+from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks
 from rollout.prepare import load_env, prepare_model_dir
 
@@ -128,7 +128,7 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blin
                            "(set run.dir / run.name, or --config <run_dir>/config.yaml)")
     model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(model_dir, seed=seed)
+    engine = TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout))
     version, path = latest_weights(config.run_dir)
     if path is not None:
         engine.update_weights(version, str(path))

@@ -43,7 +43,7 @@ from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
-from rollout.engines.torch_engine import TorchEngine
+from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import Judgement, checked_tasks
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
@@ -104,7 +104,7 @@ def make_engine(config: Config, model_dir: Path, seed: int, stop: threading.Even
         from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
 
         return SGLangEngine(config.rollout.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
-    return TorchEngine(model_dir, seed=seed)
+    return TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout))
 
 
 class WeightsFollower:

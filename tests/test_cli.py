@@ -1,4 +1,5 @@
-"""The `async-rl` command line: every documented form parses, and each role's --help describes that role."""
+"""The `async-rl` command line: every documented form parses (every `async-rl` line in README and docs loads its
+config), and each role's --help describes that role."""
 
 from __future__ import annotations
 
@@ -63,3 +64,71 @@ def test_resume_names_what_is_wrong_before_anything_starts(tmp_path, capsys):
     assert "leave out --config" in capsys.readouterr().err
     args = parse_args(["train", "--resume", "runs/local", "run.max_versions=20"])
     assert args.resume == "runs/local" and args.overrides == ["run.max_versions=20"]
+
+
+def documented_commands() -> list[tuple[str, str, str | None]]:
+    """Every `async-rl ROLE ...` line inside a ``` block of README.md and docs/*.md (continuation lines joined, an
+    env-var prefix such as `PYTHONPATH=.` and a trailing `# comment` dropped), where it was found, and the error the
+    docs say it gives (a next line `# async-rl: config error: ...`), if any."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    found: list[list] = []
+    for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        in_block, pending = False, ""
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                in_block, pending = not in_block, ""
+                continue
+            if not in_block:
+                continue
+            stripped = line.strip()
+            expected = stripped.removeprefix("# async-rl: config error: ")
+            if expected != stripped and found and found[-1][0] == f"{doc.name}:{number - 1}":
+                found[-1][2] = expected
+                continue
+            line = pending + stripped
+            if line.endswith("\\"):
+                pending = line[:-1] + " "
+                continue
+            pending = ""
+            command = re.sub(r"\s+#\s.*$", "", line)
+            command = re.sub(r"^(\w+=\S*\s+)+", "", command)  # PYTHONPATH=. async-rl ...
+            for part in re.split(r"\s*(?:&&|;)\s*", command):
+                if part.startswith("async-rl "):
+                    found.append([f"{doc.name}:{number}", part, None])
+    return [tuple(entry) for entry in found]
+
+
+@pytest.mark.parametrize("where, command, error", documented_commands(), ids=lambda value: value)
+def test_every_documented_async_rl_command_parses_and_its_config_loads(where, command, error, monkeypatch):
+    """The docs print these exactly; each must parse, and its config file plus overrides must load (what `async-rl`
+    checks before starting anything), or fail with the error the docs print under it. `async-rl train --config FILE
+    key=value` was once documented and broken."""
+    import shlex
+    from pathlib import Path
+
+    from async_rl.config import load_config
+    from async_rl.errors import ConfigError
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the docs' paths (configs/...) are the repo's
+    argv = shlex.split(command)[1:]
+    if "--help" in argv:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0, where
+        return
+    args = parse_args(argv)
+    if args.role == "keys":
+        assert args.dir, where
+        return
+    assert args.role in ROLES, where
+    if getattr(args, "resume", None):
+        return
+    if error is None:
+        load_config(args.config, args.overrides)
+    else:
+        with pytest.raises(ConfigError) as info:
+            load_config(args.config, args.overrides)
+        assert str(info.value) == error, where

@@ -1,5 +1,5 @@
 """The learner on a real NVIDIA GPU: bf16 weights and activations with fp32 master weights, NCCL, the GPU memory
-metric, and `async-rl train` with its learner on the GPU.
+metric, and `async-rl train` with its learner on the GPU; the built-in rollout engine there too (rollout.device).
 
 These tests skip on a machine without CUDA (CI has none). On a GPU machine the rest of the learner's tests run
 there too: tests/test_learner.py and tests/test_learner_scale.py build their engines with learner.device auto, so
@@ -18,9 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from async_rl.model import load_model, load_weights
+from async_rl.loss import token_logprobs
+from async_rl.model import load_model, load_weights, save_weights
 from learner.engine import build_engine
 from learner.step import train_on_items
+from rollout.engines import SamplingParams
+from rollout.engines.torch_engine import TorchEngine
 from rollout.prepare import prepare_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -102,3 +105,41 @@ def test_async_rl_train_with_its_learner_on_the_gpu(tmp_path):
              if line.endswith("}")]
     learner = [line for line in lines if "gpu_peak_gib" in line]
     assert len(learner) >= 60 and all(line["gpu_peak_gib"] > 0 for line in learner)
+
+
+def test_the_built_in_engine_on_the_gpu_samples_the_log_probs_the_cpu_recomputes(tmp_path):
+    """rollout.device=cuda: TorchEngine on the GPU (fp32). Its behaviour log-probs equal a full-sequence
+    recomputation on the CPU (what the learner's importance ratio relies on), and bf16 weights as a bf16 learner
+    publishes them load into its fp32 model."""
+    model_dir = prepare_model_dir(make_config(tmp_path))
+    engine = TorchEngine(model_dir, seed=0, device="cuda")
+    assert {p.device.type for p in engine.model.parameters()} == {"cuda"}
+    prompts = [[5, 9, 3, 11], [7], [4, 12, 6]]
+    generations = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    model = load_model(model_dir).eval()
+    for prompt, generation in zip(prompts, generations, strict=True):
+        tokens = torch.tensor([prompt + generation.token_ids])
+        with torch.no_grad():
+            expected = token_logprobs(model(tokens).logits, tokens, 1.0)[0, len(prompt) - 1 :]
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-4, rtol=0)
+    moved = {name: (value + 0.1).to(torch.bfloat16) for name, value in model.state_dict().items()}
+    save_weights(moved, tmp_path / "v3.safetensors")
+    engine.update_weights(3, str(tmp_path / "v3.safetensors"))
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert all(g.versions == [3] * 2 for g in engine.generate(prompts, SamplingParams(max_new_tokens=2)))
+
+
+def test_async_rl_train_with_learner_and_rollout_on_the_gpu(tmp_path):
+    """`async-rl train learner.device=cuda rollout.device=cuda`: the learner and two rollout workers share the GPU;
+    the run trains and stops at its budget."""
+    done = subprocess.run(
+        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=gpu", "learner.device=cuda",
+         "rollout.device=cuda", "rollout.workers=2", "run.max_versions=30", "run.eval_samples_per_task=0",
+         "wandb.mode=disabled"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["versions"] == 30 and summary["env_steps"] > 0
+    for worker in ("rollout-0", "rollout-1"):
+        assert "built-in engine on cuda" in (tmp_path / "gpu" / "logs" / f"{worker}.log").read_text()

@@ -271,17 +271,24 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
     (losses_a, stats_a, weights_a, version_a), (losses_b, stats_b, weights_b, version_b) = results
     assert version_a == version_b == 2
     assert losses_b == pytest.approx(losses_a, rel=1e-5)
-    whole, _ = loss_and_grads(load_model(prepare_model_dir(base)), collate(items), make_config(Path(base.run.dir),
-                                                                                               algo=algo))
+    padded = load_model(prepare_model_dir(base))
+    whole, _ = loss_and_grads(padded, collate(items), make_config(Path(base.run.dir), algo=algo))
     assert losses_a[0] == pytest.approx(whole, rel=1e-5)  # the KL is 0 at the reference's weights
     for a, b in zip(stats_a, stats_b, strict=True):
         assert (b.is_ratio_mean, b.kl, b.entropy) == pytest.approx((a.is_ratio_mean, a.kl, a.entropy), rel=1e-5)
         assert b.is_ratio_max == pytest.approx(a.is_ratio_max, rel=1e-5)
     initial = load_model(prepare_model_dir(base)).state_dict()
     assert max(float((weights_a[k] - v).abs().max()) for k, v in initial.items()) > 5e-4  # two steps of lr 5e-4
-    # Adam divides by the gradient's scale, so float rounding in near-zero gradients shows up as ~1e-6 here
+    # Adam divides by the gradient's scale: where a gradient is near its eps (1e-8), float rounding moves the step
+    # itself. On an H100 one element of 8,192 in one tensor had a gradient of 7e-9 (1e-5 of that tensor's median)
+    # and differed by 8.4e-6 between the layouts. Those elements are held to the learning rate's scale; the rest
+    # to 5e-6.
+    first_grads = {name: p.grad for name, p in padded.named_parameters() if p.grad is not None}
     for name, weight in weights_a.items():
-        torch.testing.assert_close(weights_b[name], weight, rtol=1e-5, atol=5e-6, msg=name)
+        tiny = first_grads[name].abs() < 1e-7 if name in first_grads else torch.zeros_like(weight, dtype=torch.bool)
+        torch.testing.assert_close(weights_b[name][~tiny], weight[~tiny], rtol=1e-5, atol=5e-6,
+                                   msg=lambda text, name=name: f"{name}: {text}")
+        assert all(float(d) <= 4 * base.learner.lr for d in (weights_b[name][tiny] - weight[tiny]).abs()), name
 
 
 def test_a_world_of_one_clips_gradients_with_torch_before_the_step(setup, monkeypatch):

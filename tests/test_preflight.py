@@ -1,5 +1,5 @@
-"""`async-rl train` refuses what it can before importing torch or creating anything: exit 2, one line naming the
-path, nothing on disk."""
+"""`async-rl train` refuses what it can before creating anything (and before importing torch, unless a device is set
+to cuda): exit 2, one line naming the path or the key, nothing on disk."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,3 +73,34 @@ def test_the_writability_probe_names_the_path_when_the_filesystem_refuses(tmp_pa
                                           f"{tmp_path} is not writable"):
         launcher.preflight(config)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here: cuda is not refused")
+@pytest.mark.parametrize("key", ["learner.device", "rollout.device"])
+def test_cuda_without_a_gpu_is_refused_at_once_and_creates_nothing(tmp_path, key):
+    """A worker that found out for itself would exit 2 and be restarted to the same error while the learner trained
+    on nothing until run.max_wall_s (seen: exit 0 after the wall-clock budget, 0 env steps)."""
+    runs = tmp_path / "runs"
+    done = train(tmp_path, f"run.dir={runs}", f"{key}=cuda")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"async-rl train: {key}: cuda was asked for but torch sees no CUDA device (set auto or cpu)")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_rollout_device_is_the_torch_engines_alone(tmp_path):
+    """rollout.device sets where the built-in engine runs; an SGLang run's servers have their own GPUs, so the
+    setting is not checked there."""
+    from async_rl import launcher
+    from async_rl.config import config_from_dict
+    from async_rl.errors import ConfigError
+
+    sglang = config_from_dict({"run": {"dir": str(tmp_path / "a")},
+                               "rollout": {"engine": "sglang", "device": "cuda",
+                                           "sglang": {"urls": ["http://127.0.0.1:1"]}}})
+    launcher.preflight(sglang)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="rollout.device: cuda"):
+            launcher.preflight(config_from_dict({"run": {"dir": str(tmp_path / "b")}, "rollout": {"device": "cuda"}}))
+    with pytest.raises(ConfigError, match="rollout.device"):
+        config_from_dict({"rollout": {"device": "gpu"}})

@@ -17,10 +17,16 @@ from pathlib import Path
 
 import torch
 
-from async_rl.model import load_model, load_tokenizer, load_weights
+from async_rl.config import RolloutConfig
+from async_rl.model import load_model, load_tokenizer, load_weights, resolve_device
 from rollout.engines.base import Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
+
+
+def configured_device(rollout: RolloutConfig) -> str:
+    """rollout.device resolved on this machine ("cpu" or "cuda"); ConfigError for cuda without a GPU."""
+    return resolve_device(rollout.device, "rollout.device", torch.cuda.is_available())
 
 
 class TorchEngine:
@@ -31,6 +37,8 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.pad_id = self.model.config.pad_token_id or 0  # any id works: padding is masked out
         self.version = 0  # the model directory holds the version-0 weights
+        log.info("built-in engine on %s (%s parameters, fp32)", self.device,
+                 f"{sum(p.numel() for p in self.model.parameters()):,}")
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
