@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from async_rl.errors import ConfigError
 from rollout.engines import EngineUnavailable, Generation, InferenceEngine, SamplingParams
 from rollout.envs.base import (
     Env,
@@ -51,6 +52,10 @@ from rollout.envs.base import (
 
 log = logging.getLogger("async_rl.rollout")
 
+# This many trajectories in a row whose first observation left no room for an action: model.max_seq_len is too small
+# for the environment's tasks, and the run would only abandon trajectories (seen: `env.name=coding` at the default
+# 256, 0 env steps until run.max_wall_s, exit 0). The worker stops with a ConfigError naming the key.
+NO_ROOM_STREAK_LIMIT = 64
 DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
 BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
 
@@ -212,6 +217,8 @@ class EpisodeRunner:
         self.engine_calls = 0
         self.env_errors = 0
         self.stats = RunnerStats()
+        self.no_room_streak = 0  # trajectories in a row abandoned for their first observation's length
+        self.longest_first_observation = 0
 
     # --- what the owner asks --------------------------------------------------------------------------
 
@@ -319,10 +326,19 @@ class EpisodeRunner:
     def _truncate_if_full(self, episode: Episode) -> bool:
         """Not one more action token fits in model.max_seq_len: the trajectory ends here and is judged as it is."""
         if self._room(episode) >= 1:
+            if episode.stages == 0:
+                self.no_room_streak = 0
             return False
         if episode.stages == 0:
             self._abandon(episode, f"context_length: the first observation ({len(episode.context)} tokens) leaves "
                                    f"no room for an action under model.max_seq_len={self.max_seq_len}")
+            self.no_room_streak += 1
+            self.longest_first_observation = max(self.longest_first_observation, len(episode.context))
+            if self.no_room_streak >= NO_ROOM_STREAK_LIMIT:
+                raise ConfigError(
+                    f"model.max_seq_len: {self.max_seq_len} tokens leave no room for an action after the first "
+                    f"observation of env {self.env_name!r}: {self.no_room_streak} trajectories in a row were abandoned "
+                    f"(the longest first observation {self.longest_first_observation} tokens); raise model.max_seq_len")
         else:
             self._judge(episode)
         return True

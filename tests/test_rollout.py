@@ -333,6 +333,36 @@ def test_a_context_longer_than_the_model_ends_the_trajectory_and_it_is_judged(tm
         assert not outcome.abandoned and outcome.outcome == 0.0 and not outcome.success  # cut short: not solved
 
 
+def test_a_context_too_short_for_any_first_observation_stops_the_worker_naming_the_key(tmp_path, zmq_context,
+                                                                                        publisher):
+    """model.max_seq_len=2 leaves no room after "taskN stage1": every trajectory is abandoned. After
+    NO_ROOM_STREAK_LIMIT in a row the worker stops with a ConfigError naming the key (before, the run went on
+    abandoning until run.max_wall_s and exited 0 with 0 env steps); each abandoned trajectory's Outcome was sent."""
+    from async_rl.errors import ConfigError
+    from rollout.agent import NO_ROOM_STREAK_LIMIT
+
+    groups = NO_ROOM_STREAK_LIMIT // 2 + 4
+    replay = ReplayDouble(zmq_context, [f"g{i}" for i in range(groups)], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "model.max_seq_len=2")
+    errors = []
+
+    def target():
+        try:
+            run(config, worker_index=0, stop=threading.Event())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="rollout-worker")
+    thread.start()
+    replay.serve_until(lambda: not thread.is_alive(), timeout_s=60)
+    thread.join(timeout=10)
+    assert len(errors) == 1 and isinstance(errors[0], ConfigError)
+    assert str(errors[0]).startswith("model.max_seq_len: 2 tokens leave no room for an action after the first "
+                                     f"observation of env 'trap': {NO_ROOM_STREAK_LIMIT} trajectories in a row")
+    abandoned = [o for o in replay.outcomes() if o.abandoned]
+    assert len(abandoned) >= NO_ROOM_STREAK_LIMIT - 2 and not replay.records()
+
+
 def test_the_worker_stops_promptly_on_the_stop_event_despite_a_slow_judge(tmp_path, zmq_context, publisher):
     replay = ReplayDouble(zmq_context, ["g0", "g1"], group_size=2)
     config = make_config(tmp_path, replay, publisher, "env.kwargs.outcome_delay_s=60")
