@@ -216,19 +216,33 @@ def _stop_all(children: list[Child]) -> None:
 
 
 class MetricsTail:
-    """Follows <run_dir>/metrics.jsonl, the learner's one-line-per-step record."""
+    """Follows <run_dir>/metrics.jsonl, the learner's one-line-per-step record, while the learner appends to it.
+
+    Only whole lines are read: the bytes after the last newline are a line being written and wait for the next
+    poll. (Iterating the file as text read such a tail as one line and, once the writer had added the rest, the
+    rest as another: `json.loads` of half a line killed `async-rl train` mid-run, seen on 2026-11-26.) A line that
+    is still not JSON is skipped: the display never stops a run."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.offset, self.last = path, 0, {}
 
     def poll(self) -> dict:
-        if self.path.exists():
-            with open(self.path) as f:
+        try:
+            with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                for line in f:
-                    if line.endswith("\n"):
-                        self.last = json.loads(line)
-                        self.offset += len(line.encode())
+                data = f.read()
+        except FileNotFoundError:
+            return self.last
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                parsed = json.loads(line)
+            except ValueError:
+                log.warning("metrics.jsonl: skipped a line that is not JSON: %r", line[:80])
+                continue
+            if isinstance(parsed, dict):
+                self.last = parsed
         return self.last
 
 

@@ -156,3 +156,23 @@ def test_a_role_killed_and_restarted_beside_a_shared_wandb_service_starts_again(
         holder.wait(10)
     lines = (tmp_path / "r" / "metrics" / "replay.jsonl").read_text().splitlines()
     assert len(lines) == 2, lines
+
+
+def test_the_launchers_metrics_tail_reads_whole_lines_only(tmp_path):
+    """`async-rl train`'s display follows metrics.jsonl while the learner appends. A line caught half-written waits
+    for its newline (reading it as text once returned the first half, then the rest as a line of its own, and
+    json.loads of that killed a run); a line that is not JSON is skipped, never fatal."""
+    from async_rl.launcher import MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.poll() == {}  # no file yet
+    path.write_bytes(b'{"version": 1}\n{"version": 2, "env_st')
+    assert tail.poll() == {"version": 1}
+    with open(path, "ab") as f:
+        f.write(b'eps": 10}\n')
+    assert tail.poll() == {"version": 2, "env_steps": 10}
+    with open(path, "ab") as f:
+        f.write(b'\n: 0.5, "half": true}\nnot json\n[1, 2]\n{"version": 3}\n')
+    assert tail.poll() == {"version": 3}
+    assert tail.poll() == {"version": 3} and tail.offset == path.stat().st_size
