@@ -9,7 +9,7 @@ import os
 import sys
 
 from async_rl.config import Config, load_config
-from async_rl.errors import AsyncRLError
+from async_rl.errors import CONFIG_EXIT_CODE, AsyncRLError, ConfigError
 
 ROLES = {
     "train": "Run every role on this machine (replay, learner, rollout workers as separate processes), then "
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except AsyncRLError as exc:
         logging.getLogger(f"async_rl.{args.role}").error("%s", exc)
         print(f"async-rl {args.role}: {exc}", file=sys.stderr)
+        if isinstance(exc, ConfigError) and args.role in ("replay", "learner", "rollout"):
+            return CONFIG_EXIT_CODE  # a launcher or pod restart would meet the same error
         return 2
     except KeyboardInterrupt:
         return 130

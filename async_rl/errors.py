@@ -5,6 +5,11 @@ message that names the field and says what is allowed. Anything else is a bug an
 """
 
 
+# The exit code of a role process (replay, learner, rollout) stopped by a ConfigError (sysexits' EX_CONFIG):
+# `async-rl train` does not start such a role again, since it would stop on the same error.
+CONFIG_EXIT_CODE = 78
+
+
 class AsyncRLError(Exception):
     """Base of every error a user (or a peer process) can cause."""
 

@@ -5,8 +5,9 @@ runs), in its own session so that Ctrl-C reaches the launcher alone, which then 
 writes the summary) and the others after it. A role that dies is started again, at most `run.max_restarts` times
 each (the learner resumes from its latest checkpoint, the replay rolls back to it and abandons what a dead worker
 held; a durable replay rebuilds its state from its write-ahead log); a role past its restarts (or a replay with
-`replay.durable=false`) is reported by name with the tail of its log, and the run stops with a non-zero exit
-(`async-rl train --resume RUN_DIR` continues it).
+`replay.durable=false`, or a role stopped by a config error, exit CONFIG_EXIT_CODE, which would only stop again)
+is reported by name with the tail of its log, and the run stops with a non-zero exit (`async-rl train --resume
+RUN_DIR` continues it).
 The last stdout line is one JSON object with the run's result.
 """
 
@@ -33,7 +34,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from async_rl.config import Config, configured_model_path, dump_config
-from async_rl.errors import ConfigError
+from async_rl.errors import CONFIG_EXIT_CODE, ConfigError
 from async_rl.security import ROLES, load_keys
 
 log = logging.getLogger("async_rl.launcher")
@@ -375,7 +376,8 @@ def train(config: Config, resume: bool = False) -> int:
                     break
                 dead = [c for c in children if c.process.poll() is not None]
                 for child in dead[:]:
-                    if child.name in restarts and restarts[child.name] < config.run.max_restarts:
+                    config_error = child.process.returncode == CONFIG_EXIT_CODE  # it would stop the same way again
+                    if child.name in restarts and restarts[child.name] < config.run.max_restarts and not config_error:
                         restarts[child.name] += 1
                         log.warning("%s died (exit code %s); starting it again (restart %d of %d)", child.name,
                                     child.process.returncode, restarts[child.name], config.run.max_restarts)
@@ -400,6 +402,8 @@ def train(config: Config, resume: bool = False) -> int:
     if failed is not None:
         code = failed.process.returncode
         again = f" after {restarts[failed.name]} restart(s)" if restarts.get(failed.name) else ""
+        if code == CONFIG_EXIT_CODE:
+            again = " on a config error, not restarted"
         console.print(f"[red bold]{failed.name} died (exit code {code}){again}; the run is stopped[/] (continue it "
                       f"with async-rl train --resume {run_dir}). Last lines of {failed.log_path}:\n"
                       f"{_tail(failed.log_path)}", soft_wrap=True)  # unwrapped: the command must copy-paste

@@ -104,3 +104,17 @@ def test_rollout_device_is_the_torch_engines_alone(tmp_path):
             launcher.preflight(config_from_dict({"run": {"dir": str(tmp_path / "b")}, "rollout": {"device": "cuda"}}))
     with pytest.raises(ConfigError, match="rollout.device"):
         config_from_dict({"rollout": {"device": "gpu"}})
+
+
+def test_a_role_stopped_by_a_config_error_is_not_restarted(tmp_path):
+    """`env.name=coding` at the default model.max_seq_len (256): every HumanEval statement leaves no room for an
+    action, the worker stops with a ConfigError naming the key (exit CONFIG_EXIT_CODE), and the run stops at once
+    with that line in the log tail, without restarting the worker into the same error (it used to, 3 times, and
+    before that the run went on abandoning until run.max_wall_s, exit 0)."""
+    runs = tmp_path / "runs"
+    done = train(tmp_path, f"run.dir={runs}", "run.name=c", "env.name=coding", "run.max_wall_s=120")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "rollout-0 died (exit code 78) on a config error, not restarted" in done.stderr
+    assert "model.max_seq_len: 256 tokens leave no room for an action after the first observation of env" in (
+        done.stderr)
+    assert "restart 1 of" not in done.stderr
