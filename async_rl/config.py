@@ -149,6 +149,10 @@ class ReplayConfig(_Section):
 class LearnerConfig(_Section):
     publish_endpoint: str = "auto"  # PUB of new policy versions; same forms as replay.endpoint
     lr: PosFloat = 5e-4
+    # adamw: torch's AdamW (fused kernel); sgd: plain SGD, each step lr × the gradient, so that two steps on two
+    # halves of a loss move the weights as one step on their sum (what benchmarks/delay.py --optimizer sgd checks).
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0  # SGD's momentum (learner.optimizer: sgd only)
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0  # 0 disables
     zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0
@@ -435,6 +439,9 @@ def _check_relations(config: Config) -> None:
     if config.algo.clip_high <= 0 and config.algo.ppo_epochs > 1:
         raise ConfigError("algo.clip_high: expected > 0 when algo.ppo_epochs > 1")
     learner = config.learner
+    if learner.momentum > 0 and learner.optimizer != "sgd":
+        raise ConfigError(f"learner.momentum: only learner.optimizer sgd has a momentum, got {learner.momentum} with "
+                          f"{learner.optimizer!r}")
     if learner.pack_row_tokens is not None and learner.pack_row_tokens > learner.micro_batch_tokens:
         raise ConfigError(
             f"learner.pack_row_tokens: expected <= learner.micro_batch_tokens ({learner.micro_batch_tokens}), "

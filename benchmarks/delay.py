@@ -350,6 +350,12 @@ def main() -> int:
                         help="algo.entropy_coef of every arm (default the config's, 0.2)")
     parser.add_argument("--entropy-floor", type=float, default=None,
                         help="algo.entropy_floor of every arm, nats per action token (default the config's, 0: off)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=None,
+                        help="learner.optimizer of every arm (default the config's, adamw); sgd: each step lr x the "
+                             "gradient, so two steps on a stage's credit and its correction move the weights as one "
+                             "step on their sum (the check of whether Adam's per-step normalisation is the gap at D 0)")
+    parser.add_argument("--grad-clip", type=float, default=None,
+                        help="learner.grad_clip of every arm (default the config's, 1.0; 0: off)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
     parser.add_argument("--out", default=None, help="folder under benchmarks/out (default delay, delay-quick)")
     parser.add_argument("--reuse", action="store_true",
@@ -365,6 +371,8 @@ def main() -> int:
         parser.error(f"--entropy-coef: expected a finite number >= 0, got {args.entropy_coef}")
     if args.entropy_floor is not None and not (math.isfinite(args.entropy_floor) and args.entropy_floor >= 0):
         parser.error(f"--entropy-floor: expected a finite number >= 0, got {args.entropy_floor}")
+    if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        parser.error(f"--grad-clip: expected a finite number >= 0, got {args.grad_clip}")
     if args.fit_steps is None:
         args.fit_steps = 200_000 if args.env == "hunt" else 60_000
     if args.fit_d < 0 or args.fit_steps <= 0:
@@ -393,6 +401,10 @@ def main() -> int:
         learner.append(f"algo.entropy_coef={args.entropy_coef}")
     if args.entropy_floor is not None:
         learner.append(f"algo.entropy_floor={args.entropy_floor}")
+    if args.optimizer is not None:
+        learner.append(f"learner.optimizer={args.optimizer}")
+    if args.grad_clip is not None:
+        learner.append(f"learner.grad_clip={args.grad_clip}")
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},

@@ -165,8 +165,9 @@ def deepspeed_config(config: Config, precision: str = "fp32", ranks: int = 1) ->
 
 
 def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | None]:
-    """The trained engine (torch AdamW; fp32, or bf16 with fp32 master weights) on learner.device and, when
-    algo.kl_beta > 0, a frozen copy of the initial policy on the same device in the same precision."""
+    """The trained engine (torch AdamW, or SGD under learner.optimizer sgd; fp32, or bf16 with fp32 master weights)
+    on learner.device and, when algo.kl_beta > 0, a frozen copy of the initial policy on the same device in the same
+    precision."""
     device, precision = resolve_hardware(config.learner)
     init_distributed(device)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -184,8 +185,12 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     # torch's AdamW with its fused kernel (CPU and CUDA), not DeepSpeed's FusedAdam, which would be JIT-built; on CPU
     # torch's default is a per-tensor Python loop (docs/benchmarks.md, "systems": the learner against bare loops
     # with and without it). The update is the same AdamW.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay,
-                                  fused=True)
+    learner = config.learner
+    if learner.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=learner.lr, momentum=learner.momentum,
+                                    weight_decay=learner.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay, fused=True)
     ds_config = deepspeed_config(config, precision, world_size())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.train()
@@ -193,8 +198,9 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
         # A world of one has nothing to average; DeepSpeed would still flatten every gradient and all-reduce it.
         engine.enable_backward_allreduce = False
     log.info(
-        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %d parameters%s",
-        config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device), parameters,
+        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %s, %d parameters%s",
+        config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device),
+        type(optimizer).__name__, parameters,
         ", activation checkpointing" if config.learner.activation_checkpointing else "",
     )
     return engine, reference

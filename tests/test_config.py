@@ -1,5 +1,7 @@
 """Config: the embedded default loads, round-trips, and every bad value is named by its dotted key."""
 
+import re
+
 import pytest
 
 from async_rl.config import Config, config_from_dict, config_to_dict, dump_config, load_config
@@ -100,3 +102,16 @@ def test_every_shipped_config_is_valid():
     assert configs
     for path in configs:
         load_config(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("learner.momentum=0.9", "learner.momentum: only learner.optimizer sgd has a momentum, got 0.9 with 'adamw'"),
+    ("learner.optimizer=adam", "learner.optimizer: expected one of 'adamw' | 'sgd', got 'adam'"),
+    ("learner.momentum=1.0", "learner.momentum: expected"),  # 1 never forgets a gradient
+])
+def test_optimizer_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [overrides])
+    sgd = load_config(None, ["learner.optimizer=sgd", "learner.momentum=0.9"]).learner
+    assert (sgd.optimizer, sgd.momentum) == ("sgd", 0.9)
+
