@@ -734,10 +734,12 @@ def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path
 
 
 @pytest.mark.slow
-def test_a_restarted_learner_resumes_from_its_last_checkpoint_exactly(tmp_path):
-    """4 versions, then a second learner in the same run dir: it resumes at v4 (weights, Adam state, RNG) and its
-    v6 is bit-identical to an uninterrupted run's; it tells the replay its session and checkpoint."""
-    keep = {"checkpoint_every": 2, "keep_checkpoints": 1}
+@pytest.mark.parametrize("optimizer", [{}, {"optimizer": "sgd", "momentum": 0.9, "lr": 0.05}], ids=["adamw", "sgd"])
+def test_a_restarted_learner_resumes_from_its_last_checkpoint_exactly(tmp_path, optimizer):
+    """4 versions, then a second learner in the same run dir: it resumes at v4 (weights, Adam state or SGD's
+    momentum, RNG) and its v6 is bit-identical to an uninterrupted run's; it tells the replay its session and
+    checkpoint."""
+    keep = {"checkpoint_every": 2, "keep_checkpoints": 1, **optimizer}
     first = LearnerRun(make_config(tmp_path / "a", learner=keep)).start().finish()
     assert sorted(p.name for p in (first.run_dir / "checkpoints").iterdir() if p.is_dir()) == ["v4"]
     assert [r.checkpoint for r in first.replay.requests] == [-1, -1, 2, 2]
