@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except AsyncRLError as exc:
         logging.getLogger(f"async_rl.{args.role}").error("%s", exc)
         print(f"async-rl {args.role}: {exc}", file=sys.stderr)
-        if isinstance(exc, ConfigError) and args.role in ("replay", "learner", "rollout"):
+        from async_rl.security import ROLES as SERVICE_ROLES  # lazily, as above: zmq is not needed until here
+
+        if isinstance(exc, ConfigError) and args.role in SERVICE_ROLES:
             return CONFIG_EXIT_CODE  # a launcher or pod restart would meet the same error
         return 2
     except KeyboardInterrupt:

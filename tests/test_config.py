@@ -112,6 +112,8 @@ def test_every_shipped_config_is_valid():
 def test_optimizer_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [overrides])
+
+
+def test_sgd_takes_a_momentum():
     sgd = load_config(None, ["learner.optimizer=sgd", "learner.momentum=0.9"]).learner
     assert (sgd.optimizer, sgd.momentum) == ("sgd", 0.9)
-

@@ -798,4 +798,3 @@ def test_sgd_moves_each_weight_by_lr_times_its_gradient_so_two_half_losses_step_
     assert (split - small).norm() < 0.05 * small.norm(), "two half steps ~ one step on the sum (3% here)"
     whole, split = delta("adamw", 1e-3, items), delta("adamw", 1e-3, *halves)
     assert (split - whole).norm() > 0.5 * whole.norm() and split.norm() > 1.3 * whole.norm()  # 1.12, 1.57 here
-
