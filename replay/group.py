@@ -29,7 +29,9 @@ class Group:
     trajectories: dict[int, Trajectory] = field(default_factory=dict)  # member -> tokens
     stage_group_started: dict[int, float] = field(default_factory=dict)  # unhandled stage group k -> first arrival
     deferred: dict[Stage, float] = field(default_factory=dict)  # (member, k) -> A_imm waiting for a prefix stage
-    queued_immediates: set[int] = field(default_factory=set)  # item ids waiting in the queue
+    queued_immediates: set[int] = field(default_factory=set)  # item ids waiting in the queue (or held)
+    # algo.hold_immediates: immediate items kept out of the queue until the group's outcomes are all in
+    held_immediates: list[QueuedItem] = field(default_factory=list)
     in_flight_immediates: set[int] = field(default_factory=set)  # item ids served, not yet acked
     open_corrections: set[int] = field(default_factory=set)  # correction item ids neither acked nor dropped
     dropped_stages: set[Stage] = field(default_factory=set)  # credit lost to max_correction_staleness

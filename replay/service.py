@@ -448,14 +448,20 @@ class ReplayService:
 
     def _advance(self, group: Group, now: float) -> None:
         """Move a group as far as its state allows: immediate items, finalization, closing."""
-        updates = self.algo.updates
-        # Once every outcome is in, the correction carries the credit of a stage group not yet handed out.
-        carried_by_correction = corrections_on(updates) and group.ledger.outcomes_complete()
+        updates, hold = self.algo.updates, self.algo.hold_immediates
+        outcomes_in = group.ledger.outcomes_complete()
+        # Once every outcome is in, the correction carries the credit of a stage group not yet handed out (unless
+        # immediate items are held for it: then they all go first, and the correction after their acks).
+        carried_by_correction = corrections_on(updates) and outcomes_in and not hold
         if immediate_updates_on(updates) and not group.finalized and not carried_by_correction:
             for item in group.immediate_items(now, self.algo, self.config.replay, self.item_ids):
-                self.queue.append(item)
+                (group.held_immediates if hold else self.queue).append(item)
                 self._tally(group.group_id)[0] += 1
-        if group.ready_to_finalize():
+        if outcomes_in and group.held_immediates:
+            for item in group.held_immediates:
+                self.queue.append(item)
+            group.held_immediates.clear()
+        if group.ready_to_finalize() and not (hold and group.queued_immediates):
             self._end_lease(group)
             if corrections_on(updates):
                 for item_id in group.queued_immediates:
@@ -854,7 +860,9 @@ class ReplayService:
                 self.counters.immediate_skipped_stale += 1  # issued stays 0: the correction carries its credit
                 if group is not None:
                     group.queued_immediates.discard(queued.item_id)
-                    if self._retaining():
+                    if algo.hold_immediates and not group.queued_immediates:
+                        self._advance(group, now)  # its last held item: the correction may join this batch
+                    elif self._retaining():
                         stale_groups[group.group_id] = group
                 self._item_done(queued.group_id, trained=False)
                 continue
