@@ -363,6 +363,13 @@ def main() -> int:
                              "step on their sum (the check of whether Adam's per-step normalisation is the gap at D 0)")
     parser.add_argument("--grad-clip", type=float, default=None,
                         help="learner.grad_clip of every arm (default the config's, 1.0; 0: off)")
+    parser.add_argument("--ppo-epochs", type=int, default=None,
+                        help="algo.ppo_epochs of every arm (default the config's, 1): > 1 trains each batch that many "
+                             "steps (the decoupled PPO loss), so a baseline trains each token as often as "
+                             "immediate+correction does (twice)")
+    parser.add_argument("--omega", type=float, default=None,
+                        help="algo.omega of every arm (default the config's, 1.0): the weight of stage credit in "
+                             "A_final and A_imm")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (2 on 2 cores halves the wall)")
     parser.add_argument("--out", default=None, help="folder under benchmarks/out (default delay, delay-quick)")
     parser.add_argument("--reuse", action="store_true",
@@ -380,6 +387,10 @@ def main() -> int:
         parser.error(f"--entropy-floor: expected a finite number >= 0, got {args.entropy_floor}")
     if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
         parser.error(f"--grad-clip: expected a finite number >= 0, got {args.grad_clip}")
+    if args.ppo_epochs is not None and args.ppo_epochs < 1:
+        parser.error(f"--ppo-epochs: expected an integer >= 1, got {args.ppo_epochs}")
+    if args.omega is not None and not (math.isfinite(args.omega) and args.omega >= 0):
+        parser.error(f"--omega: expected a finite number >= 0, got {args.omega}")
     if args.fit_steps is None:
         args.fit_steps = 200_000 if args.env == "hunt" else 60_000
     if args.fit_d < 0 or args.fit_steps <= 0:
@@ -412,6 +423,10 @@ def main() -> int:
         learner.append(f"learner.optimizer={args.optimizer}")
     if args.grad_clip is not None:
         learner.append(f"learner.grad_clip={args.grad_clip}")
+    if args.ppo_epochs is not None:
+        learner.append(f"algo.ppo_epochs={args.ppo_epochs}")
+    if args.omega is not None:
+        learner.append(f"algo.omega={args.omega}")
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},

@@ -163,6 +163,31 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     assert "the correction bound, not the rule, set their pace" in table
 
 
+def test_delay_held_arm_holds_immediates_and_gets_its_own_ratio(tmp_path):
+    """The held+correction arm (`--arms` only) is immediate+correction with algo.hold_immediates; its ratio to
+    outcome-only+step is printed beside immediate+correction's, so the split and the timing read off one table."""
+    spec = importlib.util.spec_from_file_location("delay", REPO / "benchmarks" / "delay.py")
+    delay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(delay)
+    assert "held+correction" not in delay.DEFAULT_ARMS
+    assert load_config(None, delay.ARMS["held+correction"]).algo.hold_immediates is True
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-hunt.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    kept = {"outcome-only+step": 160_000, "immediate+correction": 80_000, "held+correction": 120_000}
+    for arm, steps in kept.items():
+        (done / f"hunt-D0-{arm}-lr0.0005-seed0.json").write_text(json.dumps({
+            "traps": "hunt", "d": 0.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 0.0, "per_update": 50.0,
+            "max_staleness": 4, "max_correction_staleness": 16, "env_steps_to_target": steps,
+            "wall_s_to_target": steps / 1000, "d_measured": 0.0, "credit_dropped": 0, "guard_held_s": 0.0}))
+    result = kept_delay(tmp_path, "--env", "hunt", "--d", "0", "--arms", f"{BOTH_ARMS},held+correction",
+                        "--lrs", "5e-4", "--seeds", "1")
+    assert result["ratios"]["hunt-D0"]["env_steps"] == 0.5
+    assert result["ratios_held"]["hunt-D0"] == {"env_steps": 0.75, "wall_s": 0.75}
+    assert "held+correction ÷ outcome-only+step (env steps, wall; to 0.8): hunt-D0 0.75, 0.75" in (
+        tmp_path / "table.md").read_text()
+
+
 @pytest.mark.parametrize("missed", ["outcome-only+step", "immediate+correction"])
 def test_delay_bounds_the_ratio_where_one_arm_misses_the_target_within_the_cap(tmp_path, missed):
     """Where one arm's median run misses 0.8 within the cap its median is past the cap, so no ratio can be taken;
@@ -282,7 +307,8 @@ def test_delay_fit_reuses_kept_refits_in_order(tmp_path, env, setting, fit_steps
 
 @pytest.mark.parametrize("flag", [("--fit-d", "-1"), ("--entropy-coef", "-0.1"), ("--entropy-coef", "nan"),
                                   ("--entropy-floor", "-1"), ("--entropy-floor", "inf"), ("--batch-scales", "0"),
-                                  ("--batch-scales", "1,x"), ("--batch-scales", "2")])
+                                  ("--batch-scales", "1,x"), ("--batch-scales", "2"), ("--ppo-epochs", "0"),
+                                  ("--omega", "nan"), ("--omega", "-1")])
 def test_delay_names_a_bad_count_or_coefficient(flag):
     finished = subprocess.run([sys.executable, str(REPO / "benchmarks" / "delay.py"), *flag],
                               capture_output=True, text=True, timeout=60, cwd=REPO)
