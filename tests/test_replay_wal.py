@@ -154,6 +154,32 @@ def test_the_core_rebuilt_from_its_log_equals_the_original(tmp_path: Path, compa
     wal.close()
 
 
+@pytest.mark.parametrize("compact_every", [100_000, 3])
+def test_held_immediates_rebuild_from_the_log(tmp_path: Path, compact_every: int):
+    """algo.hold_immediates: the items a group holds for its outcomes are state; a replay rebuilt from its log (and
+    from a snapshot, compact_every 3) holds the same ones and serves them alike once the outcomes land."""
+    config = make_config(algo={"hold_immediates": True})
+    logged = Logged(config, tmp_path / "replay", compact_every)
+    worker = Worker()
+    grant = only(logged.handle(WORKER, worker.lease(), 0.0), WORKER)
+    for message in stage_records(worker, grant):
+        assert isinstance(only(logged.handle(WORKER, message, 1.0), WORKER), Ack)
+    original = logged.service
+    assert len(original.queue) == 0 and sum(len(g.held_immediates) for g in original.groups.values()) > 0
+    logged.wal.close()
+
+    service, wal = rebuilt(config, tmp_path / "replay")
+    assert comparable(service) == comparable(original)
+    for s in (original, service):
+        s.start_epoch(2, 2.0)
+        for message in outcome_messages(worker, grant):
+            assert isinstance(only(s.handle(WORKER, message, 3.0), WORKER), Ack)
+    batches = [request_batch(s, version=0, now=4.0) for s in (original, service)]
+    assert batches[0] is not None and {item.kind for item in batches[0].items} == {"immediate"}
+    assert [item.item_id for item in batches[0].items] == [item.item_id for item in batches[1].items]
+    wal.close()
+
+
 def test_a_torn_tail_is_dropped_and_the_rest_rebuilds(tmp_path: Path):
     config = make_config()
     logged = Logged(config, tmp_path / "replay")
