@@ -374,7 +374,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="folder under benchmarks/out (default delay, delay-quick)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs (and calibrations) of an earlier invocation with the same --out whose "
-                             "result is on disk; run only the missing ones")
+                             "result is on disk; run only the missing ones (a kept run made with other learner "
+                             "flags, e.g. --entropy-per or --ppo-epochs, is an error)")
     parser.add_argument("--max-correction-staleness", default="16", metavar="N|auto", type=bound_arg,
                         help="algo.max_correction_staleness of every run (default 16, the config's); auto: "
                              "ceil(D) + 16, so that the guard does not cut the D asked for (at 16 it cut D 50 to 4-10)")
@@ -481,7 +482,7 @@ def main() -> int:
                                      f"run.max_wall_s={args.max_wall_s}"]
                         meta = {"traps": traps, "d": d, "arm": arm, "lr": lr, "batch_scale": scale, "seed": seed,
                                 "delay_s": delay, "max_staleness": max_staleness, "max_correction_staleness": bound,
-                                "per_update": per_update}
+                                "per_update": per_update, "learner": learner}
                         jobs.append((key, overrides, meta))
 
     def one(job: tuple[str, list[str], dict]) -> tuple[str, dict]:
@@ -490,6 +491,9 @@ def main() -> int:
         if saved.exists():
             console.print(f"[bold]delay[/] {key}: reused from {saved}")
             kept = json.loads(saved.read_text())
+            if kept.get("learner", meta["learner"]) != meta["learner"]:  # runs kept before 2026-11-27 have none
+                raise SystemExit(f"{key}: kept in {saved} with the learner settings {kept['learner']}, and this "
+                                 f"invocation asks for {meta['learner']}: --reuse would mix them; use another --out")
             stdout, run_dir = out_dir / f"{key}.stdout.log", out_dir / key
             if "failed" not in kept and stdout.exists() and (run_dir / "metrics.jsonl").exists():
                 # measured again from the run's own files, so that figures added since are filled in too

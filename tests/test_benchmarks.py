@@ -188,6 +188,27 @@ def test_delay_held_arm_holds_immediates_and_gets_its_own_ratio(tmp_path):
         tmp_path / "table.md").read_text()
 
 
+def test_delay_reuse_refuses_a_kept_run_made_with_other_learner_flags(tmp_path):
+    """The learner flags are not in a run's key, so `--reuse` checks them: a kept run made under --ppo-epochs 2 is
+    not taken as a run of the config's learner."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-hunt.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    (done / "hunt-D0-outcome-only+step-lr0.0005-seed0.json").write_text(json.dumps({
+        "traps": "hunt", "d": 0.0, "arm": "outcome-only+step", "lr": 0.0005, "seed": 0, "delay_s": 0.0,
+        "per_update": 50.0, "max_staleness": 4, "max_correction_staleness": 16, "env_steps_to_target": 1000,
+        "wall_s_to_target": 1.0, "d_measured": 0.0, "credit_dropped": 0, "guard_held_s": 0.0,
+        "learner": ["algo.aggregation=token-sum", "algo.entropy_per=new-token", "algo.ppo_epochs=2"]}))
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--env", "hunt", "--d", "0", "--arms",
+         "outcome-only+step", "--lrs", "5e-4", "--seeds", "1", "--out", str(tmp_path), "--reuse"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 1
+    assert "algo.ppo_epochs=2" in finished.stderr and "--reuse would mix them; use another --out" in finished.stderr
+    assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
+
+
 @pytest.mark.parametrize("missed", ["outcome-only+step", "immediate+correction"])
 def test_delay_bounds_the_ratio_where_one_arm_misses_the_target_within_the_cap(tmp_path, missed):
     """Where one arm's median run misses 0.8 within the cap its median is past the cap, so no ratio can be taken;
