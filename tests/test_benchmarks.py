@@ -119,6 +119,14 @@ def test_delay_quick():
 BOTH_ARMS = "outcome-only+step,immediate+correction"
 
 
+def delay_module():
+    """benchmarks/delay.py as a module (it is a script, not a package member): its arms and helpers."""
+    spec = importlib.util.spec_from_file_location("delay", REPO / "benchmarks" / "delay.py")
+    delay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(delay)
+    return delay
+
+
 def kept_delay(tmp_path: Path, *args: str) -> dict:
     """`delay.py ARGS --out tmp_path --reuse` on the runs a test kept in tmp_path/done: its result (no training)."""
     finished = subprocess.run(
@@ -166,9 +174,7 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
 def test_delay_held_arm_holds_immediates_and_gets_its_own_ratio(tmp_path):
     """The held+correction arm (`--arms` only) is immediate+correction with algo.hold_immediates; its ratio to
     outcome-only+step is printed beside immediate+correction's, so the split and the timing read off one table."""
-    spec = importlib.util.spec_from_file_location("delay", REPO / "benchmarks" / "delay.py")
-    delay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(delay)
+    delay = delay_module()
     assert "held+correction" not in delay.DEFAULT_ARMS
     assert load_config(None, delay.ARMS["held+correction"]).algo.hold_immediates is True
     done = tmp_path / "done"
@@ -293,9 +299,7 @@ def test_delay_batch_scales_sweep_the_batch_beside_the_lr(tmp_path):
 def test_delay_batch_scale_overrides_make_a_valid_config():
     """A batch scale sets the learner's token budget and the items it waits for, both at that fraction (at least 1):
     a config the CLI accepts."""
-    spec = importlib.util.spec_from_file_location("delay", REPO / "benchmarks" / "delay.py")
-    delay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(delay)
+    delay = delay_module()
     assert delay.batch_overrides(1.0) == []
     assert delay.batch_overrides(0.25) == ["learner.batch_tokens=1024", "learner.min_batch_items=16"]
     assert delay.batch_overrides(0.001) == ["learner.batch_tokens=4", "learner.min_batch_items=1"]

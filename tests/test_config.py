@@ -123,6 +123,9 @@ def test_held_immediates_need_immediate_plus_correction_in_async_mode(overrides,
                                                     f"correction, so it needs algo.updates immediate+correction and "
                                                     f"algo.mode async, got {got}")):
         load_config(None, ["algo.hold_immediates=true", *overrides])
+
+
+def test_held_immediates_are_taken_with_the_defaults():
     assert load_config(None, ["algo.hold_immediates=true"]).algo.hold_immediates is True
 
 
