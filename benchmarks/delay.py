@@ -50,6 +50,10 @@ best setting vs best setting; `credit_dropped` and the seconds the guard held th
     python benchmarks/delay.py --d 50 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 1200 --budget 1000000 \
         --calibrate-steps 20000 --fit-d 2 --out delay-traps0-d50
+    # traps 2 at D ≈ 50: fits over 200,000 env steps, the span of the baseline's climb (60,000 gave D ~35):
+    python benchmarks/delay.py --d 50 --traps 2 --arms outcome-only+step,immediate+correction --lrs 2.5e-4 \
+        --seeds 5 --entropy-per credit --max-correction-staleness 256 --parallel 2 --max-wall-s 1200 \
+        --budget 1000000 --calibrate-steps 20000 --fit-d 2 --fit-steps 200000 --out delay-traps2-d50-credit-long
     # on the hunt (its episodes lengthen as it learns: throughput from the calibration's second half):
     python benchmarks/delay.py --env hunt --d 20 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
@@ -348,7 +352,9 @@ def main() -> int:
     parser.add_argument("--fit-steps", type=int, default=None,
                         help="env steps of each --fit-d run (default 60,000; 200,000 on the hunt, whose fits must "
                              "reach the phase where the baseline learns and plays longer episodes: at 60,000 they "
-                             "see only its start and set half the delay needed)")
+                             "see only its start and set half the delay needed; at traps 2 and D 50, 60,000-step "
+                             "fits set a judge under which the runs measured D ~35, 200,000-step fits one that gave "
+                             "~43)")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="new-token",
                         choices=["step", "new-token", "first-train", "credit", "credit-norm"],
