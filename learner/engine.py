@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import logging
 import os
 import random
@@ -28,12 +29,16 @@ from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from async_rl.config import Config, LearnerConfig
 from async_rl.errors import AsyncRLError, ConfigError
 from async_rl.model import load_model, resolve_device, wait_for_model_dir
+from learner import lora
 
 log = logging.getLogger("async_rl.learner")
 
 
 class CheckpointError(AsyncRLError):
     """A checkpoint that exists but cannot be resumed from."""
+
+
+LORA_FILE = "lora.json"  # in a LoRA run's checkpoint: the adapters' rank, alpha and targets (learner/lora.py)
 
 # Rank 0 may wait a long time for the replay service to have items while the other ranks sit in a broadcast;
 # the default collective timeout (10 min) would kill a healthy but idle run.
@@ -164,10 +169,11 @@ def deepspeed_config(config: Config, precision: str = "fp32", ranks: int = 1) ->
     return ds_config
 
 
-def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | None]:
+def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | lora.AdapterOff | None]:
     """The trained engine (torch AdamW, or SGD under learner.optimizer sgd; fp32, or bf16 with fp32 master weights)
     on learner.device and, when algo.kl_beta > 0, a frozen copy of the initial policy on the same device in the same
-    precision."""
+    precision. Under learner.lora the model is the peft-wrapped one, only its adapters are in the optimizer, and
+    the reference is the same model with its adapter off (learner/lora.py), not a copy."""
     device, precision = resolve_hardware(config.learner)
     init_distributed(device)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -178,30 +184,37 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     if config.learner.activation_checkpointing:
         model.config.use_cache = False
         enable_activation_checkpointing(model)
+    adapted = lora.lora_on(config.learner.lora)
+    if adapted:
+        model = lora.wrap(model, config.learner.lora)  # A drawn from the run.seed-seeded RNG, B zero
     reference = None
-    if config.algo.kl_beta > 0:
+    if config.algo.kl_beta > 0 and not adapted:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         reference = copy.deepcopy(model).eval().requires_grad_(False).to(device=_local_device(device), dtype=dtype)
     # torch's AdamW with its fused kernel (CPU and CUDA), not DeepSpeed's FusedAdam, which would be JIT-built; on CPU
     # torch's default is a per-tensor Python loop (docs/benchmarks.md, "systems": the learner against bare loops
     # with and without it). The update is the same AdamW.
     learner = config.learner
+    trained = lora.trainable(model) if adapted else model.parameters()
     if learner.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=learner.lr, momentum=learner.momentum,
+        optimizer = torch.optim.SGD(trained, lr=learner.lr, momentum=learner.momentum,
                                     weight_decay=learner.weight_decay)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay, fused=True)
+        optimizer = torch.optim.AdamW(trained, lr=learner.lr, weight_decay=learner.weight_decay, fused=True)
     ds_config = deepspeed_config(config, precision, world_size())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.train()
+    if adapted and config.algo.kl_beta > 0:
+        reference = lora.AdapterOff(engine.module)
     if world_size() == 1 and config.learner.zero_stage == 0:
         # A world of one has nothing to average; DeepSpeed would still flatten every gradient and all-reduce it.
         engine.enable_backward_allreduce = False
     log.info(
-        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %s, %d parameters%s",
+        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %s, %d parameters%s%s",
         config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device),
         type(optimizer).__name__, parameters,
         ", activation checkpointing" if config.learner.activation_checkpointing else "",
+        f", LoRA rank {learner.lora.rank}: {sum(p.numel() for p in lora.trainable(model))} trained" if adapted else "",
     )
     return engine, reference
 
@@ -211,13 +224,18 @@ def _local_device(device: str) -> torch.device:
 
 
 def full_state_dict(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights on rank 0 (None elsewhere). Collective at ZeRO-3: every rank must call it."""
+    """The whole model's weights on rank 0 (None elsewhere), under LoRA merged with the adapter and under the base
+    model's key names (learner/lora.py). Collective at ZeRO-3: every rank must call it."""
     if engine.zero_optimization_stage() < 3:
-        return _to_cpu(engine.module.state_dict()) if rank() == 0 else None
+        return _to_cpu(_weights(engine.module)) if rank() == 0 else None
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         if rank() != 0:
             return None
-        return _to_cpu(engine.module.state_dict())
+        return _to_cpu(_weights(engine.module))
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return lora.merged_state_dict(module) if lora.is_adapted(module) else module.state_dict()
 
 
 def _to_cpu(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -235,11 +253,17 @@ def save_checkpoint(
 ) -> None:
     """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version, the torch,
     numpy and python RNG states and the learner's own `state` (the entropy floor's coefficient) in its client
-    state; every rank must call it. DeepSpeed points `latest` at it
+    state; every rank must call it. Under LoRA the module state is the adapters alone (the frozen base is reloaded
+    from model.path), with the adapters' shape in the client state. DeepSpeed points `latest` at it
     only once it is written, so a learner killed mid-save resumes from the one before. `keep`: delete all but the
     newest `keep` checkpoints (rank 0)."""
-    engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={"version": version, "rng": _rng_state(),
-                                                                   "learner": dict(state or {})})
+    adapted = lora.is_adapted(engine.module)
+    if adapted and rank() == 0:  # before DeepSpeed points `latest` at the tag: read first when resuming
+        (directory / f"v{version}").mkdir(parents=True, exist_ok=True)
+        (directory / f"v{version}" / LORA_FILE).write_text(json.dumps(lora.signature(engine.module)))
+    engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={
+        "version": version, "rng": _rng_state(), "learner": dict(state or {}),
+    }, exclude_frozen_parameters=adapted)
     log.info("checkpoint v%d written to %s", version, directory)
     if keep is not None and rank() == 0:
         tags = sorted((p for p in directory.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name)),
@@ -266,7 +290,10 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> tuple
     version = latest_checkpoint(directory)
     if version is None:
         return None
-    path, client_state = engine.load_checkpoint(str(directory), tag=f"v{version}")
+    adapted = lora.is_adapted(engine.module)
+    _check_lora_signature(directory / f"v{version}", lora.signature(engine.module))
+    # Under LoRA the checkpoint holds the adapters only: the frozen base stays as model.path loaded it.
+    path, client_state = engine.load_checkpoint(str(directory), tag=f"v{version}", load_module_strict=not adapted)
     if path is None or client_state.get("version") != version:
         raise CheckpointError(f"checkpoint v{version} in {directory} could not be loaded")
     rng = client_state["rng"]
@@ -275,3 +302,20 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> tuple
     random.setstate(rng["python"])
     log.info("resumed from checkpoint v%d in %s", version, directory)
     return version, dict(client_state.get("learner") or {})
+
+
+def _check_lora_signature(checkpoint: Path, expected: dict | None) -> None:
+    """A checkpoint resumes only under the LoRA setting that wrote it (read before DeepSpeed loads it: a full
+    fine-tune's weights loaded non-strictly into adapters, or adapters of another rank, would fail obscurely or
+    not at all)."""
+    try:
+        saved = json.loads((checkpoint / LORA_FILE).read_text())
+    except FileNotFoundError:
+        saved = None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint / LORA_FILE} cannot be read: {exc}") from None
+    if saved != expected:
+        def said(sig: dict | None) -> str:
+            return "a full fine-tune (learner.lora.rank 0)" if sig is None else f"LoRA {sig}"
+        raise CheckpointError(f"{checkpoint} was written by {said(saved)}, but learner.lora asks for {said(expected)}: "
+                              "resume with the learner.lora it was written with, or start a new run")

@@ -111,11 +111,11 @@ def _mean_over_ranks(value: float, tokens: float, device: torch.device | str = "
 
 
 def _parameters(engine: deepspeed.DeepSpeedEngine) -> list[torch.nn.Parameter]:
-    """The module's parameters, listed once per engine: walking the module tree twice a step (the norm, the clip)
-    cost more than the norm itself on a small model."""
+    """The module's trained parameters (all of them, or the adapters under LoRA), listed once per engine: walking
+    the module tree twice a step (the norm, the clip) cost more than the norm itself on a small model."""
     listed = getattr(engine, "_async_rl_parameters", None)
     if listed is None:
-        listed = list(engine.module.parameters())
+        listed = [p for p in engine.module.parameters() if p.requires_grad]
         engine._async_rl_parameters = listed
     return listed
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import signal
 import threading
 import time
@@ -98,6 +99,7 @@ MAX_MESSAGES_PER_TICK = 1000  # timers still run under a flood of messages
 REJECT_LOG_EVERY_S = 10.0  # at most one warning per rejection reason this often (a flood must not fill the log)
 EPOCH_SHIFT = 32  # item and batch ids are epoch << 32 | n
 ID_MASK = 2**EPOCH_SHIFT - 1
+GROUP_ID = re.compile(r"e(\d{1,10})\.g(\d{1,10})")  # the group ids `_lease` makes
 
 
 class Ids:
@@ -328,6 +330,9 @@ class ReplayService:
 
     def _stage_record(self, record: StageRecord, now: float) -> Ack | Error:
         group = self.groups.get(record.group_id)
+        if group is None and self._closed(record.group_id):
+            self.counters.closed_group_resends += 1
+            return Ack(msg_id=record.msg_id, duplicate=True)
         if group is None:
             return self._reject(
                 record.msg_id, "unknown_group", "unknown_group", f"stage record for unknown group {record.group_id!r}"
@@ -357,6 +362,9 @@ class ReplayService:
 
     def _outcome(self, message: Outcome, now: float) -> Ack | Error:
         group = self.groups.get(message.group_id)
+        if group is None and self._closed(message.group_id):
+            self.counters.closed_group_resends += 1
+            return Ack(msg_id=message.msg_id, duplicate=True)
         if group is None:
             return self._reject(
                 message.msg_id, "unknown_group", "unknown_group", f"outcome for unknown group {message.group_id!r}"
@@ -389,6 +397,16 @@ class ReplayService:
             self._end_lease(group)
         self._advance(group, now)
         return Ack(msg_id=message.msg_id)
+
+    def _closed(self, group_id: str) -> bool:
+        """Whether this replay issued `group_id` (`e<epoch>.g<n>`: an earlier epoch, or below the next n) and it is
+        gone: a record for it is a worker's resend after the group closed (its ack was lost or late), so it is
+        acknowledged as a duplicate (nothing of a closed group can change) instead of refused."""
+        match = GROUP_ID.fullmatch(group_id)
+        if match is None or group_id in self.groups:
+            return False
+        epoch, n = int(match[1]), int(match[2])
+        return epoch < self.epoch or (epoch == self.epoch and n < self.group_ids.next_n)
 
     def _abandon(self, group: Group, i: int, reason: str) -> None:
         group.ledger.abandon(i)

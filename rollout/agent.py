@@ -4,17 +4,22 @@ A runner keeps up to `rollout.max_inflight` trajectories (of several groups) goi
 
     reset  →  act  →  step  →  act  → … → judge → done        (or abandoned, from any phase)
 
-`act`: waiting for the engine. Every engine call batches whichever trajectories are waiting (the torch engine
-samples them as one batch; the SGLang engine sends concurrent requests), with weights that change only between
-calls, so every token's version tag is the version that produced it. A turn ends at EOS, a stop string
-(`rollout.stop`) or the action token budget. `step`: the action's text is with the environment, on a thread
-pool, so a slow tool holds up only its own trajectory. When the step returns, the stage (observation tokens,
-action tokens, behaviour log-probs, versions, stage reward) goes to the sink at once, long before the trajectory
-ends. `judge`: the finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing).
+`act`: waiting for the engine; `generate`: in an engine call. Every engine call batches whichever trajectories
+are waiting (the torch engine samples them as one batch; the SGLang engine sends concurrent requests) and runs on
+the engine's own thread (rollout/engines/thread.py), so the runner's owner keeps its sockets answered while a slow
+model generates; weights change only between calls, so every token's version tag is the version that produced it.
+A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the action's text is with
+the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory, and one past
+`step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the step
+returns, the stage (observation tokens, action tokens, behaviour log-probs, versions, stage reward) goes to the
+sink at once, long before the trajectory ends. `judge`: the finished trajectory's outcome is computed on its own
+thread (a slow judge holds up nothing).
 
 A trajectory's token sequence is exactly the concatenation, over its stages, of observation tokens then action
 tokens, so the learner can rebuild it from the records alone. Observations are masked out of the loss. A model
 whose tokenizer has a chat template gets observations as user turns (the template's own tokens around them).
+An env with `tools()` gets an `Action` each turn (its tool calls parsed by rollout/tool_parser.py) and may answer
+with `ToolResult`s, rendered as the template's `tool` messages (rollout/prompting.py).
 A turn's action budget shrinks to what still fits in `model.max_seq_len`; a trajectory with no room left ends
 there and is judged as it stands.
 
@@ -26,18 +31,19 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from async_rl.errors import ConfigError
-from rollout.engines import EngineUnavailable, Generation, InferenceEngine, SamplingParams
+from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
+from rollout.engines.thread import EngineThread
 from rollout.envs.base import (
+    Action,
     Env,
     EnvError,
     EnvFactory,
@@ -48,7 +54,11 @@ from rollout.envs.base import (
     checked_make,
     checked_reset,
     checked_step,
+    tools_of,
 )
+from rollout.plugin_calls import DEFAULT_JUDGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, PluginPool, start_daemon_call
+from rollout.prompting import Prompter, blinded
+from rollout.tool_parser import get_parser, tool_names
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -59,7 +69,7 @@ NO_ROOM_STREAK_LIMIT = 64
 DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
 BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
 
-Phase = Literal["reset", "act", "step", "judge", "done"]
+Phase = Literal["reset", "act", "generate", "step", "judge", "done"]
 
 
 @dataclass(eq=False)
@@ -74,6 +84,7 @@ class Episode:
     stages: int = 0  # stages handed to the sink
     generation: Generation | None = None  # the action whose step is under way
     since: float = 0.0  # when the current reset, step or judge began (its latency, for the metrics)
+    tools: list[dict] | None = None  # the env's tool specs, asked after reset (None: an env without tools())
 
     @property
     def trajectory_id(self) -> str:
@@ -94,6 +105,8 @@ class RunnerStats:
     step_s: list[float] = field(default_factory=list)  # environment step latencies (tool time)
     reset_s: list[float] = field(default_factory=list)
     judge_s: list[float] = field(default_factory=list)
+    tool_calls: int = 0  # calls that parsed, in the actions of envs with tools (rollout.tool_parser)
+    tool_call_errors: int = 0  # calls that did not (each reached its env as Action.parse_error)
 
     def line(self, now: float) -> dict[str, float]:
         span = max(now - self.started, 1e-9)
@@ -109,6 +122,8 @@ class RunnerStats:
             **_latency("step_latency_s", self.step_s),
             **_latency("reset_latency_s", self.reset_s),
             **_latency("judge_latency_s", self.judge_s),
+            "tool_calls": self.tool_calls,
+            "tool_call_errors": self.tool_call_errors,
         }
 
 
@@ -142,39 +157,6 @@ class TaskSampler:
         return self.order.pop()
 
 
-class Prompter:
-    """Text to tokens for the context: plain for a plain tokenizer, the chat template's turns when it has one."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        self.chat = bool(getattr(tokenizer, "chat_template", None))
-
-    def first(self, text: str) -> list[int]:
-        if self.chat:
-            return self._template([{"role": "user", "content": text}])
-        return list(self.tokenizer(text)["input_ids"])  # special tokens (BOS) only here
-
-    def next(self, text: str) -> list[int]:
-        """The observation after an action: a user turn (and the assistant's opening) under a chat template."""
-        if not text:
-            return []
-        if not self.chat:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        # The template's text for one more user turn: render a short conversation with and without it.
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        before = self.tokenizer.apply_chat_template(base, tokenize=False)
-        after = self.tokenizer.apply_chat_template(
-            [*base, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        if not after.startswith(before):  # a template that rewrites earlier turns: render the turn alone
-            return self._template([{"role": "user", "content": text}])
-        return list(self.tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"])
-
-    def _template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
     """The turn's sampling settings: `rollout.*`, with the env's suggested action budget when none is set."""
     max_new_tokens = rollout.max_new_tokens or getattr(factory, "max_action_tokens", None) or DEFAULT_MAX_ACTION_TOKENS
@@ -199,22 +181,36 @@ class EpisodeRunner:
         sink: Sink,
         max_inflight: int,
         blind: bool = False,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        judge_timeout_s: float = DEFAULT_JUDGE_TIMEOUT_S,
+        tool_parser: str = "hermes",
     ) -> None:
         self.env_name = env_name
         self.factory = factory
-        self.engine = engine
+        # Engine calls run on the engine's own thread (rollout/engines/thread.py); a worker shares one between its
+        # training and evaluation runners, a runner given a bare engine makes its own.
+        self.own_engine_thread = not isinstance(engine, EngineThread)
+        self.engine_thread = EngineThread(engine) if self.own_engine_thread else engine
+        self.engine = self.engine_thread.engine
         self.tokenizer = tokenizer
         self.prompter = Prompter(tokenizer)
+        self.parse_tools = get_parser(tool_parser)  # the actions of envs with tools(): rollout.tool_parser
         self.params = params
         self.max_seq_len = max_seq_len
         self.sink = sink
         self.max_inflight = max_inflight
         self.blind = blind
-        self.pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="env-step")
+        self.step_timeout_s = step_timeout_s
+        self.judge_timeout_s = judge_timeout_s
+        self.pool = PluginPool(max_inflight, name="env-step")
         self.episodes: list[Episode] = []  # every episode not yet done
         self.steps: dict[Future, Episode] = {}  # reset and step calls under way
         self.judges: dict[Future, Episode] = {}
+        self.engine_call: Future | None = None  # the engine call under way, for `generating`
+        self.generating: list[Episode] = []
         self.engine_calls = 0
+        self.plugin_timeouts = 0  # env calls abandoned past their time limit
+        self.written_off: list[Future] = []  # those calls, until they return
         self.env_errors = 0
         self.stats = RunnerStats()
         self.no_room_streak = 0  # trajectories in a row abandoned for their first observation's length
@@ -247,20 +243,33 @@ class EpisodeRunner:
             episode.since = time.monotonic()
             self.steps[self.pool.submit(checked_reset, self.env_name, episode.env, task)] = episode
 
-    def pump(self, wait_s: float) -> None:
-        """One round: hand finished resets/steps/judges on, run one engine call for every trajectory waiting for
-        it, or (nothing to generate) wait up to `wait_s` for an environment."""
+    def pump(self, wait_s: float, generate: bool = True) -> None:
+        """One round, never blocking longer than `wait_s`: hand finished resets/steps/judges and a finished engine
+        call on; when no engine call is under way, start one (on the engine's thread) for every trajectory waiting
+        for it; then wait up to `wait_s` for any of them. `generate=False` starts no engine call (a worker keeps
+        its training episodes moving this way while an evaluation has the engine)."""
         self._collect()
-        ready = [e for e in self.episodes if e.phase == "act"]
-        ready = [e for e in ready if not self._truncate_if_full(e)]
-        if ready:
-            self._generate(ready)
-        elif self.steps and wait_s > 0:
-            wait(list(self.steps), timeout=wait_s, return_when=FIRST_COMPLETED)
-            self._collect()
+        self._collect_generation()
+        self._expire(time.monotonic())
+        if generate and self.engine_call is None:
+            ready = [e for e in self.episodes if e.phase == "act"]
+            ready = [e for e in ready if not self._truncate_if_full(e)]
+            if ready:
+                self._generate(ready)
+        pending = [*self.steps, *self.judges, *([self.engine_call] if self.engine_call is not None else [])]
+        if pending and wait_s > 0:
+            wait(pending, timeout=wait_s, return_when=FIRST_COMPLETED)
         elif wait_s > 0:
-            time.sleep(min(wait_s, 0.01) if self.judges else wait_s)
+            time.sleep(wait_s)
+        self._collect()
+        self._collect_generation()
         self._collect_judges()
+
+    def drain_engine(self, timeout_s: float | None = None) -> None:
+        """Wait for the engine call under way (if any) and hand it on (tests and benchmarks that count calls)."""
+        if self.engine_call is not None:
+            wait([self.engine_call], timeout=timeout_s)
+            self._collect_generation()
 
     def abandon_all(self, reason: str) -> None:
         for episode in list(self.episodes):
@@ -277,8 +286,16 @@ class EpisodeRunner:
         return line
 
     def close(self) -> None:
-        """Stop without waiting for slow environments or judges (their leases time out at the replay service)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop without waiting for slow environments, judges or an engine call (their leases time out at the
+        replay service)."""
+        self.pool.close()
+        if self.own_engine_thread:
+            self.engine_thread.close()
+
+    def hung_calls(self) -> int:
+        """Env calls written off past their time limit that have still not returned (each holds a thread)."""
+        self.written_off = [f for f in self.written_off if not f.done()]
+        return len(self.written_off)
 
     # --- the phases -----------------------------------------------------------------------------------
 
@@ -297,9 +314,14 @@ class EpisodeRunner:
                 self._abandon(episode, f"internal_error: {type(exc).__name__}: {exc}")
                 continue
             (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(
-                time.monotonic() - episode.since)
+                getattr(future, "elapsed_s", time.monotonic() - episode.since))
             if episode.phase == "reset":
-                episode.observation_tokens = self.prompter.first(result)
+                try:
+                    episode.tools = tools_of(self.env_name, episode.env)
+                except EnvError as exc:
+                    self._abandon(episode, f"env_error: {exc}")
+                    continue
+                episode.observation_tokens = self.prompter.first(result, episode.tools)
                 episode.context = list(episode.observation_tokens)
                 episode.phase = "act"
             else:
@@ -314,7 +336,7 @@ class EpisodeRunner:
         if result.done:
             self._judge(episode)
             return
-        observation = BLIND_OBSERVATION if self.blind else (result.observation or "")
+        observation = blinded(result.observation, BLIND_OBSERVATION) if self.blind else (result.observation or "")
         episode.observation_tokens = self.prompter.next(observation)
         episode.context += generation.token_ids + episode.observation_tokens
         episode.phase = "act"
@@ -344,32 +366,88 @@ class EpisodeRunner:
         return True
 
     def _generate(self, ready: list[Episode]) -> None:
-        """One engine call for all of them; near the context limit a trajectory's action budget shrinks to what
-        fits (those few go in a call of their own)."""
+        """One engine call, on the engine's thread, for all of them; near the context limit a trajectory's action
+        budget shrinks to what fits (those few go in a generate of their own, within the same call)."""
         by_room: dict[int, list[Episode]] = {}
         for episode in ready:
             by_room.setdefault(self._room(episode), []).append(episode)
+            episode.phase = "generate"
+        batches = []
         for room, episodes in sorted(by_room.items(), reverse=True):
             params = self.params if room == self.params.max_new_tokens else replace(self.params, max_new_tokens=room)
+            batches.append((episodes, [list(e.context) for e in episodes], params))
+        self.generating = list(ready)
+        self.engine_call = self.engine_thread.submit(self._call_engine, batches)
+
+    def _call_engine(self, batches: list) -> list[tuple[list[Episode], list[Generation], float]]:
+        """On the engine's thread: the generates of one call, each with its duration."""
+        results = []
+        for episodes, prompts, params in batches:
             called = time.monotonic()
-            try:
-                generations = self.engine.generate([e.context for e in episodes], params)
-            except EngineUnavailable as exc:  # no stage of this turn was produced: each trajectory ends here
-                for episode in ready:
-                    if episode.phase == "act":
-                        self._abandon(episode, f"engine_unavailable: {exc}")
-                raise
+            generations = self.engine.generate(prompts, params)
+            results.append((episodes, generations, time.monotonic() - called))
+        return results
+
+    def _collect_generation(self) -> None:
+        """The engine call is done: each trajectory's action goes to its env (a step on the pool)."""
+        call = self.engine_call
+        if call is None or not call.done():
+            return
+        self.engine_call, episodes, self.generating = None, self.generating, []
+        try:
+            results = call.result()
+        except EngineUnavailable as exc:  # no stage of this turn was produced: each trajectory ends here
+            for episode in episodes:
+                if episode.phase == "generate":
+                    self._abandon(episode, f"engine_unavailable: {exc}")
+            raise
+        except EngineStopped:
+            raise
+        except Exception as exc:  # a bug of ours in an engine: these trajectories, not the worker
+            log.exception("engine call failed")
+            for episode in episodes:
+                if episode.phase == "generate":
+                    self._abandon(episode, f"internal_error: engine: {type(exc).__name__}: {exc}")
+            return
+        for batch, generations, elapsed in results:
             self.engine_calls += 1
-            self.stats.engine_s += time.monotonic() - called
-            for episode, generation in zip(episodes, generations, strict=True):
+            self.stats.engine_s += elapsed
+            for episode, generation in zip(batch, generations, strict=True):
                 self.stats.actions += 1
                 self.stats.action_tokens += len(generation.token_ids)
+                if episode.phase != "generate":  # abandoned while the engine worked
+                    continue
                 episode.generation = generation
                 episode.phase = "step"
                 episode.since = time.monotonic()
-                action = self._action_text(generation)
+                action = self._action(episode, generation)
                 assert episode.env is not None
                 self.steps[self.pool.submit(checked_step, self.env_name, episode.env, action)] = episode
+
+    def _expire(self, now: float) -> None:
+        """Abandon each trajectory whose reset, step or judge is past its time limit; its thread is written off."""
+        for calls, limit, what in ((self.steps, self.step_timeout_s, "step"),
+                                   (self.judges, self.judge_timeout_s, "judge")):
+            for future, episode in list(calls.items()):
+                if future.done() or now - episode.since < limit:
+                    continue
+                del calls[future]
+                self.written_off.append(future)
+                self.plugin_timeouts += 1
+                if calls is self.steps:
+                    self.pool.write_off()
+                method = "reset" if episode.phase == "reset" else what
+                self._abandon(episode, f"timeout: env {self.env_name!r} {method} did not return within {limit:g} s")
+
+    def _action(self, episode: Episode, generation: Generation) -> str | Action:
+        """What `step` gets: the text, or for an env with tools an `Action` with its parsed calls (counted)."""
+        text = self._action_text(generation)
+        if episode.tools is None:
+            return text
+        action, errors = self.parse_tools(text, tool_names(episode.tools))
+        self.stats.tool_calls += len(action.tool_calls)
+        self.stats.tool_call_errors += errors
+        return action
 
     def _action_text(self, generation: Generation) -> str:
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
@@ -380,20 +458,11 @@ class EpisodeRunner:
         return text
 
     def _judge(self, episode: Episode) -> None:
+        """The judge on a daemon thread of its own: a slow one holds up nothing, a hung one not the exit either."""
         episode.phase = "judge"
         episode.since = time.monotonic()
-        future: Future[Judgement] = Future()
-        env = episode.env
-        assert env is not None
-
-        def judge() -> None:  # its own daemon thread: a slow judge must not hold up the process's exit either
-            try:
-                future.set_result(checked_judge(self.env_name, env))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        threading.Thread(target=judge, name="env-judge", daemon=True).start()
-        self.judges[future] = episode
+        assert episode.env is not None
+        self.judges[start_daemon_call(checked_judge, self.env_name, episode.env, name="env-judge")] = episode
 
     def _collect_judges(self) -> None:
         for future in [f for f in self.judges if f.done()]:
@@ -405,7 +474,7 @@ class EpisodeRunner:
             except EnvError as exc:
                 self._abandon(episode, f"env_error: {exc}")
                 continue
-            self.stats.judge_s.append(time.monotonic() - episode.since)
+            self.stats.judge_s.append(future.elapsed_s)  # the judge's own time, not when we looked
             self.stats.trajectories_finished += 1
             self.stats.turns += episode.stages
             self._finish(episode)
@@ -415,15 +484,17 @@ class EpisodeRunner:
         log.warning("trajectory %s abandoned: %s", episode.trajectory_id, reason)
         self.env_errors += reason.startswith("env_error")
         self.stats.trajectories_abandoned += 1
-        self._finish(episode)
+        self._finish(episode, hung=reason.startswith("timeout"))
         self.sink.outcome(episode, None, reason)
 
-    def _finish(self, episode: Episode) -> None:
+    def _finish(self, episode: Episode, hung: bool = False) -> None:
         episode.phase = "done"
         if episode in self.episodes:
             self.episodes.remove(episode)
         close = getattr(episode.env, "close", None)
-        if callable(close):
+        if callable(close) and hung:  # the env is still inside a call that hung: its close may hang as well
+            start_daemon_call(close, name="env-close")
+        elif callable(close):
             try:
                 close()
             except Exception as exc:

@@ -22,8 +22,10 @@ from async_rl.errors import AsyncRLError
 from async_rl.model import load_tokenizer
 from rollout.agent import Episode, EpisodeRunner, sampling_params
 from rollout.engines import Generation, InferenceEngine, SamplingParams
+from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks
+from rollout.plugin_calls import call_limits
 from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")
@@ -59,7 +61,7 @@ class TallySink:
 def evaluate_policy(
     config: Config,
     factory: EnvFactory,
-    engine: InferenceEngine,
+    engine: InferenceEngine | EngineThread,
     tokenizer: Any,
     params: SamplingParams,
     samples_per_task: int | None = None,
@@ -67,13 +69,16 @@ def evaluate_policy(
     service: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Run `samples_per_task` episodes of every eval task (at most `run.eval_max_tasks`) with the engine's current
-    weights; `service` is called between rounds (a training worker keeps its leases alive with it)."""
+    weights (a worker passes the EngineThread it trains with: the calls queue on one thread); `service` is called
+    between rounds (a training worker keeps its leases alive with it)."""
     samples = samples_per_task or max(1, config.run.eval_samples_per_task)
     tasks: list[Task] = checked_tasks(config.env.name, factory, "eval")[: config.run.eval_max_tasks]
     sink = TallySink()
     inflight = max(config.rollout.max_inflight, samples)
+    step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
     runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, params, config.model.max_seq_len, sink,
-                           inflight, blind=blind)
+                           inflight, blind=blind, step_timeout_s=step_timeout_s, judge_timeout_s=judge_timeout_s,
+                           tool_parser=config.rollout.tool_parser)
     pending = list(enumerate(tasks))
     try:
         with torch.inference_mode():

@@ -6,8 +6,11 @@
 
 The worker asks for a new group whenever its episode runner (rollout/agent.py) has room for one more group
 within `rollout.max_inflight`, and draws the group's task from its environment's train split (each task once per
-pass, in a seeded order). Weights change only between engine calls, so every token's version tag is the version
-that actually produced it. A worker that starts late catches up from `<run_dir>/weights/latest.json`.
+pass, in a seeded order). The engine runs on its own thread (rollout/engines/thread.py): this loop reads acks,
+resends, heartbeats, lease replies, judgements and weight notices every IDLE_POLL_S at most, however long one
+engine call takes. A weight load is queued on the engine's thread, so weights change only between engine calls
+and every token's version tag is the version that actually produced it. A worker that starts late catches up from
+`<run_dir>/weights/latest.json`.
 With `run.eval_every` > 0, worker 0 evaluates the policy on the eval split every that many versions and reports
 the result (EvalReport) for the learner's metrics line.
 """
@@ -20,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -43,10 +47,12 @@ from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
+from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import Judgement, checked_tasks
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
+from rollout.plugin_calls import call_limits
 from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")
@@ -104,16 +110,19 @@ def make_engine(config: Config, model_dir: Path, seed: int, stop: threading.Even
         from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
 
         return SGLangEngine(config.rollout.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
-    return TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout))
+    return TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout), stop=stop)
 
 
 class WeightsFollower:
-    """Keeps the engine at the newest published policy version."""
+    """Keeps the engine at the newest published policy version. Loads run on the engine's thread (between two
+    engine calls); a newer announcement that arrives during a load waits for it to finish."""
 
-    def __init__(self, socket: zmq.Socket, engine: InferenceEngine, run_dir: Path) -> None:
+    def __init__(self, socket: zmq.Socket, engine: EngineThread, run_dir: Path) -> None:
         self.socket = socket
         self.engine = engine
         self.bad_messages = 0
+        self._pending: WeightsPublished | None = None  # the newest announcement not loaded yet
+        self._loading: Future | None = None
         self._catch_up(run_dir / "weights" / "latest.json")
 
     def sync(self) -> None:
@@ -134,7 +143,15 @@ class WeightsFollower:
             else:
                 newest = message
         if newest is not None:
-            self._load(newest.version, newest.path)
+            self._pending = newest
+        if self._loading is not None and self._loading.done():
+            if self._loading.exception() is not None:
+                log.error("loading policy weights failed: %r", self._loading.exception())
+            self._loading = None
+        if self._pending is not None and self._loading is None:
+            notice, self._pending = self._pending, None
+            if notice.version != self.engine.version:
+                self._loading = self.engine.submit(self._load, notice.version, notice.path)
 
     def _catch_up(self, latest: Path) -> None:
         if not latest.exists():
@@ -145,13 +162,15 @@ class WeightsFollower:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring unreadable %s: %s", latest, exc)
             return
-        self._load(version, path)
+        self._loading = self.engine.submit(self._load, version, path)
+        self._loading.result()  # before the first engine call
 
     def _load(self, version: int, path: str) -> None:
+        """On the engine's thread."""
         if version == self.engine.version:
             return
         try:
-            self.engine.update_weights(version, path)
+            self.engine.engine.update_weights(version, path)
         except (OSError, RuntimeError) as exc:  # e.g. pruned by keep_weights before we read it; a newer one follows
             log.warning("could not load policy version %d from %s: %s", version, path, exc)
 
@@ -167,7 +186,7 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     train_tasks = TaskSampler(tasks, seed=config.env.seed * 1000 + worker_index)
     model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
-    engine = make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index, stop=stop)
+    engine = EngineThread(make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index, stop=stop))
     context = zmq.Context()
     curve = load_keys(config, "rollout")
     dealer = connect_dealer(context, config.replay.endpoint, worker_id, curve)
@@ -176,8 +195,10 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     weights = WeightsFollower(subscriber, engine, config.run_dir)
     params = sampling_params(config.rollout, factory, tokenizer)
     sink = ReplaySink(worker_id, link.send_reliably, link.next_msg_id)
+    step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
     runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, params, config.model.max_seq_len, sink,
-                           config.rollout.max_inflight)
+                           config.rollout.max_inflight, step_timeout_s=step_timeout_s, judge_timeout_s=judge_timeout_s,
+                           tool_parser=config.rollout.tool_parser)
     group_size = config.rollout.group_size
     eval_every = config.run.eval_every if worker_index == 0 else 0
     next_eval = eval_every
@@ -195,7 +216,10 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
     def write_metrics() -> None:
         line = runner.take_stats()
         line.update(policy_version=engine.version, resends=link.resends, unacked=len(link.unacked),
-                    env_errors=runner.env_errors)
+                    env_errors=runner.env_errors, plugin_timeouts=runner.plugin_timeouts,
+                    hung_calls=runner.hung_calls(),
+                    duplicate_acks=link.duplicate_acks, duplicate_lease_replies=link.duplicate_lease_replies,
+                    **{f"rejected_{code}": n for code, n in link.rejected.items()})
         metrics.write(line)
 
     next_request_at = 0.0
@@ -218,7 +242,7 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
                     runner.start_group(reply.group_id, task, reply.group_size)
                     next_request_at = 0.0
             held_replies = []
-            runner.pump(IDLE_POLL_S if busy else 0.0)
+            runner.pump(IDLE_POLL_S if busy else 0.0)  # never longer: the engine call runs on its own thread
             service()
             if eval_every and engine.version >= next_eval:
                 # On the grid of multiples of eval_every: a version that arrived late (the learner published two
@@ -238,6 +262,7 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
         metrics.close()
         runner.close()
         engine.close()
+        engine.engine.close()
         dealer.close(linger=0)
         subscriber.close(linger=0)
         context.term()
@@ -246,13 +271,15 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
                  link.resends, runner.env_errors)
 
 
-def _evaluate_now(config: Config, factory, engine: InferenceEngine, tokenizer, params, link: ReplayLink,
+def _evaluate_now(config: Config, factory, engine: EngineThread, tokenizer, params, link: ReplayLink,
                   runner: EpisodeRunner, worker_id: str) -> list[LeaseGrant | LeaseDenied]:
-    """Evaluate the loaded weights on the eval split (training episodes wait; leases stay alive), report it."""
+    """Evaluate the loaded weights on the eval split and report it. Training episodes make no engine call
+    meanwhile, but their steps and judgements go on and are delivered; leases stay alive."""
     held: list[LeaseGrant | LeaseDenied] = []
 
     def keep_leases() -> None:
         held.extend(link.handle_replies(0.0))
+        runner.pump(0.0, generate=False)
         link.tick(runner.live_group_ids())
 
     version = engine.version

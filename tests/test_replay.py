@@ -835,8 +835,41 @@ def test_a_group_with_a_refused_member_still_closes_with_a_finite_residual():
         assert isinstance(ack_batch(service, batch, version), Ack)
     stats = service.stats_snapshot()
     assert stats.groups_closed == 1 and stats.trajectories_abandoned == 1 and stats.ledger_residual_max < 1e-9
-    outcome = only_reply(service.handle(WORKER, worker.outcome(grant, 0, 1, 1.0), 0.0))
-    assert isinstance(outcome, Error) and outcome.code == "unknown_group", "the group is gone; nothing revives it"
+    late = worker.outcome(grant, 0, 1, 1.0)
+    assert only_reply(service.handle(WORKER, late, 0.0)) == Ack(msg_id=late.msg_id, duplicate=True)
+    after = service.stats_snapshot()
+    assert grant.group_id not in service.groups, "the group is gone; nothing revives it"
+    assert (after.groups_closed, after.trajectories_finished, after.closed_group_resends) == (
+        1, stats.trajectories_finished, 1)
+
+
+def test_a_resend_for_a_closed_group_is_acked_as_a_duplicate_and_an_unissued_group_is_refused():
+    """A worker whose ack was late resends a record after its group closed (issue 41): a duplicate, not an error;
+    an id this replay never issued (a later n, a later epoch, another form) is still `unknown_group`."""
+    service, worker = ReplayService(make_config()), Worker()
+    learner_speaks(service)
+    grant = lease(service, worker)
+    records = [worker.stage(grant, i, 0, float(i % 2), terminal=True) for i in range(4)]
+    outcomes = [worker.outcome(grant, i, 1, float(i % 2)) for i in range(4)]
+    version = 0
+    for batch in send_all(service, records + outcomes):
+        version += 1
+        assert isinstance(ack_batch(service, batch, version), Ack)
+    while (batch := request_batch(service, version)) is not None:
+        version += 1
+        assert isinstance(ack_batch(service, batch, version), Ack)
+    assert grant.group_id not in service.groups
+    before = service.stats_snapshot()
+    for message in (records[2], outcomes[3]):
+        assert only_reply(service.handle(WORKER, message, 1.0)) == Ack(msg_id=message.msg_id, duplicate=True)
+    after = service.stats_snapshot()
+    assert after.closed_group_resends == 2 and after.env_steps == before.env_steps
+    assert after.trajectories_finished == before.trajectories_finished and after.rejected == before.rejected
+    epoch, n = grant.group_id[1:].split(".g")
+    for never in (f"e{epoch}.g{int(n) + 5}", f"e{int(epoch) + 1}.g0", "g0", "e0.g"):
+        ghost = LeaseGrant(msg_id=0, group_id=never, group_size=4, policy_version=0)
+        error = only_reply(service.handle(WORKER, worker.stage(ghost, 0, 0, 1.0), 1.0))
+        assert isinstance(error, Error) and error.code == "unknown_group", never
 
 
 HOSTILE_OUTCOMES = {

@@ -6,6 +6,7 @@ the built-in torch engine on the tiny model, the trap environment with simulated
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -499,3 +500,90 @@ def test_trajectories_of_several_groups_are_in_flight_at_once(tmp_path, zmq_cont
     (s0, e0), (s1, _), (s2, _) = spans["g0"], spans["g1"], spans["g2"]
     assert s1 < e0 and s2 < e0, "groups 1 and 2 streamed stages while group 0 was still running"
     assert s2 - s0 < 0.15, "all three groups started within one tool latency"
+
+
+class SleepingEngine:
+    """A stand-in for a slow model (named as such): the real built-in engine, but every generate first sleeps
+    `delay_s`, longer than rollout.ack_timeout_s (a real SmolLM2 call here takes 5-40 s)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def generate(self, prompts, params):
+        time.sleep(self.delay_s)
+        return self.inner.generate(prompts, params)
+
+    def update_weights(self, version: int, path: str) -> None:
+        self.inner.update_weights(version, path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def worker_lines(config: Config) -> list[dict]:
+    path = config.run_dir / "metrics" / "rollout-0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_slow_engine_does_not_stall_the_workers_messaging(tmp_path, zmq_context, publisher, monkeypatch):
+    """Issue 41: every engine call takes 1.2 s, ack_timeout_s is 0.4 s. Acks are read while the engine works, so
+    nothing is resent but the one record whose ack was really lost; each lease request is sent once (no group is
+    granted twice); heartbeats keep their pace; an outcome reaches the replay as soon as the judge returns and the
+    judge latency is what the env took (0.3 s), not the engine call it waited behind."""
+    import rollout.worker as worker_module
+
+    made = worker_module.make_engine
+    monkeypatch.setattr(worker_module, "make_engine", lambda *a, **k: SleepingEngine(made(*a, **k), 1.2))
+    replay = ReplayDouble(zmq_context, ["g0", "g1", "g2"], group_size=2)
+    replay.drop_an_ack = True
+    config = make_config(tmp_path, replay, publisher, "rollout.ack_timeout_s=0.4", "rollout.heartbeat_s=0.1",
+                         "env.kwargs.outcome_delay_s=0.3", "rollout.max_inflight=4", "run.metrics_every_s=0.5")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(3), timeout_s=60)
+    copies = defaultdict(int)
+    for _, message in replay.arrivals:
+        if isinstance(message, StageRecord | Outcome | LeaseRequest):
+            copies[message.msg_id] += 1
+    resent = {msg_id: n for msg_id, n in copies.items() if n > 1}
+    assert resent == {replay.ack_dropped_for: 2}, "only the record whose ack was lost is sent again, once"
+    requests = [m for _, m in replay.arrivals if isinstance(m, LeaseRequest)]
+    assert len({m.msg_id for m in requests}) == len(requests), "a lease request is never sent twice"
+    beats = [at for at, m in replay.arrivals if isinstance(m, Heartbeat)]
+    first_outcome = replay.first(Outcome)[0][0]
+    gaps = [b - a for a, b in itertools.pairwise(t for t in beats if t < first_outcome)]
+    assert gaps and max(gaps) < 0.6, f"heartbeats stalled behind an engine call: {max(gaps):.2f} s"
+    terminal = {r.trajectory_id: at for at, r in replay.first(StageRecord) if r.terminal}
+    for at, outcome in replay.first(Outcome):
+        assert 0.3 <= at - terminal[outcome.trajectory_id] < 0.3 + 0.35, "the outcome waited for the engine"
+    judged = [line["judge_latency_s_mean"] for line in worker_lines(config) if line["trajectories_finished"]]
+    assert judged and all(0.29 <= value < 0.4 for value in judged), judged
+    assert worker_lines(config)[-1]["resends"] == 1
+
+
+def test_a_hung_step_or_judge_abandons_its_trajectory_and_frees_its_slot(tmp_path, zmq_context, publisher):
+    """A tool that never returns (a 1000 s step) and a judge that never returns are abandoned at their limits,
+    counted, and neither holds the worker: the next groups run, and the worker stops at once (daemon threads)."""
+    replay = ReplayDouble(zmq_context, ["g0", "g1", "g2"], group_size=2)
+    config = make_config(tmp_path, replay, publisher, "env.kwargs.step_latency_s=1000", "rollout.step_timeout_s=0.3",
+                         "rollout.max_inflight=2", "run.metrics_every_s=0.3")
+    started = time.monotonic()
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(3), timeout_s=20)
+        replay.serve_for(0.5)
+    assert time.monotonic() - started < 8
+    outcomes = replay.outcomes()
+    assert len(outcomes) == 6 and all(o.abandoned and o.reason.startswith("timeout: env 'trap' step") for o in outcomes)
+    last = worker_lines(config)[-1]
+    assert last["plugin_timeouts"] == 6 and last["hung_calls"] == 6
+
+    replay = ReplayDouble(zmq_context, ["h0", "h1"], group_size=2)
+    config = make_config(tmp_path / "judge", replay, publisher, "env.kwargs.outcome_delay_s=1000",
+                         "rollout.judge_timeout_s=0.4")
+    with running_worker(config):
+        replay.serve_until(lambda: replay.groups_finished(2), timeout_s=20)
+    assert all(o.abandoned and "judge did not return within 0.4 s" in o.reason for o in replay.outcomes())
+    assert worker_lines(config)[-1]["plugin_timeouts"] == 4

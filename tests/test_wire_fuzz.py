@@ -186,7 +186,8 @@ class Fuzzer:
     def poison_own_group(self, group_id: str) -> list:
         """A group the fuzzer leased: members out of range; then every member gets one record the replay's state
         refuses (which abandons that member), a forged outcome for an abandoned member (a duplicate: acked, not
-        refused) before the last one; once all are abandoned the group closes and is unknown."""
+        refused) before the last one; once all are abandoned the group closes, and a late outcome for it is acked as
+        a resend (closed_group_resends) and changes nothing."""
         messages = [(self.outcome(group_id, self.rng.choice([GROUP_SIZE, 10**6, 2**40])), "bad_member"),
                     (self.record(group_id, self.rng.choice([GROUP_SIZE, 2**31])), "bad_member")]
         for member in range(GROUP_SIZE):
@@ -200,7 +201,7 @@ class Fuzzer:
                 messages.append((self.record(group_id, member, actions=[1], versions=[2**31 - 1]), "version_ahead"))
             else:
                 messages.append((self.record(group_id, member, observations=[1] * MAX_SEQ_LEN), "too_long"))
-        messages.append((self.outcome(group_id, 1), "unknown_group"))
+        messages.append((self.outcome(group_id, 1), None))
         return messages
 
     def random_message(self):

@@ -13,13 +13,14 @@ for an on-policy token; top-p's truncation is treated as part of the sampler, no
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import torch
 
 from async_rl.config import RolloutConfig
 from async_rl.model import load_model, load_tokenizer, load_weights, resolve_device
-from rollout.engines.base import Generation, SamplingParams
+from rollout.engines.base import EngineStopped, Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -30,7 +31,8 @@ def configured_device(rollout: RolloutConfig) -> str:
 
 
 class TorchEngine:
-    def __init__(self, model_dir: Path, seed: int, device: str = "cpu") -> None:
+    def __init__(self, model_dir: Path, seed: int, device: str = "cpu", stop: threading.Event | None = None) -> None:
+        self.stop = stop  # set: a generate under way ends at its next token with EngineStopped (a prompt exit)
         self.device = torch.device(device)
         self.model = load_model(model_dir).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_dir)  # stop strings are matched on the decoded text
@@ -73,6 +75,8 @@ class TorchEngine:
                     running[row] = False
             if not any(running) or step == params.max_new_tokens - 1:
                 break
+            if self.stop is not None and self.stop.is_set():
+                raise EngineStopped("the worker is stopping")
             # Stopped rows keep decoding in lockstep (their tokens are discarded); rows never see each other.
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
             position_ids = position_ids[:, -1:] + 1

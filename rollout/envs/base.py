@@ -8,10 +8,12 @@ fresh `Env` per trajectory; the rollout worker runs the episode:
           result = env.step(action)            # the tool's answer, this turn's stage reward, whether it ended
     judgement = env.judge()                    # the final outcome (may be slow: hidden tests, a grader)
 
-These names and signatures are the public API: code outside the project is written against them. Optional
-members a factory or an env may add are listed in `EnvFactory` and `Env` (each has a default here).
+These names and signatures are the public API: code outside the project is written against them. The types
+(`Task`, `StepResult`, `Judgement`, `Env`, `EnvFactory`, and for envs with tools `Action`, `ToolCall`,
+`ToolResult`) live in the kernel, async_rl/env_types.py, and are exported by `async_rl` itself; they are
+re-exported here. Optional members a factory or an env may add are listed in `EnvFactory` and `Env`.
 
-`env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`) or an import path
+`env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`, `tasks`) or an import path
 `package.module:callable`; the callable is called with `env.kwargs` as keyword arguments and returns the factory
 (`load_factory`). Everything a plugin does is checked: a wrong path, a missing attribute, an object without the
 methods, an exception inside `reset`/`step`/`judge`, a reward that is not a finite number: each raises `EnvError`
@@ -22,59 +24,27 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import msgspec
 
+from async_rl.env_types import (  # noqa: F401 - the seam's types, re-exported: every existing import keeps working
+    Action,
+    Env,
+    EnvFactory,
+    Judgement,
+    StepResult,
+    Task,
+    ToolCall,
+    ToolResult,
+)
 from async_rl.errors import AsyncRLError
 
 S = TypeVar("S", bound=msgspec.Struct)
-
-
-@dataclass
-class Task:
-    id: str  # unique within the factory; reported in metrics and records
-    data: dict  # JSON-serialisable; the replay treats it as opaque (it never sees it)
-
-
-@dataclass
-class StepResult:
-    observation: str | None  # the tool's answer (None or "" when the episode ended)
-    reward: float  # this turn's stage reward
-    done: bool
-
-
-@dataclass
-class Judgement:
-    score: float  # the final outcome R
-    success: bool  # whether it counts as solved (the success windows and the stop rule use this)
-    info: dict[str, float] = field(default_factory=dict)  # optional: numbers evaluation averages as eval_<key>
-
-
-@runtime_checkable
-class Env(Protocol):
-    def reset(self, task: Task) -> str: ...  # the first observation
-
-    def step(self, action: str) -> StepResult: ...  # one turn: the action's text -> tool result + stage reward
-
-    def judge(self) -> Judgement: ...  # the outcome; may be slow (hidden tests, a grader)
-
-    # Optional: `close(self) -> None`, called once when the trajectory is over (judged or abandoned).
-
-
-@runtime_checkable
-class EnvFactory(Protocol):
-    def tasks(self, split: str) -> Sequence[Task]: ...  # "train" and "eval"
-
-    def make(self) -> Env: ...  # a fresh environment for one trajectory
-
-    # Optional: `vocabulary(self) -> list[str]`: the whitespace-separated words every text of this env is made
-    # of. The built-in tiny model then uses a word-level tokenizer over them (one token per word, a small action
-    # space a random policy can explore); without it the tiny model's tokenizer is byte-level (any UTF-8 text).
 
 
 class EnvError(AsyncRLError):
@@ -85,6 +55,7 @@ BUILTIN = {
     "trap": "rollout.envs.trap:factory",
     "hunt": "rollout.envs.hunt:factory",
     "coding": "rollout.envs.coding:factory",
+    "tasks": "rollout.envs.tasks:factory",
 }
 
 
@@ -192,14 +163,57 @@ def checked_reset(env_name: str, env: Env, task: Task) -> str:
     return observation
 
 
-def checked_step(env_name: str, env: Env, action: str) -> StepResult:
+def checked_step(env_name: str, env: Env, action: str | Action) -> StepResult:
+    """`env.step(action)` checked; the observation may be None, a str, or (an env with tools) a list of
+    ToolResult whose fields are strings."""
     result = env_call(env_name, "step", env.step, action)
     if not isinstance(result, StepResult):
         raise EnvError(f"env {env_name!r}: step returned {type(result).__name__}, expected StepResult")
     reward = finite_number(env_name, "step", "reward", result.reward)
-    if result.observation is not None and not isinstance(result.observation, str):
-        raise EnvError(f"env {env_name!r}: step returned an observation of type {type(result.observation).__name__}")
-    return StepResult(result.observation, reward, bool(result.done))
+    observation = result.observation
+    if isinstance(observation, list | tuple):
+        for item in observation:
+            if not isinstance(item, ToolResult):
+                raise EnvError(f"env {env_name!r}: step returned an observation list holding a "
+                               f"{type(item).__name__}, expected ToolResult")
+            for name in ("content", "name", "call_id"):
+                if not isinstance(getattr(item, name), str):
+                    raise EnvError(f"env {env_name!r}: step returned a ToolResult whose {name} is a "
+                                   f"{type(getattr(item, name)).__name__}, expected str")
+        observation = list(observation)
+    elif observation is not None and not isinstance(observation, str):
+        raise EnvError(f"env {env_name!r}: step returned an observation of type {type(observation).__name__} "
+                       "(expected str, None, or a list of ToolResult)")
+    return StepResult(observation, reward, bool(result.done))
+
+
+def tools_of(env_name: str, env: Env) -> list[dict] | None:
+    """The env's tool specs (optional member `tools()`), checked: None when it has no `tools`; else a list of
+    OpenAI-style function specs ({"type": "function", "function": {"name": ..., ...}}) with distinct names, JSON
+    serialisable."""
+    declare = getattr(env, "tools", None)
+    if declare is None:
+        return None
+    if not callable(declare):
+        raise EnvError(f"env {env_name!r}: tools is not callable (expected a method returning a list of specs)")
+    specs = env_call(env_name, "tools", declare)
+    if not isinstance(specs, list | tuple):
+        raise EnvError(f"env {env_name!r}: tools() returned {type(specs).__name__}, expected a list of dicts")
+    names: list[str] = []
+    for spec in specs:
+        function = spec.get("function") if isinstance(spec, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(spec, dict) or spec.get("type") != "function" or not isinstance(name, str) or not name:
+            raise EnvError(f"env {env_name!r}: tools() holds {spec!r:.200}, expected "
+                           '{"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}')
+        if name in names:
+            raise EnvError(f"env {env_name!r}: tools() names {name!r} twice")
+        names.append(name)
+    try:
+        json.dumps(list(specs))
+    except (TypeError, ValueError) as exc:
+        raise EnvError(f"env {env_name!r}: tools() is not JSON-serialisable: {exc}") from None
+    return list(specs)
 
 
 def checked_judge(env_name: str, env: Env) -> Judgement:

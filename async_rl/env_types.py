@@ -1,0 +1,86 @@
+"""The environment seam's types: what a user's environment takes and returns (docs/environments.md).
+
+They live in the kernel so a user imports every one of them from the package's top level (`from async_rl import
+Task, StepResult, Judgement, Action, ToolCall, ToolResult`); `rollout/envs/base.py` re-exports them with the checks
+around plugin calls. Nothing here knows any environment.
+
+An environment is text in, text out. An environment that declares tools (an optional `tools()` returning
+OpenAI-style function specs) gets, each turn, an `Action`: the turn's text and the tool calls parsed from it (or
+why they did not parse); it may answer with a list of `ToolResult`, which the model sees as `tool` messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class Task:
+    id: str  # unique within the factory; reported in metrics and records
+    data: dict  # JSON-serialisable; the replay treats it as opaque (it never sees it)
+
+
+@dataclass
+class ToolCall:
+    name: str  # one of the env's tools()
+    arguments: dict  # the call's JSON arguments
+    id: str = ""  # the runner numbers a turn's calls "call_0", "call_1", ... (formats without ids)
+
+
+@dataclass
+class Action:
+    """One turn of an env with tools: the model's text (special tokens dropped) and the calls parsed from it."""
+
+    text: str
+    tool_calls: list[ToolCall]  # the calls that parsed, in order (empty: the turn called nothing)
+    parse_error: str | None = None  # why a call in the text did not parse (malformed JSON, unknown tool, ...)
+
+
+@dataclass
+class ToolResult:
+    content: str  # what the tool answered: the model sees it as a `tool` message
+    name: str = ""  # the tool's name
+    call_id: str = ""  # the ToolCall.id it answers
+
+
+@dataclass
+class StepResult:
+    # The tool's answer (None or "" when the episode ended). An env with tools() may return a list of ToolResult:
+    # each becomes a `tool` message of the chat template.
+    observation: str | list[ToolResult] | None
+    reward: float  # this turn's stage reward
+    done: bool
+
+
+@dataclass
+class Judgement:
+    score: float  # the final outcome R
+    success: bool  # whether it counts as solved (the success windows and the stop rule use this)
+    info: dict[str, float] = field(default_factory=dict)  # optional: numbers evaluation averages as eval_<key>
+
+
+@runtime_checkable
+class Env(Protocol):
+    def reset(self, task: Task) -> str: ...  # the first observation
+
+    def step(self, action: str) -> StepResult: ...  # one turn: the action's text -> tool result + stage reward
+
+    def judge(self) -> Judgement: ...  # the outcome; may be slow (hidden tests, a grader)
+
+    # Optional: `close(self) -> None`, called once when the trajectory is over (judged or abandoned).
+    # Optional: `tools(self) -> list[dict]`, OpenAI-style function specs ({"type": "function", "function": {"name",
+    # "description", "parameters"}}), asked once per trajectory right after `reset`. An env that has it gets an
+    # `Action` in `step` (not a str) and may return a list of `ToolResult` as the observation.
+
+
+@runtime_checkable
+class EnvFactory(Protocol):
+    def tasks(self, split: str) -> Sequence[Task]: ...  # "train" and "eval"
+
+    def make(self) -> Env: ...  # a fresh environment for one trajectory
+
+    # Optional: `vocabulary(self) -> list[str]`: the whitespace-separated words every text of this env is made
+    # of. The built-in tiny model then uses a word-level tokenizer over them (one token per word, a small action
+    # space a random policy can explore); without it the tiny model's tokenizer is byte-level (any UTF-8 text).

@@ -1,0 +1,113 @@
+"""Environment calls on daemon threads with time limits: a reset, step or judge that never returns costs its own
+trajectory (abandoned, counted) and one thread, never the worker's slots or its exit.
+
+A Python thread cannot be killed. A call past its limit is written off: its trajectory is abandoned at once and
+`PluginPool.write_off` starts a replacement thread, so the pool keeps its width; the hung thread stays parked
+(a daemon, so it does not hold up the process's exit) and is counted in `hung` while it lives. Every future
+carries `elapsed_s`, the call's own duration measured on its thread (what the env took, not when the caller
+looked).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+DEFAULT_STEP_TIMEOUT_S = 300.0  # reset and step (a tool call), when neither rollout.step_timeout_s nor the env says
+DEFAULT_JUDGE_TIMEOUT_S = 900.0  # judge, when neither rollout.judge_timeout_s nor the env says
+
+
+def call_limits(rollout: Any, factory: Any) -> tuple[float, float]:
+    """(step, judge) time limits in seconds: `rollout.step_timeout_s` / `rollout.judge_timeout_s` when set, else the
+    factory's optional `step_timeout_s` / `judge_timeout_s`, else the defaults above."""
+
+    def pick(key: str, default: float) -> float:
+        configured = getattr(rollout, key, None)
+        if configured is not None:
+            return float(configured)
+        declared = getattr(factory, key, None)
+        if isinstance(declared, int | float) and not isinstance(declared, bool) and declared > 0:
+            return float(declared)
+        return default
+
+    return pick("step_timeout_s", DEFAULT_STEP_TIMEOUT_S), pick("judge_timeout_s", DEFAULT_JUDGE_TIMEOUT_S)
+
+
+def timed_call(future: Future, fn: Callable[..., Any], args: tuple) -> None:
+    """Run `fn(*args)` into `future`, with the call's own duration as `future.elapsed_s`."""
+    if not future.set_running_or_notify_cancel():
+        return
+    started = time.monotonic()
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        future.elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
+        future.set_exception(exc)
+    else:
+        future.elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
+        future.set_result(result)
+
+
+class PluginPool:
+    """A fixed number of daemon threads taking calls from one queue (ThreadPoolExecutor's threads are joined at
+    exit, so one hung env call would hold the process forever)."""
+
+    def __init__(self, width: int, name: str) -> None:
+        self.name = name
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self.width = width
+        self._numbers = itertools.count()
+        self._threads: list[threading.Thread] = []
+        for _ in range(width):
+            self._start_thread()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def write_off(self) -> None:
+        """A call went past its limit: its thread is lost to the pool; start one to take its place."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._start_thread()
+
+    @property
+    def hung(self) -> int:
+        """Threads beyond the pool's width still alive: calls written off that have not returned yet."""
+        return max(0, sum(t.is_alive() for t in self._threads) - self.width)
+
+    def close(self) -> None:
+        """Stop taking calls; idle threads end, busy ones end after their call (queued calls are cancelled)."""
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._calls.put(None)
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(target=self._work, name=f"{self.name}-{next(self._numbers)}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            timed_call(*item)
+
+
+def start_daemon_call(fn: Callable[..., Any], *args: Any, name: str) -> Future:
+    """One call on a daemon thread of its own (judges: slow, many at once, not counted in the in-flight budget)."""
+    future: Future = Future()
+    threading.Thread(target=timed_call, args=(future, fn, args), name=name, daemon=True).start()
+    return future
