@@ -19,9 +19,9 @@ from async_rl.config import load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_benchmark(script: str, timeout_s: float) -> dict:
+def run_benchmark(script: str, timeout_s: float, *args: str) -> dict:
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--quick"],
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", *args],
         capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -73,6 +73,27 @@ def test_slow_judge_quick():
     # With a 2 s judge, immediate items are trained before their trajectory's outcome is known; without them, none.
     assert result["immediate_before_outcome"]["immediate+correction"][0] > 0
     assert result["immediate_before_outcome"]["outcome-only+step"] == [0]
+
+
+@pytest.mark.slow
+def test_real_model_quick(smollm2):
+    """SmolLM2-135M-Instruct trained through real processes on the tasks env, both arms side by side (LoRA, 1 version
+    each), evaluated before and after on the same eval tasks."""
+    result = run_benchmark("real_model.py", 900, "--model", str(smollm2))
+    assert result["vocab_size"] == 49152 and result["lora_rank"] == 8
+    assert 0.0 <= result["base_eval"]["eval_success_rate"] <= 1.0
+    assert set(result["arms"]) == {"immediate+correction", "outcome-only+step"}
+    for arm in result["arms"].values():
+        assert arm["versions"] >= 1 and arm["env_steps"] > 0
+        assert 0.0 <= arm["base_eval_success"] <= 1.0 and 0.0 <= arm["final_eval_success"] <= 1.0
+        assert arm["final_eval_version"] >= 1  # the trained weights were evaluated, not the base model
+        assert arm["rollout_lines"] >= 1 and arm["rollout_lines_with_tool_counts"] == arm["rollout_lines"]
+        assert arm["tool_calls"] >= 0 and arm["tool_call_errors"] >= 0
+        assert arm["ledger_residual_max"] < 1e-6
+        # the real model and its tokenizer: the run's model.path is the imported directory, and no record carried
+        # a token id outside its 49,152-token vocabulary (replay.vocab_size)
+        assert arm["model_path"] == str(smollm2.resolve()) and arm["records_rejected"] == 0
+        assert arm["peak_rss_mib"] > 0 and arm["rollout_tokens_per_s"] > 0
 
 
 @pytest.mark.slow
