@@ -2,8 +2,8 @@
 
 The model is `--model DIR` (imported first with `async-rl model import smollm2-135m-instruct DIR --dtype bf16` when
 DIR has no config.json; the learner and the engine upcast to fp32). The task is fixed here, not tuned to the eval
-split: reasoning-gym's `chain_sum` with two terms of 1-2 digits, the `calculator` tool, an untagged final turn
-answering its last number, 200 entries split with seed 0 (`TASK` below). Phases:
+split: reasoning-gym's `chain_sum` with two terms of 1 digit (configs/smollm2.yaml's task), the `calculator` tool,
+an untagged final turn answering its last number, 200 entries split with seed 0 (`TASK` below). Phases:
 
   1. base eval      `async-rl evaluate` of the untrained model (version 0 = model.path) on the eval split
   2. training       `immediate+correction` and `outcome-only` (both `algo.credit=outcome+step`) as two
@@ -61,7 +61,7 @@ from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run a
 DEFAULT_MODEL = OUT_DIR / "smollm2"
 TASK: dict[str, Any] = {
     "dataset": "chain_sum",
-    "dataset_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+    "dataset_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
     "untagged": "last-number",
     "tools": ["calculator"],
     "size": 200,
@@ -73,6 +73,10 @@ SETTINGS = [
     "rollout.max_new_tokens=48", "learner.min_batch_items=8", "learner.batch_tokens=4096",
     "learner.micro_batch_tokens=2048", "run.target_success=null", "run.metrics_every_s=30",
     "algo.max_correction_staleness=256",  # a slow judge must not make the learner drop the outcome's credit
+    # as configs/smollm2.yaml: no entropy bonus for a pretrained policy (the tiny model's 0.2 would unlearn language),
+    # 2 groups a step, a checkpoint only at the end, 2 weight files kept
+    "algo.entropy_coef=0.0", "algo.groups_per_step=2", "learner.checkpoint_every=0", "learner.keep_weights=2",
+    "replay.batch_ack_timeout_s=600",  # steps of 60-150 s here: at the default 120 s slow steps' batches were requeued
 ]
 ARMS = {
     "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],

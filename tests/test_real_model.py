@@ -16,7 +16,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from transformers import AutoTokenizer
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.protocol import Outcome, StageRecord, decode
 from replay.wal import Entry, Received, read_frames
@@ -35,13 +37,14 @@ def docs_command(page: str, start: str) -> list[str]:
 
 
 def train(workdir: Path, command: list[str], run_dir: Path, *extra: str) -> dict:
-    """Run a documented `... async-rl train ...` command in `workdir` with the test's budget; its final JSON line."""
+    """Run a documented `... async-rl train ...` command in `workdir` with the test's budget; its final JSON line.
+    The recipe's run.dir and run.name (runs/smollm2, relative to `workdir`) stay: `run_dir` is where it writes."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     while "=" in command[0]:  # leading VAR=value assignments, as the shell applies them
         key, value = command.pop(0).split("=", 1)
         env[key] = str((workdir / value).resolve()) if key == "PYTHONPATH" else value
     assert command[:2] == ["async-rl", "train"], command
-    args = [ASYNC_RL, *command[1:], f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *BUDGET, *extra]
+    args = [ASYNC_RL, *command[1:], *BUDGET, *extra]
     done = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert done.returncode == 0, done.stderr[-3000:] + logs
@@ -81,10 +84,12 @@ def test_the_recipe_trains_smollm2_on_the_tasks_env_with_a_responsive_worker(wor
     tokenizer's ids; the ledger holds; and with engine calls of seconds the worker's messaging stays clean (issue
     41): no resend, no rejection, no lease granted twice, and each outcome reaches the replay within a second of
     its judge returning (a 1 s judge: `judge_latency_s` is what the env took)."""
-    run_dir = workdir / "runs" / "recipe"
-    command = docs_command("docs/models.md", "async-rl train --config configs/smollm2.yaml")
+    run_dir = workdir / "runs" / "smollm2"
+    command = docs_command("README.md", "async-rl train --config configs/smollm2.yaml")
+    assert command == docs_command("docs/models.md", "async-rl train --config configs/smollm2.yaml")
     result = train(workdir, command, run_dir, "env.kwargs.judge_delay_s=1.0")
     assert result["versions"] >= 1, result
+    assert Path(result["run_dir"]).resolve() == run_dir.resolve()
 
     tokenizer = AutoTokenizer.from_pretrained(workdir / "models" / "smollm2")
     messages = received(run_dir)
@@ -112,6 +117,15 @@ def test_the_recipe_trains_smollm2_on_the_tasks_env_with_a_responsive_worker(wor
     learner = lines(run_dir / "metrics.jsonl")
     assert learner and all(line["ledger_residual_max"] < 1e-6 for line in learner)
 
+    export = docs_command("README.md", "async-rl export runs/smollm2")  # as printed, then load it as a user would
+    done = subprocess.run([ASYNC_RL, *export[1:]], cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(workdir / export[-1])
+    published = load_file(str(run_dir / "weights" / f"v{result['versions']}.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(exported.state_dict()[name], published[name])
+    assert AutoTokenizer.from_pretrained(workdir / export[-1]).chat_template == tokenizer.chat_template
+
 
 @pytest.mark.slow
 def test_a_user_tool_env_written_outside_the_project_trains_the_real_model_with_lora(workdir):
@@ -120,7 +134,7 @@ def test_a_user_tool_env_written_outside_the_project_trains_the_real_model_with_
     example = (REPO / "docs" / "environments.md").read_text()
     start = example.index('```python\n"""Add two numbers with a tool') + len("```python\n")
     (workdir / "add_env.py").write_text(example[start : example.index("```", start)])
-    run_dir = workdir / "runs" / "add"
+    run_dir = workdir / "runs" / "smollm2"
     command = docs_command("docs/environments.md", "PYTHONPATH=. async-rl train --config configs/smollm2.yaml "
                                                    "env.name=add_env:factory")
     result = train(workdir, command, run_dir, "learner.lora.rank=8", "learner.lr=0.0001")
