@@ -265,12 +265,6 @@ class EpisodeRunner:
         self._collect_generation()
         self._collect_judges()
 
-    def drain_engine(self, timeout_s: float | None = None) -> None:
-        """Wait for the engine call under way (if any) and hand it on (tests and benchmarks that count calls)."""
-        if self.engine_call is not None:
-            wait([self.engine_call], timeout=timeout_s)
-            self._collect_generation()
-
     def abandon_all(self, reason: str) -> None:
         for episode in list(self.episodes):
             if episode.phase != "judge":
@@ -437,7 +431,8 @@ class EpisodeRunner:
                 if calls is self.steps:
                     self.pool.write_off()
                 method = "reset" if episode.phase == "reset" else what
-                self._abandon(episode, f"timeout: env {self.env_name!r} {method} did not return within {limit:g} s")
+                self._abandon(episode, f"timeout: env {self.env_name!r} {method} did not return within {limit:g} s",
+                              hung=True)
 
     def _action(self, episode: Episode, generation: Generation) -> str | Action:
         """What `step` gets: the text, or for an env with tools an `Action` with its parsed calls (counted)."""
@@ -480,11 +475,11 @@ class EpisodeRunner:
             self._finish(episode)
             self.sink.outcome(episode, judgement, "")
 
-    def _abandon(self, episode: Episode, reason: str) -> None:
+    def _abandon(self, episode: Episode, reason: str, hung: bool = False) -> None:
         log.warning("trajectory %s abandoned: %s", episode.trajectory_id, reason)
         self.env_errors += reason.startswith("env_error")
         self.stats.trajectories_abandoned += 1
-        self._finish(episode, hung=reason.startswith("timeout"))
+        self._finish(episode, hung=hung)
         self.sink.outcome(episode, None, reason)
 
     def _finish(self, episode: Episode, hung: bool = False) -> None:

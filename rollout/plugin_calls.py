@@ -3,7 +3,7 @@ trajectory (abandoned, counted) and one thread, never the worker's slots or its 
 
 A Python thread cannot be killed. A call past its limit is written off: its trajectory is abandoned at once and
 `PluginPool.write_off` starts a replacement thread, so the pool keeps its width; the hung thread stays parked
-(a daemon, so it does not hold up the process's exit) and is counted in `hung` while it lives. Every future
+(a daemon, so it does not hold up the process's exit); the runner counts such calls until they return. Every future
 carries `elapsed_s`, the call's own duration measured on its thread (what the env took, not when the caller
 looked).
 """
@@ -60,7 +60,6 @@ class PluginPool:
     def __init__(self, width: int, name: str) -> None:
         self.name = name
         self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
-        self.width = width
         self._numbers = itertools.count()
         self._threads: list[threading.Thread] = []
         for _ in range(width):
@@ -75,11 +74,6 @@ class PluginPool:
         """A call went past its limit: its thread is lost to the pool; start one to take its place."""
         self._threads = [t for t in self._threads if t.is_alive()]
         self._start_thread()
-
-    @property
-    def hung(self) -> int:
-        """Threads beyond the pool's width still alive: calls written off that have not returned yet."""
-        return max(0, sum(t.is_alive() for t in self._threads) - self.width)
 
     def close(self) -> None:
         """Stop taking calls; idle threads end, busy ones end after their call (queued calls are cancelled)."""

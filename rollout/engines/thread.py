@@ -21,7 +21,6 @@ class EngineThread:
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._last: Future | None = None
 
     @property
     def version(self) -> int:
@@ -30,12 +29,7 @@ class EngineThread:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run `fn(*args)` on the engine's thread after every call asked for before it."""
-        self._last = self._pool.submit(fn, *args)
-        return self._last
-
-    def busy(self) -> bool:
-        """Whether a call asked for is still queued or running."""
-        return self._last is not None and not self._last.done()
+        return self._pool.submit(fn, *args)
 
     def close(self) -> None:
         """Cancel what is queued; a call already running finishes on its own (the engine's stop ends it early)."""
