@@ -32,7 +32,7 @@ is a multiple of it), so the replay's token budget and the learner's step time s
 
     python benchmarks/cluster_sim.py            # 64 engines x 64, 8 learner GPUs, ~30 turns, 60 s judges
     python benchmarks/cluster_sim.py --quick    # small sizes, a few seconds
-    # admission matched to the learner (docs/benchmarks.md, "cluster_sim"):
+    # admission matched to the learner (docs/research/log.md, "cluster_sim"):
     python benchmarks/cluster_sim.py --hours 3 --only async,async-unguarded --set algo.groups_per_step=3 \
         --variant-mcs -1 --unguarded --out cluster_sim-gps3
 

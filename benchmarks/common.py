@@ -174,7 +174,7 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], caption: 
 
 
 def markdown_table(columns: list[str], rows: list[list[str]], command: str) -> str:
-    """The same table as Markdown, headed by the command that measured it (for docs/benchmarks.md)."""
+    """The same table as Markdown, headed by the command that measured it (for docs/results.md)."""
     head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     body = "".join("| " + " | ".join(row) + " |\n" for row in rows)
     return f"`{command}`\n\n{head}{body}"

@@ -42,11 +42,11 @@ best setting vs best setting; `credit_dropped` and the seconds the guard held th
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
     python benchmarks/delay.py --env hunt --d 0,20,50 --lrs 2.5e-4,5e-4,1e-3 --seeds 5    # on the hunt
-    # what docs/benchmarks.md reports (5 seeds, one lr, the guard's bound above the D asked for; ~1 h per traps):
+    # the first cells (docs/research/log.md; 5 seeds, one lr, the guard's bound above the D asked for; ~1 h each):
     python benchmarks/delay.py --d 50,0 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 900 --budget 800000 \
         --calibrate-steps 20000 --out delay-traps0
-    # D ≈ 50 as asked, not ~half of it: the judge delay refit twice under the judge (docs/benchmarks.md, "delay"):
+    # D ≈ 50 as asked, not ~half of it: the judge delay refit twice under the judge (docs/research/log.md):
     python benchmarks/delay.py --d 50 --traps 0 --arms outcome-only+step,immediate+correction --lrs 5e-4 \
         --seeds 5 --max-correction-staleness auto --parallel 2 --max-wall-s 1200 --budget 1000000 \
         --calibrate-steps 20000 --fit-d 2 --out delay-traps0-d50
@@ -217,7 +217,7 @@ def fit_delay(args: argparse.Namespace, out_dir: Path, done_dir: Path, traps: in
 
 def held_too_long(runs: Iterable[dict], share: float = 0.25) -> list[str]:
     """The runs whose guard held the learner over `share` of their wall time. The bound counts learner versions:
-    an arm that also steps on immediate items spans ~3x the versions per judge delay (docs/benchmarks.md, "delay"),
+    an arm that also steps on immediate items spans ~3x the versions per judge delay (docs/results.md, "delay"),
     so a bound sized from D throttles it and its wall time measures the bound, not the rule."""
     return [run_key(m["traps"], m["d"], m["arm"], m["lr"], m.get("batch_scale", 1.0), m["seed"]) for m in runs
             if m.get("guard_held_s") and m.get("wall_s") and m["guard_held_s"] > share * m["wall_s"]]

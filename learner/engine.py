@@ -192,7 +192,7 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         reference = copy.deepcopy(model).eval().requires_grad_(False).to(device=_local_device(device), dtype=dtype)
     # torch's AdamW with its fused kernel (CPU and CUDA), not DeepSpeed's FusedAdam, which would be JIT-built; on CPU
-    # torch's default is a per-tensor Python loop (docs/benchmarks.md, "systems": the learner against bare loops
+    # torch's default is a per-tensor Python loop (docs/results.md, "systems": the learner against bare loops
     # with and without it). The update is the same AdamW.
     learner = config.learner
     trained = lora.trainable(model) if adapted else model.parameters()

@@ -72,7 +72,7 @@ class GuardWatch:
     """What the correction guard costs and the bound that would not have cost it (docs/algorithm.md, "Staleness").
 
     `max_correction_staleness` counts learner versions, and how many versions a judge delay spans depends on the
-    arm: one that also steps on immediate items takes ~3x the versions of outcome-only+step (docs/benchmarks.md,
+    arm: one that also steps on immediate items takes ~3x the versions of outcome-only+step (docs/results.md,
     "delay"), so a bound sized for one throttles the other. Over the last `window_s` of metrics lines:
     `guard_held_frac`, the share of the wall time the guard held the learner, and `correction_bound_needed`, the
     largest correction staleness trained, scaled by wall ÷ unheld time (the versions those corrections would have

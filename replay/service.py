@@ -731,7 +731,7 @@ class ReplayService:
         it (holding ages nothing: versions move only with batches).
 
         The rule before 2026-11-23 held whenever anything was pending; where the learner, not the judges, is the
-        bottleneck, that kept it waiting behind a backlog it could not clear by waiting (docs/benchmarks.md,
+        bottleneck, that kept it waiting behind a backlog it could not clear by waiting (docs/research/log.md,
         "cluster_sim")."""
         if not self._guard_on():
             return "serve"

@@ -363,7 +363,8 @@ def test_delay_names_a_bad_count_or_coefficient(flag):
 
 # Every `python benchmarks/NAME.py ARGS` that README.md, docs/*.md or a script's own docstring prints, joined across
 # `\` line continuations and cut at a comment, a closing backtick or a table bar. Synopses with [optional] parts
-# are not commands.
+# are not commands. docs/research/ is not scanned: it cites commands as run at the commits it names, some with
+# options since removed (`--entropy-per new-token`, `held+correction`).
 DOCUMENTED = re.compile(r"python benchmarks/(\w+)\.py((?:\\\n|[^`\n#|)\\])*)")
 
 PARSE_ONLY = """

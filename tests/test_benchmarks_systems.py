@@ -1,6 +1,6 @@
 """The systems and vs-TRL benchmarks run end to end in their --quick form and end with their JSON line.
 
-Only completion and the JSON keys are asserted: the numbers depend on the machine and go in docs/benchmarks.md.
+Only completion and the JSON keys are asserted: the numbers depend on the machine and go in docs/results.md.
 """
 
 from __future__ import annotations

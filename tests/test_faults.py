@@ -5,7 +5,7 @@ lineage (the learner lists the item ids it trained, `learner.log_item_ids`), tha
 restart, and that no process of the run is left behind.
 
 One trial per fault in CI; `ASYNC_RL_FAULT_TRIALS=5 python -m pytest tests/test_faults.py` is the full form
-(docs/benchmarks.md, "Fault injection").
+(docs/results.md, "Fault injection").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ metric, and `async-rl train` with its learner on the GPU; the built-in rollout e
 These tests skip on a machine without CUDA (CI has none). On a GPU machine the rest of the learner's tests run
 there too: tests/test_learner.py and tests/test_learner_scale.py build their engines with learner.device auto, so
 they train on the GPU in fp32 (they compare runs to 1e-4, which bf16 cannot meet); the 2-rank ZeRO-3 test runs on
-the GPU only where there are two. Run on an H200 on 2026-11-26 (docs/benchmarks.md, "gpu_learner").
+the GPU only where there are two. Run on an H200 on 2026-11-26 (docs/results.md, "gpu_learner").
 """
 
 from __future__ import annotations

@@ -430,7 +430,7 @@ def test_stop_reasons():
 
 
 def test_the_guard_watch_names_the_bound_that_would_not_have_held_the_learner(caplog):
-    """The case measured at D ~ 47 (docs/benchmarks.md, "delay"): bound 66, the guard holding the learner 62% of
+    """The case measured at D ~ 47 (docs/research/log.md, the guard): bound 66, the guard holding the learner 62% of
     the time, corrections reaching 65 versions: stepping through the holds they would have spanned ~172."""
     watch = GuardWatch(bound=66)
     with caplog.at_level("WARNING", logger="async_rl.learner"):

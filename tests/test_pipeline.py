@@ -184,27 +184,29 @@ def test_the_documented_command_form_with_a_config_file_then_overrides(tmp_path)
     assert result["versions"] == 3 and result["run_dir"] == str(tmp_path / "mine")
 
 
-def docs_example() -> str:
-    """The complete example environment of docs/environments.md, exactly as printed there."""
-    text = (REPO / "docs" / "environments.md").read_text()
-    start = text.index("```python\n\"\"\"Guess a secret number") + len("```python\n")
-    return text[start : text.index("```", start)]
+def readme_example_command() -> list[str]:
+    """README's "Your own environment" command as printed: `PYTHONPATH=examples async-rl train env.name=...`."""
+    line = next(line for line in (REPO / "README.md").read_text().splitlines()
+                if line.startswith("PYTHONPATH=examples async-rl train "))
+    return line.split()
 
 
-def test_the_docs_example_environment_trains_from_outside_the_project(tmp_path):
-    """`PYTHONPATH=. async-rl train env.name=guess_env:factory env.kwargs.max_turns=5` as docs/environments.md
-    prints it, in the directory holding the file, bounded by a few more overrides."""
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (plugins / "guess_env.py").write_text(docs_example())
+def test_the_example_environment_trains_from_outside_the_project(tmp_path):
+    """README's command for examples/guess_env.py (docs/environments.md prints the same file), run as printed in a
+    user's directory that holds a copy of examples/, bounded by a few more overrides."""
+    (tmp_path / "examples").mkdir()
+    shutil.copy(REPO / "examples" / "guess_env.py", tmp_path / "examples" / "guess_env.py")
+    assignment, *command = readme_example_command()
+    key, value = assignment.split("=", 1)
+    assert key == "PYTHONPATH" and command[:2] == ["async-rl", "train"], (assignment, command)
     script = shutil.which("async-rl")
-    command = [script] if script else [sys.executable, "-m", "async_rl.cli"]
-    args = [*command, "train", "env.name=guess_env:factory", "env.kwargs.max_turns=5", f"run.dir={tmp_path}",
+    launcher = [script] if script else [sys.executable, "-m", "async_rl.cli"]
+    args = [*launcher, *command[1:], f"run.dir={tmp_path}",
             "run.name=t", "wandb.mode=disabled", "run.target_success=null", "run.max_versions=12",
             "rollout.group_size=4", "learner.min_batch_items=4", "learner.batch_wait_s=0.2", "run.eval_every=4",
             "run.eval_samples_per_task=4"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=plugins)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([value, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = metrics(tmp_path / "t")
     assert lines[-1]["trajectories_finished"] > 0 and lines[-1]["env_steps"] > 0

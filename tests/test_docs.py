@@ -1,0 +1,103 @@
+"""The docs against the code: docs/configuration.md lists exactly the keys of async_rl/config.py's structs, and every
+relative link in README.md and docs/ names a file that exists and, with a #fragment, a heading in it."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import msgspec
+
+from async_rl.config import Config, _yaml, config_to_dict, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def config_keys(struct: type[msgspec.Struct] = Config, prefix: str = "") -> set[str]:
+    """Every leaf key of the config as `section.key` (nested structs such as learner.lora walked into)."""
+    keys = set()
+    hints = typing.get_type_hints(struct, include_extras=True)
+    for name in struct.__struct_fields__:
+        annotation = hints[name]
+        if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+            keys |= config_keys(annotation, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def documented_rows() -> list[tuple[str, str]]:
+    """(key, default cell) of every table row of docs/configuration.md whose first cell is one backticked dotted
+    key and whose second is one backticked YAML value."""
+    text = (REPO / "docs" / "configuration.md").read_text()
+    return re.findall(r"^\| `([a-z_]+(?:\.[a-z_]+)+)` \| `([^`|]*)` \|", text, re.M)
+
+
+def documented_keys() -> list[str]:
+    return [key for key, _ in documented_rows()]
+
+
+def test_the_config_walk_finds_nested_sections():
+    keys = config_keys()
+    assert {"run.name", "learner.lora.rank", "rollout.sglang.urls", "security.curve_dir"} <= keys
+    assert "learner.lora" not in keys and "rollout.sglang" not in keys
+
+
+def test_the_knob_table_lists_exactly_the_config_keys_once_each():
+    documented = documented_keys()
+    assert len(documented) > 100
+    duplicates = sorted({key for key in documented if documented.count(key) > 1})
+    assert duplicates == [], f"listed twice in docs/configuration.md: {duplicates}"
+    keys = config_keys()
+    assert sorted(set(documented) - keys) == [], "in docs/configuration.md but not in async_rl/config.py"
+    assert sorted(keys - set(documented)) == [], "in async_rl/config.py but not in docs/configuration.md"
+
+
+def test_the_knob_table_defaults_are_the_packaged_local_config():
+    """The default column is what `async-rl train` runs with no --config (the packaged local config)."""
+    resolved = config_to_dict(load_config())
+    wrong = {}
+    for key, cell in documented_rows():
+        value = resolved
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if _yaml(cell) != value:
+            wrong[key] = (cell, value)
+    assert wrong == {}, "docs/configuration.md's default (left) is not the local config's (right)"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a `# comment` in a code block is no heading
+    return {slug(match) for match in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, fragment = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif fragment and path.suffix == ".md" and fragment not in anchors(path):
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_example_environment_is_the_one_docs_environments_prints():
+    """examples/guess_env.py (README, "Your own environment") and the complete example of docs/environments.md are
+    one file: a change to one that is not made to the other fails here."""
+    text = (REPO / "docs" / "environments.md").read_text()
+    start = text.index('```python\n"""Guess a secret number') + len("```python\n")
+    assert text[start : text.index("```", start)] == (REPO / "examples" / "guess_env.py").read_text()
