@@ -418,3 +418,11 @@ def test_every_documented_benchmark_command_parses():
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert {command: result for command, result in results.items() if result != "ok"} == {}
     assert len(results) == len(commands)
+
+
+@pytest.mark.slow
+def test_engine_cache_quick():
+    result = run_benchmark("engine_cache.py", timeout_s=300)
+    assert set(result["episode_s"]) == {"re-prefill", "cache"}
+    # turns 2-3 feed only their 24 new tokens of contexts of 88-136: most prompt tokens come from the cache
+    assert result["reuse_frac"] > 0.5
