@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "train":
         from launch.preflight import preflight
 
-        try:
-            preflight(config, args.resume is not None)  # before torch is imported: a wrong model.path or run.dir
-        except AsyncRLError as exc:  # is reported at once
+        try:  # before torch is imported: a wrong model.path or run.dir is reported at once
+            preflight(config, args.resume is not None)
+        except AsyncRLError as exc:
             print(f"async-rl train: {exc}", file=sys.stderr)
             return 2
     from launch.roles import ENTRY_POINTS, run_in_process
