@@ -354,6 +354,18 @@ def dump_config(config: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
 
 
+def load_run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of the run in `run_dir` (its config.yaml, with `overrides` on top), pointed at that directory
+    wherever the command runs from (`async-rl train --resume`, `async-rl export`). Raises ConfigError naming what
+    is missing."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    config = load_config(run_dir / "config.yaml", list(overrides))
+    run = msgspec.structs.replace(config.run, dir=str(run_dir.resolve().parent), name=run_dir.resolve().name)
+    return msgspec.structs.replace(config, run=run)
+
+
 def _apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
     if not sep or not key or not re.fullmatch(r"[a-z_]+(\.[A-Za-z_][A-Za-z0-9_]*)+", key):

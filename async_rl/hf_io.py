@@ -251,14 +251,13 @@ def published_versions(weights_dir: Path) -> dict[int, Path]:
 
 def run_model_dir(run_dir: Path) -> Path:
     """The base model directory of the run in `run_dir`: its config's model.path, or <run_dir>/model."""
-    from async_rl.config import configured_model_path
-    from async_rl.launcher import resume_config
+    from async_rl.config import configured_model_path, load_run_config
 
     try:
-        config = resume_config(run_dir)
+        config = load_run_config(run_dir)
         configured = configured_model_path(config)
     except AsyncRLError as exc:
-        raise AsyncRLError(str(exc).removeprefix("--resume: ")) from None
+        raise AsyncRLError(str(exc)) from None
     model_dir = configured if configured is not None else run_dir / "model"
     if not (model_dir / "config.json").is_file():
         raise AsyncRLError(f"{run_dir}: its base model directory {model_dir} is gone (no config.json)")

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: run `async-rl train` as a subprocess, read its metrics, summarize, report.
 
-Every training run is a real `python -m async_rl.cli train` with `section.key=value` overrides, its own run
+Every training run is a real `python -m launch.cli train` with `section.key=value` overrides, its own run
 directory under `benchmarks/out/`, W&B disabled, fresh loopback ports and `OMP_NUM_THREADS=1` in its
 environment (the launcher also pins each child through `run.threads_per_process=1`): the two cores are shared.
 """
@@ -68,7 +68,7 @@ def train(out_dir: Path, name: str, overrides: list[str], timeout_s: float) -> R
         shutil.rmtree(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
-        sys.executable, "-m", "async_rl.cli", "train",
+        sys.executable, "-m", "launch.cli", "train",
         "wandb.mode=disabled", "run.threads_per_process=1", "run.log_level=WARNING", "run.eval_samples_per_task=0",
         f"run.dir={out_dir}", f"run.name={name}",
         *overrides,

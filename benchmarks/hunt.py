@@ -27,7 +27,7 @@ from common import OUT_DIR, RunResult, emit, machine, markdown_table, pinned_env
 
 
 def evaluate(run: RunResult, blind: bool, samples: int) -> dict:
-    args = [sys.executable, "-m", "async_rl.cli", "evaluate", "--config", str(run.run_dir / "config.yaml"),
+    args = [sys.executable, "-m", "launch.cli", "evaluate", "--config", str(run.run_dir / "config.yaml"),
             f"run.eval_samples_per_task={samples}", "run.log_level=WARNING"]
     done = subprocess.run(args + (["--blind"] if blind else []), capture_output=True, text=True, env=pinned_env(),
                           cwd=REPO, timeout=600, check=True)

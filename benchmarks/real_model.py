@@ -89,7 +89,7 @@ def ensure_model(model: Path) -> None:
     if (model / "config.json").exists():
         return
     console.print(f"[bold]real_model[/] importing smollm2-135m-instruct into {model} (bf16)")
-    done = subprocess.run([sys.executable, "-m", "async_rl.cli", "model", "import", "smollm2-135m-instruct",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "model", "import", "smollm2-135m-instruct",
                            str(model), "--dtype", "bf16"], capture_output=True, text=True, cwd=REPO, timeout=1200)
     if done.returncode != 0:
         raise BenchmarkError(f"model import failed:\n{done.stderr[-2000:]}")
@@ -103,7 +103,7 @@ def evaluate(out_dir: Path, name: str, args: list[str]) -> dict[str, Any]:
     """`async-rl evaluate ARGS` (its JSON line); stderr in out_dir/NAME.eval.log."""
     log = out_dir / f"{name}.eval.log"
     with open(log, "w") as stderr:
-        done = subprocess.run([sys.executable, "-m", "async_rl.cli", "evaluate", *args, "run.log_level=WARNING"],
+        done = subprocess.run([sys.executable, "-m", "launch.cli", "evaluate", *args, "run.log_level=WARNING"],
                               stdout=subprocess.PIPE, stderr=stderr, text=True, env=pinned_env(), cwd=REPO,
                               timeout=1800)
     if done.returncode != 0 or not done.stdout.strip():

@@ -14,7 +14,7 @@ it, take a step). Both learn the same single-stage trap task from the same start
           its own stop rule uses), at least 512 samples in, checked once per optimizer step in both; time is
           measured from the moment the benchmark starts the process.
 
-async-rl runs as `python -m async_rl.cli train` (learner, replay and one rollout worker: three processes);
+async-rl runs as `python -m launch.cli train` (learner, replay and one rollout worker: three processes);
 TRL runs in one process (this file with --trl-child) on CPU (`use_cpu=True, bf16=False, use_vllm=False`).
 Every process is pinned to one thread (OMP_NUM_THREADS=1). Seeds alternate between the systems in one invocation
 (the machine is shared: the ratios are what to read, not the absolute seconds).
@@ -78,7 +78,7 @@ def child_env() -> dict[str, str]:
 def run_async_rl(seed: int, model_dir: Path, max_wall_s: float) -> dict:
     """`async-rl train`; the target moment is when the learner's metrics line first shows it (polled at 10 Hz)."""
     run_dir = OUT / "async-rl" / time.strftime("%Y%m%d-%H%M%S")
-    args = [sys.executable, "-m", "async_rl.cli", "train", *overrides(seed, run_dir, model_dir, max_wall_s)]
+    args = [sys.executable, "-m", "launch.cli", "train", *overrides(seed, run_dir, model_dir, max_wall_s)]
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(run_dir / "launcher.log", "wb") as log_file:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rl.cli import ROLES, main, parse_args
+from launch.cli import ROLES, main, parse_args
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from async_rl.cli import main as async_rl
 from async_rl.config import load_config
 from async_rl.security import ROLE_FILES
+from launch.cli import main as async_rl
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -347,7 +347,7 @@ def test_learner_is_an_indexed_job_with_a_static_rendezvous(docs):
     line = command_line(learner)
     assert f"MASTER=async-rl-learner-0.{pod['subdomain']}" in line
     for flag in ('--nnodes="$NNODES"', '--node-rank="$JOB_COMPLETION_INDEX"', '--master-addr="$MASTER"',
-                 "-m async_rl.cli learner"):
+                 "-m launch.cli learner"):
         assert flag in line
 
 

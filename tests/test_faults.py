@@ -129,7 +129,7 @@ def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str,
     and the number of metrics lines there were at the kill."""
     run_dir = tmp_path / "t"
     kill_after = random.Random(seed).randint(6, 20)
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *FAULT_RUN,
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *FAULT_RUN,
             f"run.max_versions={MAX_VERSIONS}", f"run.seed={seed}", *overrides]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -198,12 +198,12 @@ def test_resume_continues_a_stopped_run_in_its_run_directory(tmp_path):
     directory, and versions and metrics.jsonl continue."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                        os.environ.get("PYTHONPATH", "")]))
-    first = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", *FAULT_RUN, "rollout.workers=1",
+    first = subprocess.run([sys.executable, "-m", "launch.cli", "train", *FAULT_RUN, "rollout.workers=1",
                             "run.max_versions=10"],
                            capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = tmp_path / "runs" / "local"
-    resumed = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "--resume", "runs/local",
+    resumed = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--resume", "runs/local",
                               "run.max_versions=20"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
                              env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -92,7 +92,7 @@ def test_async_rl_train_with_its_learner_on_the_gpu(tmp_path):
     """`async-rl train` (the README's command form) with learner.device=cuda: replay, rollout worker (CPU) and a
     bf16 NCCL learner as separate processes; it trains, checkpoints and stops at its budget."""
     done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=gpu", "learner.device=cuda",
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=gpu", "learner.device=cuda",
          "run.max_versions=60", "run.eval_samples_per_task=0", "wandb.mode=disabled"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
@@ -133,7 +133,7 @@ def test_async_rl_train_with_learner_and_rollout_on_the_gpu(tmp_path):
     """`async-rl train learner.device=cuda rollout.device=cuda`: the learner and two rollout workers share the GPU;
     the run trains and stops at its budget."""
     done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=gpu", "learner.device=cuda",
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=gpu", "learner.device=cuda",
          "rollout.device=cuda", "rollout.workers=2", "run.max_versions=30", "run.eval_samples_per_task=0",
          "wandb.mode=disabled"],
         cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -117,15 +117,17 @@ def test_a_named_source_whose_package_is_missing_says_how_to_install(monkeypatch
 
 
 def test_the_kernel_module_imports_no_role():
-    """async_rl/ must not import rollout, replay or learner: not at import time, and not in a function either."""
-    code = ("import sys, async_rl.cli, async_rl.hf_io, async_rl.launcher; "
-            "print([m for m in sys.modules if m.split('.')[0] in ('rollout', 'replay', 'learner')])")
+    """async_rl/ must not import rollout, replay, learner or launch: not at import time (every module of the kernel
+    imported here), and not in a function either (hf_io read here; every file in tests/test_layers.py)."""
+    code = ("import importlib, pkgutil, sys, async_rl; "
+            "[importlib.import_module(f'async_rl.{m.name}') for m in pkgutil.iter_modules(async_rl.__path__)]; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('rollout', 'replay', 'learner', 'launch')])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
     tree = ast.parse(Path(hf_io.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert not {name for name in imported if name.split(".")[0] in ("rollout", "replay", "learner")}
+    assert not {name for name in imported if name.split(".")[0] in ("rollout", "replay", "learner", "launch")}
 
 
 # ------------------------------------------------------------------------------------------------------------ export
@@ -133,7 +135,7 @@ def test_the_kernel_module_imports_no_role():
 def run_dir(tmp_path_factory) -> Path:
     """A real tiny run: the default trap task and tiny model, 4 learner versions (the last 3 kept on disk)."""
     root = tmp_path_factory.mktemp("run")
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={root}", "run.name=t", "wandb.mode=disabled",
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={root}", "run.name=t", "wandb.mode=disabled",
             "run.target_success=null", "run.max_versions=4", "rollout.workers=1", "rollout.group_size=4",
             "env.kwargs.num_tasks=4", "env.kwargs.step_latency_s=0.01", "env.kwargs.outcome_delay_s=0.1",
             "learner.min_batch_items=4", "learner.batch_wait_s=0.2", "learner.keep_weights=3"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rl.cli import main as async_rl
+from launch.cli import main as async_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.77.{net}.{host}"
@@ -164,14 +164,14 @@ def test_pod_roles_in_their_own_network_namespaces_train_over_tcp(network, tmp_p
     config = cluster_config(tmp_path)
     logs = tmp_path / "pod-logs"
     logs.mkdir()
-    cli = [sys.executable, "-m", "async_rl.cli"]
+    cli = [sys.executable, "-m", "launch.cli"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                 "--master-addr=async-rl-learner-0.async-rl-learner-workers", "--master-port=29500",
                 "--max-restarts=0"]
     processes = {
         "replay": _start(network, "replay", [*cli, "replay", "--config", str(config)], logs),
         **{f"learner-{i}": _start(network, f"learner-{i}",
-                                  [*torchrun, f"--node-rank={i}", "-m", "async_rl.cli", "learner", "--config",
+                                  [*torchrun, f"--node-rank={i}", "-m", "launch.cli", "learner", "--config",
                                    str(config)], logs) for i in range(2)},
         **{f"rollout-{i}": _start(network, f"rollout-{i}",
                                   [*cli, "rollout", "--config", str(config), "--index", str(i)], logs)

@@ -32,7 +32,7 @@ SHORT_RUN = [
 
 
 def train(tmp_path: Path, *overrides: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path]:
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN, *overrides]
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN, *overrides]
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     return done, tmp_path / "t"
 
@@ -92,7 +92,7 @@ def _wait_for(path: Path, timeout: float = 120) -> None:
 
 
 def test_ctrl_c_stops_every_child_cleanly(tmp_path):
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(tmp_path / "t" / "metrics.jsonl")
@@ -108,7 +108,7 @@ def test_ctrl_c_stops_every_child_cleanly(tmp_path):
 
 
 def test_a_dead_child_past_its_restarts_is_named_and_stops_the_run(tmp_path):
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN,
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN,
             "run.max_restarts=0"]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(tmp_path / "t" / "metrics.jsonl")
@@ -123,7 +123,7 @@ def test_a_dead_child_past_its_restarts_is_named_and_stops_the_run(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     """SIGKILL gives the launcher no chance to stop anyone: the kernel's parent-death signal must."""
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
     launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for(tmp_path / "t" / "metrics.jsonl")
     launcher.kill()
@@ -160,7 +160,7 @@ def _running(pid: int) -> bool:
 )
 def test_a_bad_config_or_environment_fails_before_anything_starts(tmp_path, override, expected):
     done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", override],
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", override],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2
@@ -171,7 +171,7 @@ def test_a_bad_config_or_environment_fails_before_anything_starts(tmp_path, over
 def test_the_documented_command_form_with_a_config_file_then_overrides(tmp_path):
     """`async-rl train --config FILE key=value ...` exactly as the README prints it (the installed script)."""
     script = shutil.which("async-rl")
-    command = [script] if script else [sys.executable, "-m", "async_rl.cli"]
+    command = [script] if script else [sys.executable, "-m", "launch.cli"]
     config = tmp_path / "my.yaml"
     config.write_text((REPO / "configs" / "local.yaml").read_text().replace("name: local", "name: mine"))
     done = subprocess.run(
@@ -200,7 +200,7 @@ def test_the_example_environment_trains_from_outside_the_project(tmp_path):
     key, value = assignment.split("=", 1)
     assert key == "PYTHONPATH" and command[:2] == ["async-rl", "train"], (assignment, command)
     script = shutil.which("async-rl")
-    launcher = [script] if script else [sys.executable, "-m", "async_rl.cli"]
+    launcher = [script] if script else [sys.executable, "-m", "launch.cli"]
     args = [*launcher, *command[1:], f"run.dir={tmp_path}",
             "run.name=t", "wandb.mode=disabled", "run.target_success=null", "run.max_versions=12",
             "rollout.group_size=4", "learner.min_batch_items=4", "learner.batch_wait_s=0.2", "run.eval_every=4",
@@ -227,7 +227,7 @@ def test_the_hunt_trains_and_evaluates_blind(tmp_path):
                           "run.eval_samples_per_task=4")
     assert done.returncode == 0, done.stderr[-3000:]
     config = run_dir / "config.yaml"
-    blind = subprocess.run([sys.executable, "-m", "async_rl.cli", "evaluate", "--config", str(config), "--blind"],
+    blind = subprocess.run([sys.executable, "-m", "launch.cli", "evaluate", "--config", str(config), "--blind"],
                            capture_output=True, text=True, timeout=120)
     assert blind.returncode == 0, blind.stderr[-3000:]
     result = json.loads(blind.stdout.strip().splitlines()[-1])
@@ -235,7 +235,7 @@ def test_the_hunt_trains_and_evaluates_blind(tmp_path):
 
 
 def test_evaluating_a_run_that_does_not_exist_is_an_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "async_rl.cli", "evaluate", f"run.dir={tmp_path}", "run.name=nope"],
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "evaluate", f"run.dir={tmp_path}", "run.name=nope"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"no run at {tmp_path / 'nope'}" in done.stderr
@@ -257,7 +257,7 @@ def _sandbox_processes() -> list[int]:
 def test_the_coding_environment_trains_end_to_end_through_real_processes(tmp_path):
     """HumanEval through the sandbox with the tiny byte-level model: stages and judged outcomes flow, the run
     stops at its budget, the final weights are evaluated on the eval split, nothing is left running."""
-    args = [sys.executable, "-m", "async_rl.cli", "train", "env.name=coding", f"run.dir={tmp_path}", "run.name=t",
+    args = [sys.executable, "-m", "launch.cli", "train", "env.name=coding", f"run.dir={tmp_path}", "run.name=t",
             "wandb.mode=disabled", "model.max_seq_len=2048", "rollout.max_new_tokens=48", "env.kwargs.max_turns=2",
             "run.max_env_steps=40", "rollout.group_size=4", "rollout.max_inflight=8", "learner.min_batch_items=4",
             "run.eval_samples_per_task=1", "run.eval_max_tasks=2"]

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", "wandb.mode=disabled", *overrides],
+        [sys.executable, "-m", "launch.cli", "train", "wandb.mode=disabled", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
     )
 
@@ -60,18 +60,18 @@ def test_an_unwritable_run_dir_is_reported_at_once_and_creates_nothing(tmp_path)
 
 def test_the_writability_probe_names_the_path_when_the_filesystem_refuses(tmp_path, monkeypatch):
     """The same refusal in-process, for hosts where the tests run as root (which may write anywhere)."""
-    from async_rl import launcher
     from async_rl.config import config_from_dict
     from async_rl.errors import ConfigError
+    from launch import preflight
 
     def refuse(**_):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(launcher.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(preflight.tempfile, "mkdtemp", refuse)
     config = config_from_dict({"run": {"dir": str(tmp_path / "runs")}})
     with pytest.raises(ConfigError, match=f"cannot create the run directory {tmp_path / 'runs' / 'local'}: "
                                           f"{tmp_path} is not writable"):
-        launcher.preflight(config)
+        preflight.preflight(config)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -91,17 +91,17 @@ def test_cuda_without_a_gpu_is_refused_at_once_and_creates_nothing(tmp_path, key
 def test_rollout_device_is_the_torch_engines_alone(tmp_path):
     """rollout.device sets where the built-in engine runs; an SGLang run's servers have their own GPUs, so the
     setting is not checked there."""
-    from async_rl import launcher
     from async_rl.config import config_from_dict
     from async_rl.errors import ConfigError
+    from launch import preflight
 
     sglang = config_from_dict({"run": {"dir": str(tmp_path / "a")},
                                "rollout": {"engine": "sglang", "device": "cuda",
                                            "sglang": {"urls": ["http://127.0.0.1:1"]}}})
-    launcher.preflight(sglang)
+    preflight.preflight(sglang)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="rollout.device: cuda"):
-            launcher.preflight(config_from_dict({"run": {"dir": str(tmp_path / "b")}, "rollout": {"device": "cuda"}}))
+            preflight.preflight(config_from_dict({"run": {"dir": str(tmp_path / "b")}, "rollout": {"device": "cuda"}}))
     with pytest.raises(ConfigError, match="rollout.device"):
         config_from_dict({"rollout": {"device": "gpu"}})
 

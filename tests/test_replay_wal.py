@@ -294,7 +294,7 @@ def test_the_log_settings_are_validated_by_their_dotted_key():
 def start_replay(config_path: Path, log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with open(log_path, "ab") as log_file:
-        return subprocess.Popen([sys.executable, "-m", "async_rl.cli", "replay", "--config", str(config_path)],
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", "replay", "--config", str(config_path)],
                                 cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 

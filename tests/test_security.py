@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from async_rl.cli import main
 from async_rl.config import SGLangConfig, config_from_dict
 from async_rl.errors import ConfigError
 from async_rl.protocol import (
@@ -38,6 +37,7 @@ from async_rl.security import (
     warn_if_insecure,
 )
 from async_rl.transport import connect_dealer, connect_subscriber, poll, receive, send
+from launch.cli import main
 from replay.service import ReplayService
 from replay.service import run as run_replay
 from rollout.engines.base import EngineUnavailable
@@ -107,7 +107,7 @@ def test_a_tcp_endpoint_without_keys_is_a_loud_warning(caplog):
     tcp = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}})
     assert insecure_endpoints(tcp) == ["tcp://replay:5555"]
     with caplog.at_level(logging.WARNING, logger="async_rl.security"):
-        warn_if_insecure(tcp)  # every role calls it at start (async_rl/cli.py)
+        warn_if_insecure(tcp)  # every role calls it at start (launch/roles.py)
         warn_if_insecure(config_from_dict({}))  # the local default: Unix sockets, nothing to say
     (record,) = caplog.records
     assert record.levelno == logging.WARNING and "UNAUTHENTICATED: tcp://replay:5555" in record.getMessage()

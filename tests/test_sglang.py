@@ -393,7 +393,7 @@ TRAIN = [
 def train(tmp_path: Path, servers, *overrides: str) -> subprocess.Popen:
     urls = ",".join(servers.urls)
     return subprocess.Popen(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t",
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t",
          f"model.path={servers.model_dir}", f"rollout.sglang.urls=[{urls}]", *TRAIN, *overrides],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -489,7 +489,7 @@ def test_a_worker_with_no_server_left_stops_the_run_with_a_clear_message(tmp_pat
     started = time.monotonic()
     # The run ends in seconds; the limit only catches a hang (a loaded machine starts the roles slowly).
     done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", *TRAIN,
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *TRAIN,
          "rollout.workers=1", f"rollout.sglang.urls=[{dead}]", "rollout.sglang.unavailable_timeout_s=3",
          "run.max_restarts=0"],
         capture_output=True, text=True, timeout=400,

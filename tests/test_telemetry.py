@@ -14,7 +14,8 @@ from rich.console import Console
 from wandb.proto import wandb_internal_pb2
 
 from async_rl.config import config_from_dict
-from async_rl.launcher import Child, _table
+from launch.dashboard import _table
+from launch.supervise import Child
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def read_offline_run(run_file: Path) -> tuple[wandb_internal_pb2.RunRecord, list
 @pytest.mark.slow
 def test_every_role_logs_its_metrics_to_one_wandb_group(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=offline",
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=offline",
          "run.metrics_every_s=1", "run.target_success=null", "run.max_versions=12", "run.eval_samples_per_task=0",
          "rollout.workers=2", "rollout.group_size=4", "env.kwargs.num_tasks=4", "env.kwargs.step_latency_s=0.01",
          "env.kwargs.outcome_delay_s=0.3", "learner.min_batch_items=4", "learner.batch_wait_s=0.2"],
@@ -162,7 +163,7 @@ def test_the_launchers_metrics_tail_reads_whole_lines_only(tmp_path):
     """`async-rl train`'s display follows metrics.jsonl while the learner appends. A line caught half-written waits
     for its newline (reading it as text once returned the first half, then the rest as a line of its own, and
     json.loads of that killed a run); a line that is not JSON is skipped, never fatal."""
-    from async_rl.launcher import MetricsTail
+    from launch.dashboard import MetricsTail
 
     path = tmp_path / "metrics.jsonl"
     tail = MetricsTail(path)

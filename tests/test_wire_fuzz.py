@@ -27,7 +27,6 @@ import msgspec
 import pytest
 import zmq
 
-from async_rl.cli import main
 from async_rl.config import config_from_dict
 from async_rl.protocol import (
     LOGPROB,
@@ -51,6 +50,7 @@ from async_rl.protocol import (
 )
 from async_rl.security import load_keys
 from async_rl.transport import connect_dealer, poll, receive, send
+from launch.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -286,7 +286,7 @@ def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
     keys = tmp_path / "curve"
     assert main(["keys", str(keys)]) == 0
     replay, publish = free_endpoint(), free_endpoint()
-    args = [sys.executable, "-m", "async_rl.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=disabled",
+    args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", "wandb.mode=disabled",
             "run.target_success=null", "run.max_versions=20", "run.eval_samples_per_task=0",
             f"rollout.group_size={GROUP_SIZE}", "env.kwargs.num_tasks=4",
             # Each step waits 0.5 s for items (it never gets 1000): the 20 versions take >= 10 s by the clock,

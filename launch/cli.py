@@ -1,17 +1,16 @@
-"""The `async-rl` command: `train` runs every role on this machine; `replay|learner|rollout` run one role (a pod);
-`keys DIR` writes the CURVE keys of a cluster (async_rl/security.py); `model import` and `export` write Hugging Face
-model directories (async_rl/hf_io.py)."""
+"""The `async-rl` command's arguments and which command runs: `train` runs every role on this machine
+(launch/train.py); `replay|learner|rollout|evaluate` run one role in this process, as a pod does (launch/roles.py);
+`keys DIR`, `model import` and `export` write files (launch/tools.py); `config` prints the resolved config."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import os
 import sys
+from functools import partial
+from pathlib import Path
 
-from async_rl.config import Config, load_config
-from async_rl.errors import CONFIG_EXIT_CODE, AsyncRLError, ConfigError
+from async_rl.config import Config, load_config, load_run_config
+from async_rl.errors import AsyncRLError, ConfigError
 
 ROLES = {
     "train": "Run every role on this machine (replay, learner, rollout workers as separate processes), then "
@@ -29,6 +28,7 @@ MODEL_IMPORT_HELP = ("Write a GGUF model as a Hugging Face directory that model.
                      "(a ChatML one with a tools section where the model's own renders none; docs/models.md).")
 EXPORT_HELP = ("Write a run's latest (or --version N) published policy as a Hugging Face directory with its tokenizer "
                "and chat template, for transformers or SGLang (docs/models.md).")
+POD_ROLES = ("replay", "learner", "rollout")
 OVERRIDES_HELP = "overrides of config keys, e.g. algo.max_staleness=2 env.kwargs.stages=5 (anywhere on the line)"
 
 
@@ -75,32 +75,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_hf_io(args: argparse.Namespace) -> int:
-    """`model import` and `export`: the directory written on stdout, progress on stderr, a failure in one line."""
-    from async_rl import hf_io
-
-    command = "model import" if args.role == "model" else "export"
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{command}] %(name)s: %(message)s",
-                        stream=sys.stderr, force=True)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # transformers is imported (and quietened) only once the cheap checks of SOURCE and OUT_DIR passed; what
-    # libraries print (DeepSpeed's accelerator notice, imported by save_pretrained) goes to stderr: stdout is OUT_DIR
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            if args.role == "model":
-                out = hf_io.import_model(args.source, args.out_dir, dtype=args.dtype, force=args.force)
-            else:
-                out, _ = hf_io.export_run(args.run_dir, args.out_dir, version=args.version, dtype=args.dtype,
-                                          force=args.force)
-    except (AsyncRLError, OSError) as exc:  # e.g. the disk filled while writing
-        print(f"async-rl {command}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    print(out)
-    return 0
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Options and overrides in any order: `train --config FILE a.b=1` and `train a.b=1 --config FILE` alike."""
     parser = _parser()
@@ -113,116 +87,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def configure_logging(role: str, config: Config) -> None:
-    logging.basicConfig(
-        level=config.run.log_level,
-        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if role == "replay":
-        return  # the replay imports neither transformers nor torch: a restarted replay is back in about a second
-    from transformers.utils import logging as hf_logging
+def load_command_config(args: argparse.Namespace) -> Config:
+    """The command's config: --config FILE (default configs/local.yaml) or --resume RUN_DIR's own, the overrides on
+    top; a pod's endpoints must be explicit. Raises AsyncRLError naming the problem."""
+    resume = getattr(args, "resume", None)
+    if resume is not None and args.config is not None:
+        raise AsyncRLError("--resume RUN_DIR takes the run's own config.yaml; leave out --config")
+    if resume is not None and not (Path(resume) / "config.yaml").is_file():
+        raise ConfigError(f"--resume: {resume} is not a run directory (no config.yaml)")
+    config = load_config(args.config, args.overrides) if resume is None else load_run_config(resume, args.overrides)
+    if args.role in POD_ROLES:
+        for key, value in (("replay.endpoint", config.replay.endpoint),
+                           ("learner.publish_endpoint", config.learner.publish_endpoint)):
+            if value == "auto":
+                raise ConfigError(f"{key}: 'auto' is for async-rl train; a pod needs tcp://HOST:PORT (see "
+                                  "configs/cluster.yaml)")
+    return config
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+
+def print_config(config: Config) -> int:
+    import yaml
+
+    from async_rl.config import config_to_dict
+
+    print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, load the config, refuse what can be refused before anything starts, then run the command; returns
+    the exit code."""
     args = parse_args(argv)
-    if args.role in ("model", "export"):
-        return run_hf_io(args)
-    if args.role == "keys":
-        from async_rl.security import create_keys
+    if args.role in ("keys", "model", "export"):  # no config: they write files and exit
+        from launch.tools import run_tool
 
-        try:
-            written = create_keys(args.dir)
-        except (AsyncRLError, OSError) as exc:
-            print(f"async-rl keys: {exc}", file=sys.stderr)
-            return 2
-        print("\n".join(str(path) for path in written))
-        return 0
-    resume = getattr(args, "resume", None)
+        return run_tool(args)
     try:
-        if resume is not None and args.config is not None:
-            raise AsyncRLError("--resume RUN_DIR takes the run's own config.yaml; leave out --config")
-        if resume is not None:
-            from async_rl.launcher import resume_config
-
-            config = resume_config(resume, args.overrides)
-        else:
-            config = load_config(args.config, args.overrides)
+        config = load_command_config(args)
     except AsyncRLError as exc:
         print(f"async-rl: config error: {exc}", file=sys.stderr)
         return 2
     if args.role == "config":
-        import yaml
-
-        from async_rl.config import config_to_dict
-
-        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
-        return 0
-    if args.role in ("replay", "learner", "rollout"):
-        for key, value in (("replay.endpoint", config.replay.endpoint),
-                           ("learner.publish_endpoint", config.learner.publish_endpoint)):
-            if value == "auto":
-                print(f"async-rl: config error: {key}: 'auto' is for async-rl train; a pod needs tcp://HOST:PORT "
-                      "(see configs/cluster.yaml)", file=sys.stderr)
-                return 2
-    role = f"rollout-{args.index}" if args.role == "rollout" else args.role
+        return print_config(config)
     if args.role == "train":
-        from async_rl.launcher import preflight
+        from launch.preflight import preflight
 
-        try:
-            # before torch is imported: a wrong model.path or run.dir is reported at once
-            preflight(config, resume is not None)
+        try:  # before torch is imported: a wrong model.path or run.dir is reported at once
+            preflight(config, args.resume is not None)
         except AsyncRLError as exc:
             print(f"async-rl train: {exc}", file=sys.stderr)
             return 2
-    configure_logging(role, config)
-    if args.role in ("train", "replay", "learner", "rollout"):
-        from async_rl.security import warn_if_insecure
+    from launch.roles import ENTRY_POINTS, run_in_process
 
-        warn_if_insecure(config)
-    try:
-        if args.role != "replay":
-            import torch
-
-            torch.set_num_threads(config.run.threads_per_process)
-        if args.role == "train":
-            from async_rl.launcher import train
-
-            return train(config, resume=resume is not None)
-        if args.role == "replay":
-            from replay.service import run as run_replay
-
-            run_replay(config)
-        elif args.role == "evaluate":
-            import json
-
-            from rollout.evaluate import evaluate
-
-            print(json.dumps(evaluate(config, max(1, config.run.eval_samples_per_task), blind=args.blind)), flush=True)
-        elif args.role == "learner":
-            from learner.trainer import run as run_learner
-
-            run_learner(config)
-        else:
-            from rollout.worker import run as run_rollout
-
-            run_rollout(config, args.index)
-    except AsyncRLError as exc:
-        logging.getLogger(f"async_rl.{args.role}").error("%s", exc)
-        print(f"async-rl {args.role}: {exc}", file=sys.stderr)
-        from async_rl.security import ROLES as SERVICE_ROLES  # lazily, as above: zmq is not needed until here
-
-        if isinstance(exc, ConfigError) and args.role in SERVICE_ROLES:
-            return CONFIG_EXIT_CODE  # a launcher or pod restart would meet the same error
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    name = f"rollout-{args.index}" if args.role == "rollout" else args.role
+    return run_in_process(args.role, name, config, partial(ENTRY_POINTS[args.role], config, args))
 
 
 if __name__ == "__main__":

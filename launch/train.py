@@ -1,0 +1,109 @@
+"""`async-rl train`, the flow of a local run: check what can be refused, create the run directory and the model
+directory, start the replay, the learner and the rollout workers as separate OS processes (launch/supervise.py)
+with the live display (launch/dashboard.py) until the learner stops, then evaluate the final weights. The last
+stdout line is one JSON object with the run's result.
+
+Ctrl-C (or SIGTERM) reaches the launcher alone, which then stops the learner first (it writes the summary) and the
+others after it. A role that dies is started again within `run.max_restarts`; a role that cannot be is reported
+by name with the tail of its log, and the run stops with a non-zero exit (`async-rl train --resume RUN_DIR`
+continues it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from async_rl.config import Config
+from launch.dashboard import Dashboard
+from launch.preflight import preflight
+from launch.rundir import create_run_dir, fresh_run_dir
+from launch.supervise import Child, Supervisor, cli_command
+from rollout.prepare import load_env, prepare_model_dir
+
+
+def train(config: Config, resume: bool = False) -> int:
+    """Run every role until the learner stops; returns the exit code. `resume`: `config` is a run's own
+    (async_rl.config.load_run_config): its directory is reused (logs and metrics.jsonl appended) and the learner
+    resumes from its latest checkpoint there."""
+    preflight(config, resume)
+    factory = load_env(config)  # a bad env.name or env.kwargs stops here, before the run directory exists
+    if not resume:
+        config = fresh_run_dir(config)
+    config_path = create_run_dir(config, resume)
+    prepare_model_dir(config, factory)  # once, before the roles race for it (its tokenizer depends on the env)
+    env = dict(os.environ, ASYNC_RL_RUN_START=str(time.time()), OMP_NUM_THREADS=str(config.run.threads_per_process))
+    console = Console(stderr=True)
+    console.print(f"[bold]async-rl[/] {'resuming' if resume else 'run dir'} [cyan]{config.run_dir}[/] (logs in "
+                  f"{config.run_dir / 'logs'})")
+    supervisor = Supervisor(config, config_path, env, console)
+    failed, interrupted = _supervise(supervisor, config, console)
+    if failed is not None:
+        console.print(supervisor.failure(failed), soft_wrap=True)  # unwrapped: the command must copy-paste
+        return 1
+    result = _result(config, supervisor.children[0], console)
+    if result is None:
+        return 1
+    if config.run.eval_samples_per_task > 0 and not interrupted:
+        result.update(_evaluate(config_path, env, console))
+    print(json.dumps(result), flush=True)
+    return 130 if interrupted else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _supervise(supervisor: Supervisor, config: Config, console: Console) -> tuple[Child | None, bool]:
+    """Until the learner finishes, a role fails for good (returned), or Ctrl-C / SIGTERM (True); then every
+    process is stopped."""
+    # SIGINT explicitly too: a shell without job control starts background commands with SIGINT ignored, and
+    # Python then never installs its KeyboardInterrupt handler, so `kill -INT` would be ignored.
+    previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with Dashboard(config, console) as dashboard:
+            while True:
+                time.sleep(0.5)
+                dashboard.update(supervisor.children)
+                if supervisor.learner_finished():
+                    return None, False
+                failed = supervisor.restart_dead()
+                if failed is not None:
+                    return failed, False
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/]")
+        return None, True
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+        supervisor.stop_all()
+
+
+def _result(config: Config, learner: Child, console: Console) -> dict | None:
+    """The run's result from the summary the learner wrote, or None (said on the console) if it wrote none."""
+    summary_path = config.run_dir / "summary.json"
+    if not summary_path.exists():
+        console.print(f"[red]the learner wrote no summary; see {learner.log_path}[/]")
+        return None
+    summary = json.loads(summary_path.read_text())
+    result = {key: summary.get(key) for key in ("final_success_rate", "env_steps", "versions", "wall_s", "run_dir")}
+    result["stop_reason"] = summary.get("stop_reason")
+    return result
+
+
+def _evaluate(config_path: Path, env: dict[str, str], console: Console) -> dict:
+    """The final weights on every task (the windowed training metric is noisy): `async-rl evaluate`."""
+    console.print("evaluating the final weights on every task ...")
+    log_path = config_path.parent / "logs" / "evaluate.log"
+    with open(log_path, "ab") as log_file:
+        done = subprocess.run(cli_command("evaluate", "--config", str(config_path)),
+                              stdout=subprocess.PIPE, stderr=log_file, env=env, text=True)
+    if done.returncode != 0:
+        console.print(f"[red]evaluation failed; see {log_path}[/]")
+        return {}
+    return json.loads(done.stdout.strip().splitlines()[-1])

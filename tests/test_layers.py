@@ -1,0 +1,121 @@
+"""Imports point one way, read from the code with `ast` (every import, including those inside functions): the
+kernel (async_rl/) imports no role and not the launch layer; a role (rollout/, replay/, learner/) imports only the
+kernel and itself; and no import cycle runs among the product's modules."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL, ROLES, LAUNCH = "async_rl", ("rollout", "replay", "learner"), "launch"
+PACKAGES = (KERNEL, *ROLES, LAUNCH)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_files() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))}
+
+
+class Import(NamedTuple):
+    line: int
+    text: str  # as written: `from a.b import c` or `import a.b`
+    names: tuple[str, ...]  # what it may name: `a.b.c` (a module, or a name in a.b) and `a.b`
+
+
+def imports_of(module: str, path: Path) -> list[Import]:
+    """Every import of a product module in the file, wherever it is (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PACKAGES:
+                    found.append(Import(node.lineno, f"import {alias.name}", (alias.name,)))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] in PACKAGES:
+                names = tuple(f"{base}.{alias.name}" for alias in node.names) + (base,)
+                text = f"from {base} import {', '.join(alias.name for alias in node.names)}"
+                found.append(Import(node.lineno, text, names))
+    return found
+
+
+def resolve(name: str, modules: set[str]) -> str | None:
+    """The product module an imported name lands in: itself, or the longest module prefix (`a.b.func` -> `a.b`)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def layer_violations(allowed: Callable[[str, str], bool]) -> list[str]:
+    """`file:line: import ...` for each import whose top-level package `allowed(importer's, imported's)` refuses."""
+    return [f"{path.relative_to(REPO)}:{found.line}: {found.text}"
+            for module, path in product_files().items()
+            for found in imports_of(module, path) if not allowed(module.split(".")[0], found.names[-1].split(".")[0])]
+
+
+def test_the_kernel_imports_no_role_and_not_the_launch_layer():
+    wrong = layer_violations(lambda importer, imported: importer != KERNEL or imported == KERNEL)
+    assert not wrong, "the kernel (async_rl/) must import no role (rollout, replay, learner) and not launch:\n" + \
+        "\n".join(wrong)
+
+
+def test_each_role_imports_only_the_kernel_and_itself():
+    wrong = layer_violations(lambda importer, imported: importer not in ROLES or imported in (KERNEL, importer))
+    assert not wrong, "a role imports only async_rl/ and itself (never another role, never launch):\n" + \
+        "\n".join(wrong)
+
+
+def test_no_import_cycle_among_the_products_modules():
+    """The graph of modules, with every import as an edge: one inside a function or under `if TYPE_CHECKING:` is
+    still a dependency (a function-level import that dodges a circle at import time leaves the circle in the
+    design). Each circle found is named by its modules and the imports that close it."""
+    files = product_files()
+    modules = set(files)
+    edges: dict[str, dict[str, str]] = {module: {} for module in modules}
+    for module, path in files.items():
+        for found in imports_of(module, path):
+            for target in sorted({resolve(name, modules) for name in found.names} - {None, module}):
+                edges[module].setdefault(target, f"{path.relative_to(REPO)}:{found.line}: {found.text}")
+    circles = [sorted(component) for component in _components(edges) if len(component) > 1]
+    assert not circles, "import circles among the product's modules:\n" + "\n".join(
+        f"{', '.join(circle)}:\n  " + "\n  ".join(edges[a][b] for a in circle for b in sorted(edges[a]) if b in circle)
+        for circle in circles)
+
+
+def _components(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of the graph (Tarjan): modules that reach one another by imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            components.append(component)
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return components
