@@ -30,15 +30,14 @@ the sink hears `env_error: ...` naming the env and the method.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from async_rl.config import Config
 from async_rl.errors import ConfigError
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
@@ -56,8 +55,15 @@ from rollout.envs.base import (
     checked_step,
     tools_of,
 )
-from rollout.plugin_calls import DEFAULT_JUDGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, PluginPool, start_daemon_call
+from rollout.plugin_calls import (
+    DEFAULT_JUDGE_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    PluginPool,
+    call_limits,
+    start_daemon_call,
+)
 from rollout.prompting import Prompter, blinded
+from rollout.runner_stats import RunnerStats
 from rollout.tool_parser import get_parser, tool_names
 
 log = logging.getLogger("async_rl.rollout")
@@ -91,70 +97,12 @@ class Episode:
         return f"{self.group_id}/{self.member}"
 
 
-@dataclass
-class RunnerStats:
-    """What a runner did since the last `EpisodeRunner.take_stats()`: the rollout role's metrics line."""
-
-    started: float = field(default_factory=time.monotonic)
-    trajectories_finished: int = 0  # judged
-    trajectories_abandoned: int = 0
-    turns: int = 0  # stages of the judged trajectories
-    actions: int = 0
-    action_tokens: int = 0
-    engine_s: float = 0.0  # wall time inside engine calls
-    step_s: list[float] = field(default_factory=list)  # environment step latencies (tool time)
-    reset_s: list[float] = field(default_factory=list)
-    judge_s: list[float] = field(default_factory=list)
-    tool_calls: int = 0  # calls that parsed, in the actions of envs with tools (rollout.tool_parser)
-    tool_call_errors: int = 0  # calls that did not (each reached its env as Action.parse_error)
-
-    def line(self, now: float) -> dict[str, float]:
-        span = max(now - self.started, 1e-9)
-        judged = max(self.trajectories_finished, 1)
-        return {
-            "trajectories_per_s": self.trajectories_finished / span,
-            "tokens_per_s": self.action_tokens / span,
-            "trajectories_finished": self.trajectories_finished,
-            "trajectories_abandoned": self.trajectories_abandoned,
-            "turns_mean": self.turns / judged,
-            "response_tokens_mean": self.action_tokens / max(self.actions, 1),
-            "engine_utilisation": min(self.engine_s / span, 1.0),
-            **_latency("step_latency_s", self.step_s),
-            **_latency("reset_latency_s", self.reset_s),
-            **_latency("judge_latency_s", self.judge_s),
-            "tool_calls": self.tool_calls,
-            "tool_call_errors": self.tool_call_errors,
-        }
-
-
-def _latency(name: str, values: list[float]) -> dict[str, float]:
-    if not values:
-        return {f"{name}_mean": 0.0, f"{name}_p90": 0.0}
-    ordered = sorted(values)
-    return {f"{name}_mean": sum(ordered) / len(ordered), f"{name}_p90": ordered[int(0.9 * (len(ordered) - 1))]}
-
-
 class Sink(Protocol):
     """Where a runner's results go: the replay service (training) or a tally (evaluation)."""
 
     def stage(self, episode: Episode, generation: Generation, reward: float, terminal: bool) -> None: ...
 
     def outcome(self, episode: Episode, judgement: Judgement | None, reason: str) -> None: ...
-
-
-class TaskSampler:
-    """Draws tasks evenly: every task once per pass, in a fresh seeded order each pass."""
-
-    def __init__(self, tasks: Sequence[Task], seed: int) -> None:
-        self.tasks = list(tasks)
-        self.rng = random.Random(seed)
-        self.order: list[Task] = []
-
-    def next(self) -> Task:
-        if not self.order:
-            self.order = list(self.tasks)
-            self.rng.shuffle(self.order)
-        return self.order.pop()
 
 
 def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
@@ -170,6 +118,9 @@ def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedToke
 
 
 class EpisodeRunner:
+    """Trajectories in flight through their phases (the module's docstring); the owner calls `start_group` and
+    `pump`, results go to the `Sink`."""
+
     def __init__(
         self,
         env_name: str,
@@ -215,6 +166,37 @@ class EpisodeRunner:
         self.stats = RunnerStats()
         self.no_room_streak = 0  # trajectories in a row abandoned for their first observation's length
         self.longest_first_observation = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        factory: EnvFactory,
+        engine: InferenceEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        sink: Sink,
+        params: SamplingParams | None = None,
+        max_inflight: int | None = None,
+        blind: bool = False,
+    ) -> EpisodeRunner:
+        """The runner `env.name`, `model.max_seq_len` and `rollout.*` describe, for a worker's training and an
+        evaluation alike: sampling as `sampling_params` says (unless `params` is given), the env call limits of
+        `call_limits`, `rollout.tool_parser`, and `rollout.max_inflight` trajectories (unless `max_inflight`)."""
+        step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
+        return cls(
+            config.env.name,
+            factory,
+            engine,
+            tokenizer,
+            params if params is not None else sampling_params(config.rollout, factory, tokenizer),
+            config.model.max_seq_len,
+            sink,
+            max_inflight if max_inflight is not None else config.rollout.max_inflight,
+            blind=blind,
+            step_timeout_s=step_timeout_s,
+            judge_timeout_s=judge_timeout_s,
+            tool_parser=config.rollout.tool_parser,
+        )
 
     # --- what the owner asks --------------------------------------------------------------------------
 
