@@ -1,19 +1,19 @@
 """The episode runner: many trajectories in flight, each advancing on its own, for training and evaluation alike.
 
-A runner keeps up to `rollout.max_inflight` trajectories (of several groups) going at once. Each is in one phase:
+A runner keeps up to `rollout.max_inflight` trajectories (of several groups) going at once, each an `Episode`
+(rollout/episode.py) in one phase:
 
     reset  →  act  →  step  →  act  → … → judge → done        (or abandoned, from any phase)
 
-`act`: waiting for the engine; `generate`: in an engine call. Every engine call batches whichever trajectories
-are waiting (the torch engine samples them as one batch; the SGLang engine sends concurrent requests) and runs on
-the engine's own thread (rollout/engines/thread.py), so the runner's owner keeps its sockets answered while a slow
-model generates; weights change only between calls, so every token's version tag is the version that produced it.
-A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the action's text is with
-the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory, and one past
-`step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the step
-returns, the stage (observation tokens, action tokens, behaviour log-probs, versions, stage reward) goes to the
-sink at once, long before the trajectory ends. `judge`: the finished trajectory's outcome is computed on its own
-thread (a slow judge holds up nothing).
+`act`: waiting for the engine; `generate`: in an engine call. Every engine call takes whichever trajectories are
+waiting and runs on the engine's own thread (rollout/engine_calls.py), so the runner's owner keeps its sockets
+answered while a slow model generates. A turn ends at EOS, a stop string (`rollout.stop`) or the action token
+budget. `step`: the action's text is with the environment, on a pool of daemon threads, so a slow tool holds up
+only its own trajectory, and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it
+(rollout/plugin_calls.py). When the step returns, the stage (observation tokens, action tokens, behaviour
+log-probs, versions, stage reward) goes to the sink at once, long before the trajectory ends. `judge`: the
+finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing). What the runner did
+goes to its metrics line (rollout/runner_stats.py).
 
 A trajectory's token sequence is exactly the concatenation, over its stages, of observation tokens then action
 tokens, so the learner can rebuild it from the records alone. Observations are masked out of the loss. A model
@@ -32,21 +32,19 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from async_rl.config import Config
 from async_rl.errors import ConfigError
+from rollout.engine_calls import EngineCalls
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
 from rollout.envs.base import (
     Action,
-    Env,
     EnvError,
     EnvFactory,
-    Judgement,
     StepResult,
     Task,
     checked_judge,
@@ -55,6 +53,7 @@ from rollout.envs.base import (
     checked_step,
     tools_of,
 )
+from rollout.episode import Episode, Sink
 from rollout.plugin_calls import (
     DEFAULT_JUDGE_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
@@ -74,36 +73,6 @@ log = logging.getLogger("async_rl.rollout")
 NO_ROOM_STREAK_LIMIT = 64
 DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
 BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
-
-Phase = Literal["reset", "act", "generate", "step", "judge", "done"]
-
-
-@dataclass(eq=False)
-class Episode:
-    group_id: str
-    member: int
-    task: Task
-    env: Env | None
-    phase: Phase = "reset"
-    context: list[int] = field(default_factory=list)  # every token so far: what the policy conditions on
-    observation_tokens: list[int] = field(default_factory=list)  # the observation the next action answers
-    stages: int = 0  # stages handed to the sink
-    generation: Generation | None = None  # the action whose step is under way
-    since: float = 0.0  # when the current reset, step or judge began (its latency, for the metrics)
-    tools: list[dict] | None = None  # the env's tool specs, asked after reset (None: an env without tools())
-
-    @property
-    def trajectory_id(self) -> str:
-        return f"{self.group_id}/{self.member}"
-
-
-class Sink(Protocol):
-    """Where a runner's results go: the replay service (training) or a tally (evaluation)."""
-
-    def stage(self, episode: Episode, generation: Generation, reward: float, terminal: bool) -> None: ...
-
-    def outcome(self, episode: Episode, judgement: Judgement | None, reason: str) -> None: ...
-
 
 def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
     """The turn's sampling settings: `rollout.*`, with the env's suggested action budget when none is set."""
@@ -125,7 +94,7 @@ class EpisodeRunner:
         self,
         env_name: str,
         factory: EnvFactory,
-        engine: InferenceEngine,
+        engine: InferenceEngine | EngineThread,
         tokenizer: PreTrainedTokenizerBase,
         params: SamplingParams,
         max_seq_len: int,
@@ -138,11 +107,7 @@ class EpisodeRunner:
     ) -> None:
         self.env_name = env_name
         self.factory = factory
-        # Engine calls run on the engine's own thread (rollout/engines/thread.py); a worker shares one between its
-        # training and evaluation runners, a runner given a bare engine makes its own.
-        self.own_engine_thread = not isinstance(engine, EngineThread)
-        self.engine_thread = EngineThread(engine) if self.own_engine_thread else engine
-        self.engine = self.engine_thread.engine
+        self.engine = EngineCalls(engine, params)  # on the engine's own thread (rollout/engine_calls.py)
         self.tokenizer = tokenizer
         self.prompter = Prompter(tokenizer)
         self.parse_tools = get_parser(tool_parser)  # the actions of envs with tools(): rollout.tool_parser
@@ -157,9 +122,7 @@ class EpisodeRunner:
         self.episodes: list[Episode] = []  # every episode not yet done
         self.steps: dict[Future, Episode] = {}  # reset and step calls under way
         self.judges: dict[Future, Episode] = {}
-        self.engine_call: Future | None = None  # the engine call under way, for `generating`
-        self.generating: list[Episode] = []
-        self.engine_calls = 0
+        self.engine_calls = 0  # generates done
         self.plugin_timeouts = 0  # env calls abandoned past their time limit
         self.written_off: list[Future] = []  # those calls, until they return
         self.env_errors = 0
@@ -172,7 +135,7 @@ class EpisodeRunner:
         cls,
         config: Config,
         factory: EnvFactory,
-        engine: InferenceEngine,
+        engine: InferenceEngine | EngineThread,
         tokenizer: PreTrainedTokenizerBase,
         sink: Sink,
         params: SamplingParams | None = None,
@@ -233,12 +196,12 @@ class EpisodeRunner:
         self._collect()
         self._collect_generation()
         self._expire(time.monotonic())
-        if generate and self.engine_call is None:
+        if generate and self.engine.call is None:
             ready = [e for e in self.episodes if e.phase == "act"]
             ready = [e for e in ready if not self._truncate_if_full(e)]
             if ready:
                 self._generate(ready)
-        pending = [*self.steps, *self.judges, *([self.engine_call] if self.engine_call is not None else [])]
+        pending = [*self.steps, *self.judges, *([self.engine.call] if self.engine.call is not None else [])]
         if pending and wait_s > 0:
             wait(pending, timeout=wait_s, return_when=FIRST_COMPLETED)
         elif wait_s > 0:
@@ -265,8 +228,7 @@ class EpisodeRunner:
         """Stop without waiting for slow environments, judges or an engine call (their leases time out at the
         replay service)."""
         self.pool.close()
-        if self.own_engine_thread:
-            self.engine_thread.close()
+        self.engine.close()
 
     def hung_calls(self) -> int:
         """Env calls written off past their time limit that have still not returned (each holds a thread)."""
@@ -342,34 +304,17 @@ class EpisodeRunner:
         return True
 
     def _generate(self, ready: list[Episode]) -> None:
-        """One engine call, on the engine's thread, for all of them; near the context limit a trajectory's action
-        budget shrinks to what fits (those few go in a generate of their own, within the same call)."""
-        by_room: dict[int, list[Episode]] = {}
+        """One engine call for all of them; near the context limit a trajectory's action budget shrinks to what fits."""
         for episode in ready:
-            by_room.setdefault(self._room(episode), []).append(episode)
             episode.phase = "generate"
-        batches = []
-        for room, episodes in sorted(by_room.items(), reverse=True):
-            params = self.params if room == self.params.max_new_tokens else replace(self.params, max_new_tokens=room)
-            batches.append((episodes, [list(e.context) for e in episodes], params))
-        self.generating = list(ready)
-        self.engine_call = self.engine_thread.submit(self._call_engine, batches)
-
-    def _call_engine(self, batches: list) -> list[tuple[list[Episode], list[Generation], float]]:
-        """On the engine's thread: the generates of one call, each with its duration."""
-        results = []
-        for episodes, prompts, params in batches:
-            called = time.monotonic()
-            generations = self.engine.generate(prompts, params)
-            results.append((episodes, generations, time.monotonic() - called))
-        return results
+        self.engine.start(ready, [self._room(e) for e in ready])
 
     def _collect_generation(self) -> None:
         """The engine call is done: each trajectory's action goes to its env (a step on the pool)."""
-        call = self.engine_call
-        if call is None or not call.done():
+        finished = self.engine.finished()
+        if finished is None:
             return
-        self.engine_call, episodes, self.generating = None, self.generating, []
+        call, episodes = finished
         try:
             results = call.result()
         except EngineUnavailable as exc:  # no stage of this turn was produced: each trajectory ends here

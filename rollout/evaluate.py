@@ -20,11 +20,12 @@ import torch
 from async_rl.config import Config
 from async_rl.errors import AsyncRLError
 from async_rl.model import load_tokenizer
-from rollout.agent import Episode, EpisodeRunner
+from rollout.agent import EpisodeRunner
 from rollout.engines import Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks
+from rollout.episode import Episode
 from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")

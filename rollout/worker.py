@@ -46,11 +46,12 @@ from async_rl.protocol import (
 from async_rl.security import load_keys
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
-from rollout.agent import Episode, EpisodeRunner
+from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import Judgement, Task, checked_tasks
+from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
 from rollout.prepare import load_env, prepare_model_dir
