@@ -29,7 +29,7 @@ from common import OUT_DIR, emit, machine, markdown_table, print_table  # noqa: 
 
 from async_rl.config import load_config  # noqa: E402
 from async_rl.model import load_tokenizer  # noqa: E402
-from rollout.agent import EpisodeRunner, sampling_params  # noqa: E402
+from rollout.agent import EpisodeRunner  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.prepare import load_env, prepare_model_dir  # noqa: E402
 
@@ -47,8 +47,7 @@ class Count:
 
 def measure(config, factory, engine, tokenizer, inflight: int, seconds: float) -> dict:
     sink = Count()
-    runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, sampling_params(config.rollout, factory,
-                           tokenizer), config.model.max_seq_len, sink, inflight)
+    runner = EpisodeRunner.from_config(config, factory, engine, tokenizer, sink, max_inflight=inflight)
     tasks = factory.tasks("train")
     group = config.rollout.group_size
     started, n = time.monotonic(), 0

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import console, emit, machine, markdown_table, print_table  # noqa: E402 - benchmarks/ is not a package
 
 from rollout.envs.coding import factory  # noqa: E402
-from rollout.envs.sandbox import Sandbox, Test  # noqa: E402
+from rollout.sandbox import Sandbox, Test  # noqa: E402
 
 
 def executions_per_second(sandbox: Sandbox, code: str, tests: list[Test], setup: str, n: int, threads: int) -> float:

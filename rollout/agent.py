@@ -1,19 +1,19 @@
 """The episode runner: many trajectories in flight, each advancing on its own, for training and evaluation alike.
 
-A runner keeps up to `rollout.max_inflight` trajectories (of several groups) going at once. Each is in one phase:
+A runner keeps up to `rollout.max_inflight` trajectories (of several groups) going at once, each an `Episode`
+(rollout/episode.py) in one phase:
 
     reset  →  act  →  step  →  act  → … → judge → done        (or abandoned, from any phase)
 
-`act`: waiting for the engine; `generate`: in an engine call. Every engine call batches whichever trajectories
-are waiting (the torch engine samples them as one batch; the SGLang engine sends concurrent requests) and runs on
-the engine's own thread (rollout/engines/thread.py), so the runner's owner keeps its sockets answered while a slow
-model generates; weights change only between calls, so every token's version tag is the version that produced it.
-A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the action's text is with
-the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory, and one past
-`step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the step
-returns, the stage (observation tokens, action tokens, behaviour log-probs, versions, stage reward) goes to the
-sink at once, long before the trajectory ends. `judge`: the finished trajectory's outcome is computed on its own
-thread (a slow judge holds up nothing).
+`act`: waiting for the engine; `generate`: in an engine call. Every engine call takes whichever trajectories are
+waiting and runs on the engine's own thread (rollout/engine_calls.py), so the runner's owner keeps its sockets
+answered while a slow model generates. A turn ends at EOS, a stop string (`rollout.stop`) or the action token
+budget. `step`: the action's text is with the environment, on a pool of daemon threads, so a slow tool holds up
+only its own trajectory, and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it
+(rollout/plugin_calls.py). When the step returns, the stage (observation tokens, action tokens, behaviour
+log-probs, versions, stage reward) goes to the sink at once, long before the trajectory ends. `judge`: the
+finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing). What the runner did
+goes to its metrics line (rollout/runner_stats.py).
 
 A trajectory's token sequence is exactly the concatenation, over its stages, of observation tokens then action
 tokens, so the learner can rebuild it from the records alone. Observations are masked out of the loss. A model
@@ -30,24 +30,21 @@ the sink hears `env_error: ...` naming the env and the method.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from async_rl.config import Config
 from async_rl.errors import ConfigError
+from rollout.engine_calls import EngineCalls
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
 from rollout.envs.base import (
     Action,
-    Env,
     EnvError,
     EnvFactory,
-    Judgement,
     StepResult,
     Task,
     checked_judge,
@@ -56,8 +53,16 @@ from rollout.envs.base import (
     checked_step,
     tools_of,
 )
-from rollout.plugin_calls import DEFAULT_JUDGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, PluginPool, start_daemon_call
+from rollout.episode import Episode, Sink
+from rollout.plugin_calls import (
+    DEFAULT_JUDGE_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    PluginPool,
+    call_limits,
+    start_daemon_call,
+)
 from rollout.prompting import Prompter, blinded
+from rollout.runner_stats import RunnerStats
 from rollout.tool_parser import get_parser, tool_names
 
 log = logging.getLogger("async_rl.rollout")
@@ -68,94 +73,6 @@ log = logging.getLogger("async_rl.rollout")
 NO_ROOM_STREAK_LIMIT = 64
 DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
 BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
-
-Phase = Literal["reset", "act", "generate", "step", "judge", "done"]
-
-
-@dataclass(eq=False)
-class Episode:
-    group_id: str
-    member: int
-    task: Task
-    env: Env | None
-    phase: Phase = "reset"
-    context: list[int] = field(default_factory=list)  # every token so far: what the policy conditions on
-    observation_tokens: list[int] = field(default_factory=list)  # the observation the next action answers
-    stages: int = 0  # stages handed to the sink
-    generation: Generation | None = None  # the action whose step is under way
-    since: float = 0.0  # when the current reset, step or judge began (its latency, for the metrics)
-    tools: list[dict] | None = None  # the env's tool specs, asked after reset (None: an env without tools())
-
-    @property
-    def trajectory_id(self) -> str:
-        return f"{self.group_id}/{self.member}"
-
-
-@dataclass
-class RunnerStats:
-    """What a runner did since the last `EpisodeRunner.take_stats()`: the rollout role's metrics line."""
-
-    started: float = field(default_factory=time.monotonic)
-    trajectories_finished: int = 0  # judged
-    trajectories_abandoned: int = 0
-    turns: int = 0  # stages of the judged trajectories
-    actions: int = 0
-    action_tokens: int = 0
-    engine_s: float = 0.0  # wall time inside engine calls
-    step_s: list[float] = field(default_factory=list)  # environment step latencies (tool time)
-    reset_s: list[float] = field(default_factory=list)
-    judge_s: list[float] = field(default_factory=list)
-    tool_calls: int = 0  # calls that parsed, in the actions of envs with tools (rollout.tool_parser)
-    tool_call_errors: int = 0  # calls that did not (each reached its env as Action.parse_error)
-
-    def line(self, now: float) -> dict[str, float]:
-        span = max(now - self.started, 1e-9)
-        judged = max(self.trajectories_finished, 1)
-        return {
-            "trajectories_per_s": self.trajectories_finished / span,
-            "tokens_per_s": self.action_tokens / span,
-            "trajectories_finished": self.trajectories_finished,
-            "trajectories_abandoned": self.trajectories_abandoned,
-            "turns_mean": self.turns / judged,
-            "response_tokens_mean": self.action_tokens / max(self.actions, 1),
-            "engine_utilisation": min(self.engine_s / span, 1.0),
-            **_latency("step_latency_s", self.step_s),
-            **_latency("reset_latency_s", self.reset_s),
-            **_latency("judge_latency_s", self.judge_s),
-            "tool_calls": self.tool_calls,
-            "tool_call_errors": self.tool_call_errors,
-        }
-
-
-def _latency(name: str, values: list[float]) -> dict[str, float]:
-    if not values:
-        return {f"{name}_mean": 0.0, f"{name}_p90": 0.0}
-    ordered = sorted(values)
-    return {f"{name}_mean": sum(ordered) / len(ordered), f"{name}_p90": ordered[int(0.9 * (len(ordered) - 1))]}
-
-
-class Sink(Protocol):
-    """Where a runner's results go: the replay service (training) or a tally (evaluation)."""
-
-    def stage(self, episode: Episode, generation: Generation, reward: float, terminal: bool) -> None: ...
-
-    def outcome(self, episode: Episode, judgement: Judgement | None, reason: str) -> None: ...
-
-
-class TaskSampler:
-    """Draws tasks evenly: every task once per pass, in a fresh seeded order each pass."""
-
-    def __init__(self, tasks: Sequence[Task], seed: int) -> None:
-        self.tasks = list(tasks)
-        self.rng = random.Random(seed)
-        self.order: list[Task] = []
-
-    def next(self) -> Task:
-        if not self.order:
-            self.order = list(self.tasks)
-            self.rng.shuffle(self.order)
-        return self.order.pop()
-
 
 def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
     """The turn's sampling settings: `rollout.*`, with the env's suggested action budget when none is set."""
@@ -170,11 +87,14 @@ def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedToke
 
 
 class EpisodeRunner:
+    """Trajectories in flight through their phases (the module's docstring); the owner calls `start_group` and
+    `pump`, results go to the `Sink`."""
+
     def __init__(
         self,
         env_name: str,
         factory: EnvFactory,
-        engine: InferenceEngine,
+        engine: InferenceEngine | EngineThread,
         tokenizer: PreTrainedTokenizerBase,
         params: SamplingParams,
         max_seq_len: int,
@@ -187,11 +107,7 @@ class EpisodeRunner:
     ) -> None:
         self.env_name = env_name
         self.factory = factory
-        # Engine calls run on the engine's own thread (rollout/engines/thread.py); a worker shares one between its
-        # training and evaluation runners, a runner given a bare engine makes its own.
-        self.own_engine_thread = not isinstance(engine, EngineThread)
-        self.engine_thread = EngineThread(engine) if self.own_engine_thread else engine
-        self.engine = self.engine_thread.engine
+        self.engine = EngineCalls(engine, params)  # on the engine's own thread (rollout/engine_calls.py)
         self.tokenizer = tokenizer
         self.prompter = Prompter(tokenizer)
         self.parse_tools = get_parser(tool_parser)  # the actions of envs with tools(): rollout.tool_parser
@@ -206,15 +122,44 @@ class EpisodeRunner:
         self.episodes: list[Episode] = []  # every episode not yet done
         self.steps: dict[Future, Episode] = {}  # reset and step calls under way
         self.judges: dict[Future, Episode] = {}
-        self.engine_call: Future | None = None  # the engine call under way, for `generating`
-        self.generating: list[Episode] = []
-        self.engine_calls = 0
+        self.engine_calls = 0  # generates done
         self.plugin_timeouts = 0  # env calls abandoned past their time limit
         self.written_off: list[Future] = []  # those calls, until they return
         self.env_errors = 0
         self.stats = RunnerStats()
         self.no_room_streak = 0  # trajectories in a row abandoned for their first observation's length
         self.longest_first_observation = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        factory: EnvFactory,
+        engine: InferenceEngine | EngineThread,
+        tokenizer: PreTrainedTokenizerBase,
+        sink: Sink,
+        params: SamplingParams | None = None,
+        max_inflight: int | None = None,
+        blind: bool = False,
+    ) -> EpisodeRunner:
+        """The runner `env.name`, `model.max_seq_len` and `rollout.*` describe, for a worker's training and an
+        evaluation alike: sampling as `sampling_params` says (unless `params` is given), the env call limits of
+        `call_limits`, `rollout.tool_parser`, and `rollout.max_inflight` trajectories (unless `max_inflight`)."""
+        step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
+        return cls(
+            config.env.name,
+            factory,
+            engine,
+            tokenizer,
+            params if params is not None else sampling_params(config.rollout, factory, tokenizer),
+            config.model.max_seq_len,
+            sink,
+            max_inflight if max_inflight is not None else config.rollout.max_inflight,
+            blind=blind,
+            step_timeout_s=step_timeout_s,
+            judge_timeout_s=judge_timeout_s,
+            tool_parser=config.rollout.tool_parser,
+        )
 
     # --- what the owner asks --------------------------------------------------------------------------
 
@@ -251,12 +196,12 @@ class EpisodeRunner:
         self._collect()
         self._collect_generation()
         self._expire(time.monotonic())
-        if generate and self.engine_call is None:
+        if generate and self.engine.call is None:
             ready = [e for e in self.episodes if e.phase == "act"]
             ready = [e for e in ready if not self._truncate_if_full(e)]
             if ready:
                 self._generate(ready)
-        pending = [*self.steps, *self.judges, *([self.engine_call] if self.engine_call is not None else [])]
+        pending = [*self.steps, *self.judges, *([self.engine.call] if self.engine.call is not None else [])]
         if pending and wait_s > 0:
             wait(pending, timeout=wait_s, return_when=FIRST_COMPLETED)
         elif wait_s > 0:
@@ -283,8 +228,7 @@ class EpisodeRunner:
         """Stop without waiting for slow environments, judges or an engine call (their leases time out at the
         replay service)."""
         self.pool.close()
-        if self.own_engine_thread:
-            self.engine_thread.close()
+        self.engine.close()
 
     def hung_calls(self) -> int:
         """Env calls written off past their time limit that have still not returned (each holds a thread)."""
@@ -360,34 +304,17 @@ class EpisodeRunner:
         return True
 
     def _generate(self, ready: list[Episode]) -> None:
-        """One engine call, on the engine's thread, for all of them; near the context limit a trajectory's action
-        budget shrinks to what fits (those few go in a generate of their own, within the same call)."""
-        by_room: dict[int, list[Episode]] = {}
+        """One engine call for all of them; near the context limit a trajectory's action budget shrinks to what fits."""
         for episode in ready:
-            by_room.setdefault(self._room(episode), []).append(episode)
             episode.phase = "generate"
-        batches = []
-        for room, episodes in sorted(by_room.items(), reverse=True):
-            params = self.params if room == self.params.max_new_tokens else replace(self.params, max_new_tokens=room)
-            batches.append((episodes, [list(e.context) for e in episodes], params))
-        self.generating = list(ready)
-        self.engine_call = self.engine_thread.submit(self._call_engine, batches)
-
-    def _call_engine(self, batches: list) -> list[tuple[list[Episode], list[Generation], float]]:
-        """On the engine's thread: the generates of one call, each with its duration."""
-        results = []
-        for episodes, prompts, params in batches:
-            called = time.monotonic()
-            generations = self.engine.generate(prompts, params)
-            results.append((episodes, generations, time.monotonic() - called))
-        return results
+        self.engine.start(ready, [self._room(e) for e in ready])
 
     def _collect_generation(self) -> None:
         """The engine call is done: each trajectory's action goes to its env (a step on the pool)."""
-        call = self.engine_call
-        if call is None or not call.done():
+        finished = self.engine.finished()
+        if finished is None:
             return
-        self.engine_call, episodes, self.generating = None, self.generating, []
+        call, episodes = finished
         try:
             results = call.result()
         except EngineUnavailable as exc:  # no stage of this turn was produced: each trajectory ends here

@@ -20,12 +20,12 @@ import torch
 from async_rl.config import Config
 from async_rl.errors import AsyncRLError
 from async_rl.model import load_tokenizer
-from rollout.agent import Episode, EpisodeRunner, sampling_params
+from rollout.agent import EpisodeRunner
 from rollout.engines import Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks
-from rollout.plugin_calls import call_limits
+from rollout.episode import Episode
 from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")
@@ -63,22 +63,19 @@ def evaluate_policy(
     factory: EnvFactory,
     engine: InferenceEngine | EngineThread,
     tokenizer: Any,
-    params: SamplingParams,
+    params: SamplingParams | None = None,
     samples_per_task: int | None = None,
     blind: bool = False,
     service: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Run `samples_per_task` episodes of every eval task (at most `run.eval_max_tasks`) with the engine's current
-    weights (a worker passes the EngineThread it trains with: the calls queue on one thread); `service` is called
-    between rounds (a training worker keeps its leases alive with it)."""
+    weights (a worker passes the EngineThread it trains with: the calls queue on one thread), sampled with `params`
+    (default: as `rollout.*` says); `service` is called between rounds (a training worker keeps its leases alive)."""
     samples = samples_per_task or max(1, config.run.eval_samples_per_task)
     tasks: list[Task] = checked_tasks(config.env.name, factory, "eval")[: config.run.eval_max_tasks]
     sink = TallySink()
     inflight = max(config.rollout.max_inflight, samples)
-    step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
-    runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, params, config.model.max_seq_len, sink,
-                           inflight, blind=blind, step_timeout_s=step_timeout_s, judge_timeout_s=judge_timeout_s,
-                           tool_parser=config.rollout.tool_parser)
+    runner = EpisodeRunner.from_config(config, factory, engine, tokenizer, sink, params, inflight, blind)
     pending = list(enumerate(tasks))
     try:
         with torch.inference_mode():
@@ -138,8 +135,7 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blin
     if path is not None:
         engine.update_weights(version, str(path))
     try:
-        params = sampling_params(config.rollout, factory, tokenizer)
-        result = evaluate_policy(config, factory, engine, tokenizer, params, samples_per_task, blind)
+        result = evaluate_policy(config, factory, engine, tokenizer, None, samples_per_task, blind)
     finally:
         engine.close()
     log.info("evaluation of version %d: %s", version, result)

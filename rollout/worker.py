@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -45,20 +46,35 @@ from async_rl.protocol import (
 from async_rl.security import load_keys
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
-from rollout.agent import Episode, EpisodeRunner, TaskSampler, sampling_params
+from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
-from rollout.envs.base import Judgement, checked_tasks
+from rollout.envs.base import Judgement, Task, checked_tasks
+from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
-from rollout.plugin_calls import call_limits
 from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("async_rl.rollout")
 
 IDLE_POLL_S = 0.05  # how long the loop waits for a reply or an environment when there is nothing to generate
 STOP_DRAIN_S = 2.0  # on stop, wait this long at most for the acks of what was already sent
+
+
+class TaskSampler:
+    """Draws tasks evenly: every task once per pass, in a fresh seeded order each pass."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int) -> None:
+        self.tasks = list(tasks)
+        self.rng = random.Random(seed)
+        self.order: list[Task] = []
+
+    def next(self) -> Task:
+        if not self.order:
+            self.order = list(self.tasks)
+            self.rng.shuffle(self.order)
+        return self.order.pop()
 
 
 class ReplaySink:
@@ -178,101 +194,112 @@ class WeightsFollower:
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:
     """Run rollout worker `rollout-<worker_index>` until `stop` is set (or SIGTERM/SIGINT in the main thread)."""
     stop = stop or threading.Event()
-    worker_id = f"rollout-{worker_index}"
     restore_signals = _stop_on_signals(stop)
     torch.set_num_threads(config.run.threads_per_process)
-    factory = load_env(config)
-    tasks = checked_tasks(config.env.name, factory, "train")
-    train_tasks = TaskSampler(tasks, seed=config.env.seed * 1000 + worker_index)
-    model_dir = prepare_model_dir(config, factory)
-    tokenizer = load_tokenizer(model_dir)
-    engine = EngineThread(make_engine(config, model_dir, seed=config.run.seed * 1000 + worker_index, stop=stop))
-    context = zmq.Context()
-    curve = load_keys(config, "rollout")
-    dealer = connect_dealer(context, config.replay.endpoint, worker_id, curve)
-    subscriber = connect_subscriber(context, config.learner.publish_endpoint, curve)
-    link = ReplayLink(dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)
-    weights = WeightsFollower(subscriber, engine, config.run_dir)
-    params = sampling_params(config.rollout, factory, tokenizer)
-    sink = ReplaySink(worker_id, link.send_reliably, link.next_msg_id)
-    step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
-    runner = EpisodeRunner(config.env.name, factory, engine, tokenizer, params, config.model.max_seq_len, sink,
-                           config.rollout.max_inflight, step_timeout_s=step_timeout_s, judge_timeout_s=judge_timeout_s,
-                           tool_parser=config.rollout.tool_parser)
-    group_size = config.rollout.group_size
-    eval_every = config.run.eval_every if worker_index == 0 else 0
-    next_eval = eval_every
-    held_replies: list = []  # lease replies that arrived while an evaluation ran
-    log.info("%s up: env %s, engine %s at version %d, %d in flight at most, replay %s", worker_id, config.env.name,
-             config.rollout.engine, engine.version, config.rollout.max_inflight, config.replay.endpoint)
+    worker = _Worker(config, worker_index, stop)
+    try:
+        worker.loop()
+    except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
+        log.error("%s stops: %s", worker.worker_id, exc)
+        _deliver_unacked(worker.link, config.rollout.ack_timeout_s)
+        raise
+    except EngineStopped:  # stopped while the engine waited on its servers: as below
+        _deliver_unacked(worker.link, STOP_DRAIN_S)
+    else:  # stopped: what was sent should still reach the replay service (it is stopped after the workers)
+        _deliver_unacked(worker.link, STOP_DRAIN_S)
+    finally:
+        worker.close()
+        restore_signals()
 
-    def service() -> None:
-        weights.sync()
-        link.tick(runner.live_group_ids())
 
-    metrics = RoleMetrics(config, worker_id)
-    next_metrics_at = time.monotonic() + config.run.metrics_every_s
+class _Worker:
+    """One worker's parts (env, engine, sockets, runner, metrics) and its loop."""
 
-    def write_metrics() -> None:
+    def __init__(self, config: Config, worker_index: int, stop: threading.Event) -> None:
+        self.config, self.stop = config, stop
+        self.worker_id = worker_id = f"rollout-{worker_index}"
+        self.factory = load_env(config)
+        tasks = checked_tasks(config.env.name, self.factory, "train")
+        self.train_tasks = TaskSampler(tasks, seed=config.env.seed * 1000 + worker_index)
+        model_dir = prepare_model_dir(config, self.factory)
+        self.tokenizer = load_tokenizer(model_dir)
+        seed = config.run.seed * 1000 + worker_index
+        self.engine = EngineThread(make_engine(config, model_dir, seed=seed, stop=stop))
+        self.context = zmq.Context()
+        curve = load_keys(config, "rollout")
+        self.dealer = connect_dealer(self.context, config.replay.endpoint, worker_id, curve)
+        self.subscriber = connect_subscriber(self.context, config.learner.publish_endpoint, curve)
+        self.link = ReplayLink(self.dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)
+        self.weights = WeightsFollower(self.subscriber, self.engine, config.run_dir)
+        sink = ReplaySink(worker_id, self.link.send_reliably, self.link.next_msg_id)
+        self.runner = EpisodeRunner.from_config(config, self.factory, self.engine, self.tokenizer, sink)
+        self.eval_every = config.run.eval_every if worker_index == 0 else 0
+        self.metrics = RoleMetrics(config, worker_id)
+        log.info("%s up: env %s, engine %s at version %d, %d in flight at most, replay %s", worker_id, config.env.name,
+                 config.rollout.engine, self.engine.version, config.rollout.max_inflight, config.replay.endpoint)
+
+    def loop(self) -> None:
+        config, link, runner, engine = self.config, self.link, self.runner, self.engine
+        next_metrics_at = time.monotonic() + config.run.metrics_every_s
+        next_request_at = 0.0
+        next_eval = self.eval_every
+        held_replies: list[LeaseGrant | LeaseDenied] = []  # lease replies that arrived while an evaluation ran
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now >= next_metrics_at:
+                next_metrics_at = now + config.run.metrics_every_s
+                self.write_metrics()
+            if link.lease_request is None and now >= next_request_at and runner.room_for(config.rollout.group_size):
+                link.request_lease()
+            busy = not runner.idle()
+            for reply in held_replies + link.handle_replies(0.0 if busy else IDLE_POLL_S):
+                next_request_at = self._answered(reply)
+            held_replies = []
+            runner.pump(IDLE_POLL_S if busy else 0.0)  # never longer: the engine call runs on its own thread
+            self.weights.sync()
+            link.tick(runner.live_group_ids())
+            if self.eval_every and engine.version >= next_eval:
+                # On the grid of multiples of eval_every: a version that arrived late (the learner published two
+                # while this worker was busy) does not shift every later evaluation.
+                next_eval = (engine.version // self.eval_every + 1) * self.eval_every
+                held_replies = _evaluate_now(config, self.factory, engine, self.tokenizer, link, runner,
+                                             self.worker_id)
+
+    def _answered(self, reply: LeaseGrant | LeaseDenied) -> float:
+        """A lease reply: a granted group starts (a task drawn for it); returns when to ask for the next lease."""
+        if isinstance(reply, LeaseDenied):
+            log.debug("lease denied (%s); asking again in %.2fs", reply.reason, reply.retry_after_s)
+            return time.monotonic() + reply.retry_after_s
+        task = self.train_tasks.next()
+        log.debug("group %s: task %s x %d", reply.group_id, task.id, reply.group_size)
+        self.runner.start_group(reply.group_id, task, reply.group_size)
+        return 0.0
+
+    def write_metrics(self) -> None:
+        link, runner = self.link, self.runner
         line = runner.take_stats()
-        line.update(policy_version=engine.version, resends=link.resends, unacked=len(link.unacked),
+        line.update(policy_version=self.engine.version, resends=link.resends, unacked=len(link.unacked),
                     env_errors=runner.env_errors, plugin_timeouts=runner.plugin_timeouts,
                     hung_calls=runner.hung_calls(),
                     duplicate_acks=link.duplicate_acks, duplicate_lease_replies=link.duplicate_lease_replies,
                     **{f"rejected_{code}": n for code, n in link.rejected.items()})
-        metrics.write(line)
+        self.metrics.write(line)
 
-    next_request_at = 0.0
-    try:
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= next_metrics_at:
-                next_metrics_at = now + config.run.metrics_every_s
-                write_metrics()
-            if link.lease_request is None and now >= next_request_at and runner.room_for(group_size):
-                link.request_lease()
-            busy = not runner.idle()
-            for reply in held_replies + link.handle_replies(0.0 if busy else IDLE_POLL_S):
-                if isinstance(reply, LeaseDenied):
-                    log.debug("lease denied (%s); asking again in %.2fs", reply.reason, reply.retry_after_s)
-                    next_request_at = time.monotonic() + reply.retry_after_s
-                else:
-                    task = train_tasks.next()
-                    log.debug("group %s: task %s x %d", reply.group_id, task.id, reply.group_size)
-                    runner.start_group(reply.group_id, task, reply.group_size)
-                    next_request_at = 0.0
-            held_replies = []
-            runner.pump(IDLE_POLL_S if busy else 0.0)  # never longer: the engine call runs on its own thread
-            service()
-            if eval_every and engine.version >= next_eval:
-                # On the grid of multiples of eval_every: a version that arrived late (the learner published two
-                # while this worker was busy) does not shift every later evaluation.
-                next_eval = (engine.version // eval_every + 1) * eval_every
-                held_replies = _evaluate_now(config, factory, engine, tokenizer, params, link, runner, worker_id)
-    except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
-        log.error("%s stops: %s", worker_id, exc)
-        _deliver_unacked(link, config.rollout.ack_timeout_s)
-        raise
-    except EngineStopped:  # stopped while the engine waited on its servers: as below
-        _deliver_unacked(link, STOP_DRAIN_S)
-    else:  # stopped: what was sent should still reach the replay service (it is stopped after the workers)
-        _deliver_unacked(link, STOP_DRAIN_S)
-    finally:
-        write_metrics()
-        metrics.close()
-        runner.close()
-        engine.close()
-        engine.engine.close()
-        dealer.close(linger=0)
-        subscriber.close(linger=0)
-        context.term()
-        restore_signals()
-        log.info("%s stopped (%d records unacked, %d resends, %d env errors)", worker_id, len(link.unacked),
-                 link.resends, runner.env_errors)
+    def close(self) -> None:
+        self.write_metrics()
+        self.metrics.close()
+        self.runner.close()
+        self.engine.close()
+        self.engine.engine.close()
+        self.dealer.close(linger=0)
+        self.subscriber.close(linger=0)
+        self.context.term()
+        log.info("%s stopped (%d records unacked, %d resends, %d env errors)", self.worker_id, len(self.link.unacked),
+                 self.link.resends, self.runner.env_errors)
 
 
-def _evaluate_now(config: Config, factory, engine: EngineThread, tokenizer, params, link: ReplayLink,
-                  runner: EpisodeRunner, worker_id: str) -> list[LeaseGrant | LeaseDenied]:
+def _evaluate_now(config: Config, factory, engine: EngineThread, tokenizer, link: ReplayLink, runner: EpisodeRunner,
+                  worker_id: str) -> list[LeaseGrant | LeaseDenied]:
     """Evaluate the loaded weights on the eval split and report it. Training episodes make no engine call
     meanwhile, but their steps and judgements go on and are delivered; leases stay alive."""
     held: list[LeaseGrant | LeaseDenied] = []
@@ -284,7 +311,7 @@ def _evaluate_now(config: Config, factory, engine: EngineThread, tokenizer, para
 
     version = engine.version
     started = time.monotonic()
-    metrics = evaluate_policy(config, factory, engine, tokenizer, params, service=keep_leases)
+    metrics = evaluate_policy(config, factory, engine, tokenizer, runner.params, service=keep_leases)
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     metrics["eval_s"] = time.monotonic() - started
     link.send_reliably(EvalReport(worker_id=worker_id, msg_id=link.next_msg_id(), policy_version=version,

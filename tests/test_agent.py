@@ -6,10 +6,11 @@ from collections import Counter
 
 from async_rl.config import load_config
 from async_rl.model import byte_tokenizer
-from rollout.agent import Prompter, TaskSampler, sampling_params
+from rollout.agent import Prompter, sampling_params
 from rollout.envs.base import Task
 from rollout.envs.hunt import factory as hunt_factory
 from rollout.envs.trap import factory as trap_factory
+from rollout.worker import TaskSampler
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

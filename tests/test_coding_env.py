@@ -245,10 +245,10 @@ def test_turn_budget_observation_cap_and_judge_delay(clip_factory, tmp_path):
 def test_jsonl_loader_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "p", "entry_point": "f", "visible_tests": []}) + "\n")
-    with pytest.raises(EnvError, match="bad.jsonl:1: no hidden test"):
+    with pytest.raises(EnvError, match="bad.jsonl line 1: no hidden test"):
         factory(tasks_file=str(bad)).tasks("train")
     bad.write_text("\n" + json.dumps({"prompt": "p", "visible_tests": [], "hidden_tests": ["pass"]}) + "\n")
-    with pytest.raises(EnvError, match="bad.jsonl:2: 'entry_point'"):
+    with pytest.raises(EnvError, match="bad.jsonl line 2: 'entry_point'"):
         factory(tasks_file=str(bad)).tasks("train")
     bad.write_text("{not json\n")
     with pytest.raises(EnvError, match="not JSON"):

