@@ -113,6 +113,10 @@ class RolloutConfig(_Section):
     # default, so the workers leave a local GPU to the learner; cuda: each worker loads the model onto the current
     # GPU (fp32, as the learner publishes it or upcast from bf16); auto: cuda when torch sees one.
     device: Literal["auto", "cpu", "cuda"] = "cpu"
+    # The built-in engine keeps each trajectory's keys and values between turns, so a turn feeds only its new tokens
+    # (rollout/engines/prefix_cache.py): at most this many MiB, least recently used dropped first; 0: off (every
+    # turn prefills its whole context again). A weight update clears it.
+    prefix_cache_mib: NonNegFloat = 1024.0
     ack_timeout_s: PosFloat = 5.0  # resend an unacknowledged record after this long (counted while acks can be read)
     # Time limits of env calls (rollout/plugin_calls.py): a reset or step (a tool call) past step_timeout_s, or a
     # judge past judge_timeout_s, abandons its trajectory (counted as plugin_timeouts) and its thread is written off.

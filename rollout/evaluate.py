@@ -130,7 +130,8 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blin
                            "(set run.dir / run.name, or --config <run_dir>/config.yaml)")
     model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout))
+    engine = TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout),
+                         cache_mib=config.rollout.prefix_cache_mib)
     version, path = latest_weights(config.run_dir)
     if path is not None:
         engine.update_weights(version, str(path))
