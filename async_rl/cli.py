@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return train(config, resume=resume is not None)
         if args.role == "replay":
-            from replay.service import run as run_replay
+            from replay.server import run as run_replay
 
             run_replay(config)
         elif args.role == "evaluate":

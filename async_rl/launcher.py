@@ -329,6 +329,10 @@ def train(config: Config, resume: bool = False) -> int:
     from rollout.prepare import load_env, prepare_model_dir
 
     preflight(config, resume)
+    if resume and config.replay.durable:
+        from replay.wal import check_format
+
+        check_format(config.run_dir / "replay")  # a log this build cannot read: refused before any role starts
     factory = load_env(config)
     if not resume:
         config = _fresh_run_dir(config)

@@ -349,7 +349,8 @@ def measure_durability(groups: int, rounds: int, round_sizes: tuple[int, ...]) -
     one write + fsync per `round_size` messages, as the socket loop does per poll round), alternating."""
     import shutil
 
-    from replay.service import ReplayService, handle_safely
+    from replay.server import handle_safely
+    from replay.service import ReplayService
     from replay.wal import Received, ReplayLog
 
     config = base_config("wal", ["algo.groups_per_step=100000000"])
