@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Logged:
-    """A ReplayService whose inputs go to a ReplayLog the way `replay.service.run` writes them: every message and
+    """A ReplayService whose inputs go to a ReplayLog the way `replay.server.run` writes them: every message and
     undecodable frame, every tick that changed the state, one commit per call (a poll round)."""
 
     def __init__(self, config: Config, directory: Path, compact_every: int = 100_000) -> None:
