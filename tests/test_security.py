@@ -38,8 +38,8 @@ from async_rl.security import (
     warn_if_insecure,
 )
 from async_rl.transport import connect_dealer, connect_subscriber, poll, receive, send
-from replay.service import ReplayService
 from replay.server import run as run_replay
+from replay.service import ReplayService
 from rollout.engines.base import EngineUnavailable
 
 
