@@ -17,7 +17,7 @@ from async_rl.config import Config
 from async_rl.ledger import corrections_on
 from async_rl.protocol import BatchRequest
 from replay.group import Group
-from replay.lengths import MARGIN_SD
+from replay.lengths import MARGIN_SD, LengthModel
 from replay.queue import batch_cost
 from replay.state import GuardState, ReplayState
 from replay.store import QueuedItem
@@ -49,7 +49,7 @@ class Guard:
         self.member_tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
-    def length_model(self):  # noqa: ANN201 - replay.lengths.LengthModel
+    def length_model(self) -> LengthModel:
         return self.own.lengths
 
     def on(self) -> bool:

@@ -46,6 +46,7 @@ from replay.edge import Edge
 from replay.group import Group
 from replay.guard import Guard
 from replay.leases import AdmissionClock, Leases
+from replay.queue import InFlightBatch, ItemQueue
 from replay.rollback import Rollback
 from replay.rounds import Rounds
 from replay.serving import Serving
@@ -95,15 +96,15 @@ class ReplayService:
         return self.state.groups
 
     @property
-    def queue(self):  # noqa: ANN201 - replay.queue.ItemQueue
+    def queue(self) -> ItemQueue:
         return self.state.serving.queue
 
     @property
-    def in_flight(self) -> dict:
+    def in_flight(self) -> dict[int, InFlightBatch]:
         return self.state.serving.in_flight
 
     @property
-    def parked(self) -> dict:
+    def parked(self) -> dict[bytes, tuple[BatchRequest, float]]:
         return self.state.serving.parked
 
     @property
