@@ -258,10 +258,6 @@ class AlgoConfig(_Section):
     # Never let the learner run so far ahead of outcomes still being judged that their corrections would pass
     # max_correction_staleness (docs/algorithm.md, "Staleness"): credit_dropped stays 0.
     correction_guard: bool = True
-    # An ablation of immediate+correction (docs/algorithm.md, "Where the claim still fails"): immediate items wait
-    # until their group's outcomes are all in, then train in their own steps, and the correction only after their
-    # acks. The same items and credit as immediate+correction with none of its timing: what is left is the split.
-    hold_immediates: bool = False
     # async: rollout runs ahead of the learner (admission by max_staleness); sync: lock-step rounds of
     # groups_per_step groups: generate the round, train exactly its items, then the next round.
     mode: Literal["async", "sync"] = "async"
@@ -340,7 +336,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config_from_dict(raw)
 
 
+# Keys the code no longer has: (section, key) -> (the value it had by default, why it went). A run directory's
+# config.yaml written before (every key is in it) still loads when the key holds that value, which is what the code
+# now does; any other value is refused with the reason.
+REMOVED_KEYS = {
+    ("algo", "hold_immediates"): (False, "the ablation of immediate+correction was removed from the product (its "
+                                         "result is in docs/benchmarks.md; reproducible at commit 6d4d567)"),
+}
+
+
+def _drop_removed(raw: dict[str, Any]) -> None:
+    for (section, key), (default, why) in REMOVED_KEYS.items():
+        values = raw.get(section)
+        if isinstance(values, dict) and key in values:
+            if values[key] != default:
+                raise ConfigError(f"{section}.{key}: {why}; only {default!r} is accepted, got {values[key]!r}")
+            del values[key]
+
+
 def config_from_dict(raw: dict[str, Any]) -> Config:
+    _drop_removed(raw)
     _check_keys(raw, Config, "")
     try:
         config = msgspec.convert(raw, Config)
@@ -486,10 +501,6 @@ def _check_relations(config: Config) -> None:
     if config.algo.clip_high <= 0 and config.algo.ppo_epochs > 1:
         raise ConfigError("algo.clip_high: expected > 0 when algo.ppo_epochs > 1")
     learner = config.learner
-    if config.algo.hold_immediates and (config.algo.updates != "immediate+correction" or config.algo.mode != "async"):
-        raise ConfigError("algo.hold_immediates: holds immediate items for their correction, so it needs "
-                          f"algo.updates immediate+correction and algo.mode async, got {config.algo.updates!r} and "
-                          f"{config.algo.mode!r}")
     if learner.momentum > 0 and learner.optimizer != "sgd":
         raise ConfigError(f"learner.momentum: only learner.optimizer sgd has a momentum, got {learner.momentum} with "
                           f"{learner.optimizer!r}")

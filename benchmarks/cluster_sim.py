@@ -82,7 +82,8 @@ from async_rl.protocol import (  # noqa: E402
     pack,
 )
 from learner.pack import plan_shards  # noqa: E402
-from replay.service import STALENESS_RETRY_S, ReplayService  # noqa: E402
+from replay.leases import STALENESS_RETRY_S  # noqa: E402
+from replay.service import ReplayService  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CONFIG = REPO / "configs" / "cluster.yaml"

@@ -18,10 +18,6 @@ Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
-  held+correction        only with --arms: immediate+correction's items and credit with none of its timing
-                         (algo.hold_immediates: each group's immediate items wait for its outcomes, train in
-                         their own steps, then the correction), so its gap to immediate+correction is the timing
-                         and its gap to outcome-only+step the split into two steps (its ratio is printed too)
 Every run: the trap env (`env.kwargs.traps`; `--env hunt`: the long-horizon hunt, its judge delayed by
 `env.kwargs.judge_delay_s`), `learner.lr` from the sweep, `algo.aggregation` and
 `algo.entropy_per` (and `algo.entropy_coef`, `algo.entropy_floor`) as given (default the fixed-per-token
@@ -110,7 +106,6 @@ ARMS = {
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
     "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],
     "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
-    "held+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step", "algo.hold_immediates=true"],
 }
 DEFAULT_ARMS = ("outcome-only+step", "immediate+correction", "immediate-only")
 TARGET, WINDOW = 0.8, 2048
@@ -330,7 +325,7 @@ def main() -> int:
                         help="trap: the trap env at each --traps; hunt: the long-horizon env (env.name=hunt, its "
                              "judge delayed by env.kwargs.judge_delay_s; --traps ignored)")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
-                        help=f"arms (default {', '.join(DEFAULT_ARMS)}; also held+correction)")
+                        help=f"arms (default {', '.join(DEFAULT_ARMS)})")
     parser.add_argument("--lrs", default="2.5e-4,5e-4,1e-3", help="learner.lr sweep per arm")
     parser.add_argument("--batch-scales", default="1", type=scales_arg, metavar="S,...",
                         help="a sweep of the learner's batch size per arm, beside the lr: learner.batch_tokens and "
@@ -437,7 +432,7 @@ def main() -> int:
     common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},
-                    "runs": {}, "best": {}, "ratios": {}, "ratios_held": {}, "fits": {},
+                    "runs": {}, "best": {}, "ratios": {}, "fits": {},
                     "fit_steps": args.fit_steps if args.fit_d else None}
     jobs: list[tuple[str, list[str], dict]] = []
     for traps in traps_list:
@@ -577,10 +572,6 @@ def main() -> int:
                                           # where one arm's median missed 0.8 within the cap: bounds, its misses
                                           # counted at their end
                                           **bounds(ours, theirs)}
-            if {"held+correction", "outcome-only+step"} <= best.keys():
-                held, theirs = best["held+correction"], best["outcome-only+step"]
-                result["ratios_held"][cell] = {"env_steps": ratio(held["env_steps"], theirs["env_steps"]),
-                                               "wall_s": ratio(held["wall_s"], theirs["wall_s"])}
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "batch scale",
@@ -588,10 +579,6 @@ def main() -> int:
                "success at end", "credit dropped", "guard held s", "bound needed"]
     caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
         ratio_text(cell, r) for cell, r in result["ratios"].items())
-    if result["ratios_held"]:
-        caption += "; held+correction ÷ outcome-only+step (env steps, wall; to 0.8): " + "; ".join(
-            f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}"
-            for cell, r in result["ratios_held"].items())
     held = held_too_long(result["runs"].values())
     if held:
         result["guard_bound_warning"] = held

@@ -345,11 +345,12 @@ def measure_guard(open_groups: tuple[int, ...], leases: int, rounds: int) -> dic
 
 def measure_durability(groups: int, rounds: int, round_sizes: tuple[int, ...]) -> dict:
     """One recorded message stream (whole groups: leases, records, outcomes, batch requests and acks) played into
-    a fresh ReplayService per round, in memory and durable (replay.service.run's logging: every message appended,
+    a fresh ReplayService per round, in memory and durable (replay.server.run's logging: every message appended,
     one write + fsync per `round_size` messages, as the socket loop does per poll round), alternating."""
     import shutil
 
-    from replay.service import ReplayService, handle_safely
+    from replay.server import handle_safely
+    from replay.service import ReplayService
     from replay.wal import Received, ReplayLog
 
     config = base_config("wal", ["algo.groups_per_step=100000000"])

@@ -37,7 +37,7 @@ def run_train(config: Config, args: argparse.Namespace) -> int:
 
 
 def run_replay(config: Config, args: argparse.Namespace) -> None:
-    from replay.service import run
+    from replay.server import run
 
     run(config)
 

@@ -24,6 +24,7 @@ from launch.dashboard import Dashboard
 from launch.preflight import preflight
 from launch.rundir import create_run_dir, fresh_run_dir
 from launch.supervise import Child, Supervisor, cli_command
+from replay.wal import check_format
 from rollout.prepare import load_env, prepare_model_dir
 
 
@@ -32,6 +33,8 @@ def train(config: Config, resume: bool = False) -> int:
     (async_rl.config.load_run_config): its directory is reused (logs and metrics.jsonl appended) and the learner
     resumes from its latest checkpoint there."""
     preflight(config, resume)
+    if resume and config.replay.durable:
+        check_format(config.run_dir / "replay")  # a log this build cannot read: refused before any role starts
     factory = load_env(config)  # a bad env.name or env.kwargs stops here, before the run directory exists
     if not resume:
         config = fresh_run_dir(config)

@@ -1,24 +1,37 @@
-"""One open group: its credit ledger, its tokens, and where its training items are (docs/algorithm.md).
+"""One open group and its state machine: its credit ledger, its tokens, where its training items are, and its
+transitions from open to finalized to closed (docs/algorithm.md).
 
 A group lives from its lease until it closes:
   open       stage records and outcomes arrive; complete (or timed-out) stage groups yield immediate items
   finalized  every outcome is in (or abandoned) and no immediate item is with a learner: A_final is fixed and
              one correction item per member carries C = A_final − issued
   closed     every correction was trained or dropped: the service reports the residual and forgets the group
-The service owns the queue and the clock; a group only says which items it yields and what they did.
+`advance` makes the transitions its state allows and returns what they produced; the service's dispatch
+(`ReplayService.advance`) is its only caller, and it owns the queue and the clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from async_rl.config import AlgoConfig, ReplayConfig
-from async_rl.ledger import GroupLedger, Stage
+from async_rl.ledger import GroupLedger, Stage, corrections_on, immediate_updates_on
 from async_rl.protocol import Outcome, StageRecord
 from replay.store import QueuedItem, StageTokens, Trajectory, assemble_item
+
+
+@dataclass(slots=True)
+class Advanced:
+    """What one `Group.advance` produced, for the service to apply in this order."""
+
+    immediates: list[QueuedItem]  # new immediate items, to queue
+    finalized: bool  # A_final was fixed now: the lease is over
+    superseded: list[int]  # queued immediate items the corrections now carry: they leave the queue untrained
+    corrections: list[QueuedItem]  # one per member with a nonzero C, to queue
+    closed: bool  # every correction trained or dropped and nothing left to roll back: the group is over
 
 
 @dataclass(slots=True)
@@ -29,9 +42,7 @@ class Group:
     trajectories: dict[int, Trajectory] = field(default_factory=dict)  # member -> tokens
     stage_group_started: dict[int, float] = field(default_factory=dict)  # unhandled stage group k -> first arrival
     deferred: dict[Stage, float] = field(default_factory=dict)  # (member, k) -> A_imm waiting for a prefix stage
-    queued_immediates: set[int] = field(default_factory=set)  # item ids waiting in the queue (or held)
-    # algo.hold_immediates: immediate items kept out of the queue until the group's outcomes are all in
-    held_immediates: list[QueuedItem] = field(default_factory=list)
+    queued_immediates: set[int] = field(default_factory=set)  # item ids waiting in the queue
     in_flight_immediates: set[int] = field(default_factory=set)  # item ids served, not yet acked
     open_corrections: set[int] = field(default_factory=set)  # correction item ids neither acked nor dropped
     dropped_stages: set[Stage] = field(default_factory=set)  # credit lost to max_correction_staleness
@@ -104,6 +115,25 @@ class Group:
         """Members with neither an outcome nor an abandonment."""
         ledger = self.ledger
         return [i for i in range(self.group_size) if i not in ledger.outcomes and i not in ledger.abandoned]
+
+    # --- the state machine ----------------------------------------------------------------------------
+
+    def advance(self, now: float, algo: AlgoConfig, replay: ReplayConfig, item_ids: Iterator[int],
+                may_close: Callable[[Group], bool]) -> Advanced:
+        """Move as far as the state allows: immediate items, finalization, closing (`may_close`: the rollback's
+        say, replay/rollback.py)."""
+        with_corrections = corrections_on(algo.updates)
+        # Once every outcome is in, the correction carries the credit of a stage group not yet handed out.
+        carried_by_correction = with_corrections and self.ledger.outcomes_complete()
+        immediates: list[QueuedItem] = []
+        if immediate_updates_on(algo.updates) and not self.finalized and not carried_by_correction:
+            immediates = self.immediate_items(now, algo, replay, item_ids)
+        finalized, superseded, corrections = self.ready_to_finalize(), [], []
+        if finalized:
+            if with_corrections:
+                superseded = list(self.queued_immediates)  # never trained: issued stays 0, C carries their credit
+            corrections = self.finalize(algo, item_ids, with_corrections)
+        return Advanced(immediates, finalized, superseded, corrections, self.closable() and may_close(self))
 
     # --- immediate update ---------------------------------------------------------------------------
 

@@ -65,3 +65,9 @@ class InFlightBatch:
 
     items: list[QueuedItem]
     sent_at: float
+
+
+def batch_cost(packed: bool, longest: int, total: int, count: int, n: int) -> int:
+    """A batch's tokens as learner.batch_budget counts them (`packed`: summed, else padded), once an item of n tokens
+    joins `count` items whose longest has `longest` tokens and whose sum is `total`."""
+    return total + n if packed else max(longest, n) * (count + 1)

@@ -1,15 +1,17 @@
-"""The replay's write-ahead log: what a crash cannot take (docs/architecture.md, "A durable replay").
+"""The replay's write-ahead log on disk: its entries, snapshots and segments (docs/architecture.md, "A durable
+replay").
 
 `ReplayService` is deterministic given its inputs (handle(identity, message, now), reject_frame, tick(now)), so
 the log records the inputs, not the state: every message the service handled (with its `now`), every frame it
 could not decode, and every tick that changed something. Replaying them into the state of the last snapshot
-rebuilds groups, ledgers, queues, leases and counters exactly. The socket loop (`replay.service.run`) appends
+rebuilds groups, ledgers, queues, leases and counters exactly. The socket loop (`replay.server.run`) appends
 the inputs of one poll round, writes and fsyncs them once (`commit`), and only then sends that round's replies:
 nothing acknowledged can be lost; what a crash loses is a round whose replies were never sent, which the workers
 and the learner send again.
 
 On disk, in `<run dir>/replay/`:
-  snapshot-N.msgpack  the whole service state when segment N began (msgspec MessagePack, one framed entry)
+  snapshot-N.msgpack  the whole service state when segment N began (`Snapshot`: the format, the clock and
+                      replay/state.py's ReplayState as msgspec MessagePack, one framed entry)
   wal-N.log           the inputs since then, one framed entry each
   lock                flock'ed by the live replay: a second replay on the same log refuses to start
 A frame is <u32 length><u32 zlib.crc32> then the msgpack payload. A torn or corrupt frame ends the segment: it and
@@ -27,23 +29,21 @@ import os
 import re
 import struct
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from async_rl.errors import AsyncRLError
-from async_rl.ledger import GroupLedger, Stage
-from async_rl.protocol import BatchRequest, LeaseGrant, ReplayStats
-from replay.group import Group
-from replay.lengths import LengthModel
-from replay.queue import InFlightBatch, ItemQueue
-from replay.store import QueuedItem
+from async_rl.errors import AsyncRLError, ConfigError
+from replay.state import ReplayState, decoder, encoder
+from replay.state import comparable as comparable_state
 
 log = logging.getLogger("async_rl.replay.wal")
 
-FORMAT = 1  # of the snapshot: bump when the state's layout changes
+# Of the snapshot (and the log's messages): bump when the state's layout or the protocol changes. 1: the replay
+# before its split by job; 2: replay/state.py's ReplayState, protocol without TrainItem.first_trained.
+FORMAT = 2
 HEADER = struct.Struct("<II")  # payload length, zlib.crc32(payload)
 SEGMENT = re.compile(r"wal-(\d{8})\.log")
 SNAPSHOT = re.compile(r"snapshot-(\d{8})\.msgpack")
@@ -51,6 +51,11 @@ SNAPSHOT = re.compile(r"snapshot-(\d{8})\.msgpack")
 
 class WalError(AsyncRLError):
     """The log cannot be used: corrupt beyond a torn tail, from another format, or held by another replay."""
+
+
+class LogFormatError(WalError, ConfigError):
+    """The log is of another format: a restart would meet it again (a ConfigError: `async-rl train` does not restart
+    the replay, and reports it by name)."""
 
 
 # --- entries: the service's inputs ---------------------------------------------------------------------
@@ -93,160 +98,52 @@ Entry = Received | Undecodable | Refused | Ticked
 # --- the state: a snapshot -----------------------------------------------------------------------------
 
 
-class LedgerState(msgspec.Struct, array_like=True):
-    """A GroupLedger's fields (async_rl/ledger.py), in the order its dicts were filled."""
-
-    group_size: int
-    rewards: dict[int, dict[int, float | None]]
-    num_stages: dict[int, int]
-    outcomes: dict[int, float]
-    abandoned: set[int]
-    issued: dict[Stage, float]
-    trained: dict[Stage, float]
-    a_final: dict[Stage, float] | None
-    updates: str
-    immediate_done: set[int]
-
-
-class State(msgspec.Struct):
-    """Everything a ReplayService holds that its next answers depend on (not its config, logger or windowed stats,
-    which it derives). `now`: the service clock when the state was taken."""
+class Snapshot(msgspec.Struct):
+    """The service's whole state (replay/state.py) when a segment began. `now`: the service clock then."""
 
     format: int
     now: float
-    epoch: int
-    next_ids: tuple[int, int, int]  # the next n of group, item and batch ids in this epoch
-    serves: int
-    policy_version: int
-    version_ceiling: int | None
-    counters: ReplayStats
-    groups: list[Group]
-    leases: dict[str, set[str]]
-    worker_seen: dict[str, float]
-    last_grant: dict[str, LeaseGrant]
-    queue: list[QueuedItem]
-    in_flight: dict[int, InFlightBatch]
-    item_tally: dict[str, list[int]]
-    parked: list[tuple[bytes, BatchRequest, float]]
-    stage_group_deadlines: list[tuple[float, str, int]]
-    finished: list[tuple[bool, float, int]]
-    finished_long: list[bool]
-    successes_long: int
-    latest_eval: dict[str, float]
-    # the correction-staleness guard and lock-step rounds (docs/algorithm.md)
-    guard_since: float | None = None
-    guard_abandon_at: float | None = None
-    batch_tokens: int = 0
-    longest_trajectory: int = 0
-    finished_lengths: list[int] = []
-    worker_versions: dict[str, int] = {}
-    round_groups: set[str] = set()
-    # resume after a learner crash (docs/architecture.md, "Resume after a crash")
-    learner_session: int = 0
-    checkpointed: int = 0
-    journal: list[tuple[int, list[QueuedItem]]] = []
-    unconfirmed: dict[str, int] = {}
-    worker_sessions: dict[str, int] = {}
-    admission_offset: int = 0
+    state: ReplayState
 
 
-def _enc_hook(value: object) -> object:
-    if isinstance(value, GroupLedger):
-        return LedgerState(**{name: getattr(value, name) for name in LedgerState.__struct_fields__})
-    raise NotImplementedError(f"cannot encode {type(value).__name__} in a replay snapshot")
+class _Format(msgspec.Struct):
+    """A snapshot's format alone, read before the rest (a snapshot of another format does not decode as ours)."""
+
+    format: int
 
 
-def _dec_hook(kind: type, value: object) -> object:
-    if kind is GroupLedger:
-        state = msgspec.convert(value, LedgerState)
-        ledger = GroupLedger(state.group_size)
-        for name in LedgerState.__struct_fields__:
-            setattr(ledger, name, getattr(state, name))
-        return ledger
-    raise NotImplementedError(f"cannot decode {kind.__name__} in a replay snapshot")
-
-
-_state_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_state_decoder = msgspec.msgpack.Decoder(State, dec_hook=_dec_hook)
+_snapshot_decoder = decoder(Snapshot)
+_format_decoder = msgspec.msgpack.Decoder(_Format)
 _entry_encoder = msgspec.msgpack.Encoder()
 _entry_decoder = msgspec.msgpack.Decoder(Entry)
 
 
-def capture(service, now: float) -> State:  # noqa: ANN001 - replay.service.ReplayService (it imports this module)
-    """The service's state as a State (shares its objects: encode it before the service moves on)."""
-    return State(
-        format=FORMAT, now=now, epoch=service.epoch,
-        next_ids=(service.group_ids.next_n, service.item_ids.next_n, service.batch_ids.next_n),
-        serves=service.serves, policy_version=service.policy_version, version_ceiling=service.version_ceiling,
-        counters=service.counters, groups=list(service.groups.values()), leases=service.leases,
-        worker_seen=service.worker_seen, last_grant=service.last_grant, queue=list(service.queue),
-        in_flight=service.in_flight, item_tally=service.item_tally,
-        parked=[(identity, request, since) for identity, (request, since) in service.parked.items()],
-        stage_group_deadlines=list(service.stage_group_deadlines), finished=list(service.finished),
-        finished_long=list(service.finished_long), successes_long=service.successes_long,
-        latest_eval=service.latest_eval,
-        guard_since=service.guard_since, guard_abandon_at=service.guard_abandon_at, batch_tokens=service.batch_tokens,
-        longest_trajectory=service.longest_trajectory, finished_lengths=list(service.length_model.lengths),
-        worker_versions=service.worker_versions,
-        round_groups=service.round_groups, learner_session=service.learner_session,
-        checkpointed=service.checkpointed, journal=list(service.journal), unconfirmed=service.unconfirmed,
-        worker_sessions=service.worker_sessions, admission_offset=service.admission_offset,
-    )
+def format_problem(path: Path, written: int) -> str | None:
+    """Why a snapshot of format `written` cannot be read by this build, or None."""
+    if written == FORMAT:
+        return None
+    before = " (written before the replay was split by job)" if written < FORMAT else ""
+    return (f"{path}: replay log format {written}{before}; this build reads format {FORMAT} only: "
+            "resume it with the async-rl version that wrote it, or move its replay/ directory away to start the "
+            "replay afresh")
 
 
-def restore(service, state: State) -> None:  # noqa: ANN001 - replay.service.ReplayService
-    """Put a snapshot's state into a service built from the same config (fresh, or to be overwritten)."""
-    from replay.service import Ids
-
-    group_n, item_n, batch_n = state.next_ids
-    service.epoch = state.epoch
-    service.group_ids = Ids(state.epoch, group_n)
-    service.item_ids = Ids(state.epoch, item_n)
-    service.batch_ids = Ids(state.epoch, batch_n)
-    service.serves = state.serves
-    service.policy_version, service.version_ceiling = state.policy_version, state.version_ceiling
-    service.counters = state.counters
-    service.groups = {group.group_id: group for group in state.groups}
-    service.member_tokens = {}
-    service.leases, service.worker_seen, service.last_grant = state.leases, state.worker_seen, state.last_grant
-    service.queue = ItemQueue()
-    for queued in state.queue:
-        service.queue.append(queued)
-    service.in_flight, service.item_tally = state.in_flight, state.item_tally
-    service.parked = {identity: (request, since) for identity, request, since in state.parked}
-    service.stage_group_deadlines = deque(state.stage_group_deadlines)
-    service.finished.clear()
-    service.finished.extend(state.finished)
-    service.finished_long.clear()
-    service.finished_long.extend(state.finished_long)
-    service.successes_long, service.latest_eval = state.successes_long, state.latest_eval
-    service.guard_since, service.guard_abandon_at = state.guard_since, state.guard_abandon_at
-    service.batch_tokens, service.longest_trajectory = state.batch_tokens, state.longest_trajectory
-    service.length_model = LengthModel(state.finished_lengths)
-    service.worker_versions, service.round_groups = state.worker_versions, state.round_groups
-    service.learner_session, service.checkpointed = state.learner_session, state.checkpointed
-    service.journal = deque(state.journal)
-    service.unconfirmed, service.worker_sessions = state.unconfirmed, state.worker_sessions
-    service.admission_offset = state.admission_offset
-
-
-class _ComparableLedger(GroupLedger):
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, GroupLedger) and vars(self) == vars(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _comparable_hook(kind: type, value: object) -> object:
-    ledger = _dec_hook(kind, value)
-    ledger.__class__ = _ComparableLedger
-    return ledger
-
-
-def comparable(service) -> State:  # noqa: ANN001 - replay.service.ReplayService
-    """A copy of the service's state that compares by value (dicts and sets unordered): tests compare two."""
-    decoder = msgspec.msgpack.Decoder(State, dec_hook=_comparable_hook)
-    return decoder.decode(_state_encoder.encode(capture(service, 0.0)))
+def check_format(directory: Path) -> None:
+    """Raise LogFormatError when the newest snapshot in `directory` is of a format this build does not read (a
+    cheap look before a resume starts anything; `ReplayLog.recover` names any other problem)."""
+    numbers = sorted(int(m.group(1)) for p in directory.iterdir() if (m := SNAPSHOT.fullmatch(p.name))) if (
+        directory.is_dir()) else []
+    if not numbers:
+        return
+    path = directory / f"snapshot-{numbers[-1]:08d}.msgpack"
+    payloads, _ = read_frames(path.read_bytes())
+    try:
+        written = _format_decoder.decode(payloads[0]).format if payloads else FORMAT
+    except msgspec.MsgspecError:
+        return
+    problem = format_problem(path, written)
+    if problem is not None:
+        raise LogFormatError(problem)
 
 
 # --- framing -------------------------------------------------------------------------------------------
@@ -276,7 +173,7 @@ def read_frames(data: bytes) -> tuple[list[bytes], int]:
 # --- the log -------------------------------------------------------------------------------------------
 
 
-Apply = Callable[[object, Entry], None]  # (service, entry): replay one input into the service
+Apply = Callable[[Any, Entry], None]  # (service, entry): replay one input into the service
 
 
 class ReplayLog:
@@ -309,14 +206,27 @@ class ReplayLog:
     def _numbers(self, pattern: re.Pattern) -> list[int]:
         return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.fullmatch(p.name)))
 
-    def recover(self, service, apply: Apply) -> float:  # noqa: ANN001 - replay.service.ReplayService
-        """Rebuild `service` (fresh, same config) from the newest snapshot and its segment; return the service
-        clock of the last input (0.0 for an empty log)."""
+    def recover(self, service: Any, apply: Apply) -> float:
+        """Rebuild `service` (a replay.service.ReplayService, fresh, same config) from the newest snapshot (its
+        `restore` takes the state) and its segment (`apply` replays each input into it); return the service clock
+        of the last input (0.0 for an empty log)."""
         snapshots = self._numbers(SNAPSHOT)
         if not snapshots:
             if self._numbers(SEGMENT):
                 raise WalError(f"{self.directory}: log segments without a snapshot; move them away to start afresh")
             return 0.0
+        state, now = self._snapshot()
+        service.restore(state)
+        count = 0
+        for entry in self._entries(self.directory / f"wal-{self.segment:08d}.log"):
+            apply(service, entry)
+            now, count = entry.now, count + 1
+        log.info("rebuilt the replay from snapshot %d and %d log entries (epoch %d)", self.segment, count, state.epoch)
+        return now
+
+    def _snapshot(self) -> tuple[ReplayState, float]:
+        """The newest snapshot's state and clock."""
+        snapshots = self._numbers(SNAPSHOT)
         self.segment = snapshots[-1]
         path = self.directory / f"snapshot-{self.segment:08d}.msgpack"
         data = path.read_bytes()
@@ -325,18 +235,13 @@ class ReplayLog:
             raise WalError(f"{path}: corrupt snapshot (checksum or length); it was written atomically, so the disk "
                            "changed it")
         try:
-            state = _state_decoder.decode(payloads[0])
+            problem = format_problem(path, _format_decoder.decode(payloads[0]).format)
+            if problem is not None:
+                raise LogFormatError(problem)
+            snapshot = _snapshot_decoder.decode(payloads[0])
         except msgspec.MsgspecError as exc:
             raise WalError(f"{path}: not a replay snapshot of format {FORMAT}: {exc}") from None
-        if state.format != FORMAT:
-            raise WalError(f"{path}: snapshot format {state.format}, this build reads {FORMAT}")
-        restore(service, state)
-        now, count = state.now, 0
-        for entry in self._entries(self.directory / f"wal-{self.segment:08d}.log"):
-            apply(service, entry)
-            now, count = entry.now, count + 1
-        log.info("rebuilt the replay from %s and %d log entries (epoch %d)", path.name, count, service.epoch)
-        return now
+        return snapshot.state, snapshot.now
 
     def _entries(self, path: Path) -> Iterator[Entry]:
         if not path.exists():
@@ -375,14 +280,15 @@ class ReplayLog:
     def due(self) -> bool:
         return self.entries >= self.compact_every
 
-    def compact(self, service, now: float) -> None:  # noqa: ANN001 - replay.service.ReplayService
-        """Snapshot the live state (every queued entry committed) as N+1, start segment N+1, delete the older."""
+    def compact(self, service: Any, now: float) -> None:
+        """Snapshot the live state (`service.state`, every queued entry committed) as N+1, start segment N+1, delete
+        the older."""
         assert not self._pending, "commit() first: the snapshot must follow every logged input"
         number = self.segment + 1
         snapshot = self.directory / f"snapshot-{number:08d}.msgpack"
         temporary = snapshot.with_suffix(".tmp")
         with open(temporary, "wb") as f:
-            f.write(frame(_state_encoder.encode(capture(service, now))))
+            f.write(frame(encoder.encode(Snapshot(FORMAT, now, service.state))))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
@@ -419,3 +325,8 @@ class ReplayLog:
             self._file.close()
             self._file = None
         self._lock.close()  # releases the flock
+
+
+def comparable(service: Any) -> ReplayState:
+    """A copy of the service's state that compares by value (dicts and sets unordered): tests compare two."""
+    return comparable_state(service.state)

@@ -192,29 +192,6 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     assert "the correction bound, not the rule, set their pace" in table
 
 
-def test_delay_held_arm_holds_immediates_and_gets_its_own_ratio(tmp_path):
-    """The held+correction arm (`--arms` only) is immediate+correction with algo.hold_immediates; its ratio to
-    outcome-only+step is printed beside immediate+correction's, so the split and the timing read off one table."""
-    delay = delay_module()
-    assert "held+correction" not in delay.DEFAULT_ARMS
-    assert load_config(None, delay.ARMS["held+correction"]).algo.hold_immediates is True
-    done = tmp_path / "done"
-    done.mkdir()
-    (done / "calibrate-hunt.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
-    kept = {"outcome-only+step": 160_000, "immediate+correction": 80_000, "held+correction": 120_000}
-    for arm, steps in kept.items():
-        (done / f"hunt-D0-{arm}-lr0.0005-seed0.json").write_text(json.dumps({
-            "traps": "hunt", "d": 0.0, "arm": arm, "lr": 0.0005, "seed": 0, "delay_s": 0.0, "per_update": 50.0,
-            "max_staleness": 4, "max_correction_staleness": 16, "env_steps_to_target": steps,
-            "wall_s_to_target": steps / 1000, "d_measured": 0.0, "credit_dropped": 0, "guard_held_s": 0.0}))
-    result = kept_delay(tmp_path, "--env", "hunt", "--d", "0", "--arms", f"{BOTH_ARMS},held+correction",
-                        "--lrs", "5e-4", "--seeds", "1")
-    assert result["ratios"]["hunt-D0"]["env_steps"] == 0.5
-    assert result["ratios_held"]["hunt-D0"] == {"env_steps": 0.75, "wall_s": 0.75}
-    assert "held+correction ÷ outcome-only+step (env steps, wall; to 0.8): hunt-D0 0.75, 0.75" in (
-        tmp_path / "table.md").read_text()
-
-
 def test_delay_reuse_refuses_a_kept_run_made_with_other_learner_flags(tmp_path):
     """The learner flags are not in a run's key, so `--reuse` checks them: a kept run made under --ppo-epochs 2 is
     not taken as a run of the config's learner."""

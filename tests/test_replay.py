@@ -43,7 +43,8 @@ from async_rl.protocol import (
     pack,
 )
 from async_rl.transport import connect_dealer, receive, send
-from replay.service import ReplayService, run
+from replay.server import run
+from replay.service import ReplayService
 
 LEARNER = b"learner-0"
 WORKER = b"worker-0"
@@ -370,49 +371,6 @@ def member_credit(batch: Batch) -> dict[tuple[int, int], float]:
     """(member, stage) -> the credit `batch` trains on that stage's action tokens."""
     return {(int(item.trajectory_id.split("/")[1]), k): a
             for item in batch.items for k, a in stage_credit(item).items()}
-
-
-def test_held_immediates_wait_for_every_outcome_then_train_before_their_correction():
-    """algo.hold_immediates, the ablation that keeps immediate+correction's split and drops its timing: the same
-    immediate items and credit, none served while its trajectory runs, none superseded; the correction only after
-    their acks, carrying A_final − A_imm; the ledger sums to A_final."""
-    config = make_config(algo={"hold_immediates": True})
-    service, worker = ReplayService(config), Worker()
-    grant = lease(service, worker)
-    send_all(service, stage_records(worker, grant))
-    assert len(service.queue) == 0 and request_batch(service, version=0) is None, "nothing before the outcomes"
-    released = send_all(service, outcome_messages(worker, grant))  # the parked request is answered
-    assert len(released) == 1 and {item.kind for item in released[0].items} == {"immediate"}
-    immediates = released[0]
-    assert immediates.stats.immediate_before_outcome == 0 and service.stats_snapshot().immediate_superseded == 0
-    at_once = ReplayService(make_config())  # the same group under immediate+correction: the same immediate credit
-    send_all(at_once, stage_records(worker, lease(at_once, worker)))
-    assert member_credit(immediates) == pytest.approx(member_credit(request_batch(at_once, version=0)), abs=1e-12)
-    assert len(service.queue) == 0 and request_batch(service, version=1) is None, "no correction before the acks"
-    ack = BatchAck(learner_id="learner", msg_id=9, batch_id=immediates.batch_id, policy_version=1)
-    ack_reply, corrections = [message for _, message in service.handle(LEARNER, ack, 0.0)]  # the parked request
-    assert isinstance(ack_reply, Ack) and isinstance(corrections, Batch)
-    assert {item.kind for item in corrections.items} == {"correction"}
-    issued, corrected = member_credit(immediates), member_credit(corrections)
-    for stage, a_final in expected_final_credit(config).items():
-        assert math.isclose(issued.get(stage, 0.0) + corrected.get(stage, 0.0), a_final, abs_tol=1e-9), stage
-    assert isinstance(ack_batch(service, corrections, version=2), Ack)
-    stats = service.stats_snapshot()
-    assert stats.groups_closed == 1 and stats.ledger_residual_max < 1e-9 and service.groups == {}
-
-
-def test_a_held_immediate_too_stale_to_train_lets_its_group_finalize():
-    """A held item skipped at serving time (older than algo.max_staleness) leaves its credit to the correction,
-    and the group does not wait for it."""
-    config = make_config(algo={"hold_immediates": True, "max_staleness": 1})
-    service, worker = ReplayService(config), Worker()
-    grant = lease(service, worker)
-    send_all(service, stage_records(worker, grant) + outcome_messages(worker, grant))
-    corrections = request_batch(service, version=5)  # every immediate item is 5 versions old: skipped
-    assert corrections is not None and {item.kind for item in corrections.items} == {"correction"}
-    assert service.stats_snapshot().immediate_skipped_stale > 0
-    assert member_credit(corrections) == pytest.approx(
-        {stage: a for stage, a in expected_final_credit(config).items() if abs(a) > 1e-8}, abs=1e-12)
 
 
 # --- admission and staleness --------------------------------------------------------------------------------
@@ -745,7 +703,7 @@ def test_sigterm_stops_a_replay_process(tmp_path: Path):
     endpoint = f"ipc://{tmp_path}/replay.ipc"
     code = (
         "import logging; logging.basicConfig(level='INFO');"
-        "from async_rl.config import config_from_dict; from replay.service import run;"
+        "from async_rl.config import config_from_dict; from replay.server import run;"
         f"run(config_from_dict({{'replay': {{'endpoint': '{endpoint}'}}, 'run': {{'dir': '{tmp_path}'}},"
         " 'wandb': {'mode': 'disabled'}}))"
     )

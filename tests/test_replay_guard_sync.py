@@ -26,8 +26,9 @@ from test_replay import (
 )
 
 from async_rl.protocol import LOGPROB, TOKEN, Batch, LeaseDenied, LeaseGrant, pack
+from replay.guard import Work
 from replay.lengths import MARGIN_SD, LengthModel
-from replay.service import ReplayService, Work
+from replay.service import ReplayService
 
 
 def stage(worker: Worker, grant: LeaseGrant, k: int, version: int) -> list:
@@ -336,9 +337,9 @@ def test_the_guard_s_cached_member_tokens_follow_every_record_outcome_and_abando
     checked = 0
     for message in messages:
         send_all(service, [message])
-        cached = service._correction_work()
-        service.member_tokens.clear()
-        fresh = service._correction_work()
+        cached = service.guard.correction_work()
+        service.guard.member_tokens.clear()
+        fresh = service.guard.correction_work()
         assert all(np.array_equal(a, b) for a, b in zip(cached, fresh, strict=True)), (message, cached, fresh)
         checked += len(fresh.deadline) > 0
     assert checked > len(messages) // 2 and service.stats_snapshot().trajectories_abandoned == 1
@@ -346,15 +347,15 @@ def test_the_guard_s_cached_member_tokens_follow_every_record_outcome_and_abando
 
 @pytest.mark.parametrize("budget", ["padded", "packed"])
 def test_the_guard_s_deadline_check_equals_checking_every_correction_in_deadline_order(budget):
-    """`_fits` checks once per distinct deadline, vectorised; the rule it implements is the loop below, one
+    """`Guard.fits` checks once per distinct deadline, vectorised; the rule it implements is the loop below, one
     correction at a time in deadline order (docs/algorithm.md, "Staleness")."""
     service = ReplayService(make_config(algo={"ppo_epochs": 2}, learner={"batch_budget": budget}))
     rng = np.random.default_rng(0)
     for n in rng.integers(10, 500, size=20):
-        service.length_model.add(int(n))
+        service.guard.length_model.add(int(n))
     outcomes = []
     for _ in range(500):
-        service.longest_trajectory = int(rng.integers(0, 600))
+        service.state.guard.longest_trajectory = int(rng.integers(0, 600))
         rows = []
         for _ in range(int(rng.integers(1, 12))):
             longest, items = int(rng.integers(1, 500)), int(rng.integers(1, 8))
@@ -363,7 +364,7 @@ def test_the_guard_s_deadline_check_equals_checking_every_correction_in_deadline
         work = Work(*np.asarray(rows, dtype=np.int64).T)
         first, max_tokens = int(rng.integers(0, 5)), int(rng.integers(100, 3000))
         expected = fits_one_at_a_time(service, rows, first, max_tokens, packed=budget == "packed")
-        assert service._fits(work, first, max_tokens) == expected, (rows, first, max_tokens)
+        assert service.guard.fits(work, first, max_tokens) == expected, (rows, first, max_tokens)
         outcomes.append(expected)
     assert 0.1 < np.mean(outcomes) < 0.9, "both answers are exercised"
 
@@ -378,7 +379,7 @@ def fits_one_at_a_time(service: ReplayService, rows: list, first: int, max_token
         slots = (deadline - first) // service.algo.ppo_epochs + 1
         if packed:
             room = max_tokens - max(longest, service.longest_trajectory)
-            due = tokens + MARGIN_SD * service.length_model.sd * math.sqrt(growing)
+            due = tokens + MARGIN_SD * service.guard.length_model.sd * math.sqrt(growing)
             need = items if room <= 0 else min(items, math.ceil(due / room))
         else:
             need = -(-items // max(1, max_tokens // max(1, longest)))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,17 +30,19 @@ from test_replay import (
 )
 
 from async_rl.config import Config, config_to_dict
+from async_rl.errors import ConfigError
 from async_rl.protocol import Ack, Batch, BatchAck, Error, Heartbeat, LeaseGrant, encode
 from learner.replay_client import ReplayClient
-from replay.service import ReplayService, apply_entry, handle_safely
-from replay.wal import Received, ReplayLog, Ticked, Undecodable, WalError, comparable
+from replay.server import apply_entry, handle_safely
+from replay.service import ReplayService
+from replay.wal import LogFormatError, Received, ReplayLog, Ticked, Undecodable, WalError, comparable
 from rollout.link import ReplayLink
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class Logged:
-    """A ReplayService whose inputs go to a ReplayLog the way `replay.service.run` writes them: every message and
+    """A ReplayService whose inputs go to a ReplayLog the way `replay.server.run` writes them: every message and
     undecodable frame, every tick that changed the state, one commit per call (a poll round)."""
 
     def __init__(self, config: Config, directory: Path, compact_every: int = 100_000) -> None:
@@ -151,32 +155,6 @@ def test_the_core_rebuilt_from_its_log_equals_the_original(tmp_path: Path, compa
     for s, batch in zip((original, service), batches, strict=True):
         assert isinstance(ack_batch(s, batch, version=2, now=63.0), Ack)
     assert comparable(service) == comparable(original)
-    wal.close()
-
-
-@pytest.mark.parametrize("compact_every", [100_000, 3])
-def test_held_immediates_rebuild_from_the_log(tmp_path: Path, compact_every: int):
-    """algo.hold_immediates: the items a group holds for its outcomes are state; a replay rebuilt from its log (and
-    from a snapshot, compact_every 3) holds the same ones and serves them alike once the outcomes land."""
-    config = make_config(algo={"hold_immediates": True})
-    logged = Logged(config, tmp_path / "replay", compact_every)
-    worker = Worker()
-    grant = only(logged.handle(WORKER, worker.lease(), 0.0), WORKER)
-    for message in stage_records(worker, grant):
-        assert isinstance(only(logged.handle(WORKER, message, 1.0), WORKER), Ack)
-    original = logged.service
-    assert len(original.queue) == 0 and sum(len(g.held_immediates) for g in original.groups.values()) > 0
-    logged.wal.close()
-
-    service, wal = rebuilt(config, tmp_path / "replay")
-    assert comparable(service) == comparable(original)
-    for s in (original, service):
-        s.start_epoch(2, 2.0)
-        for message in outcome_messages(worker, grant):
-            assert isinstance(only(s.handle(WORKER, message, 3.0), WORKER), Ack)
-    batches = [request_batch(s, version=0, now=4.0) for s in (original, service)]
-    assert batches[0] is not None and {item.kind for item in batches[0].items} == {"immediate"}
-    assert [item.item_id for item in batches[0].items] == [item.item_id for item in batches[1].items]
     wal.close()
 
 
@@ -432,3 +410,31 @@ def test_a_learner_rollback_and_the_guard_s_state_rebuild_from_the_log(tmp_path:
     assert service.stats_snapshot() == original.stats_snapshot()
     assert [q.item for q in service.queue] == [q.item for q in original.queue]
     wal.close()
+
+
+# --- a log written before the replay was split by job (tests/data/replay_log_v1, written by the replay of cceb674) ---
+
+OLD_RUN = REPO / "tests" / "data" / "replay_log_v1"
+OLD_FORMAT = ("replay log format 1 (written before the replay was split by job); this build reads format 2 only: "
+              "resume it with the async-rl version that wrote it, or move its replay/ directory away")
+
+
+def test_a_log_written_before_the_split_is_refused_naming_its_format_and_ours(tmp_path: Path):
+    shutil.copytree(OLD_RUN / "replay", tmp_path / "replay")
+    wal = ReplayLog(tmp_path / "replay", fsync=False)
+    with pytest.raises(LogFormatError, match=re.escape(OLD_FORMAT)) as refused:
+        wal.recover(ReplayService(make_config()), apply_entry)
+    assert isinstance(refused.value, ConfigError), "a restart would meet it again: async-rl train does not restart"
+    wal.close()
+    for path in (OLD_RUN / "replay").iterdir():
+        assert (tmp_path / "replay" / path.name).read_bytes() == path.read_bytes(), "nothing of the old log changed"
+
+
+def test_resume_of_a_run_whose_log_is_from_before_the_split_says_so_and_starts_nothing(tmp_path: Path):
+    run_dir = tmp_path / "replay_log_v1"
+    shutil.copytree(OLD_RUN, run_dir)
+    resumed = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "--resume", str(run_dir)],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert f"async-rl train: {run_dir / 'replay' / 'snapshot-00000002.msgpack'}: {OLD_FORMAT}" in resumed.stderr
+    assert "Traceback" not in resumed.stderr and not (run_dir / "logs").exists(), "no role was started"

@@ -38,8 +38,8 @@ from async_rl.security import (
 )
 from async_rl.transport import connect_dealer, connect_subscriber, poll, receive, send
 from launch.cli import main
+from replay.server import run as run_replay
 from replay.service import ReplayService
-from replay.service import run as run_replay
 from rollout.engines.base import EngineUnavailable
 
 

@@ -1,0 +1,169 @@
+"""The replay's socket loop and its write-ahead log's wiring: one ROUTER socket in front of `ReplayService`, each
+poll round's inputs logged (replay/wal.py) before its replies leave, and the metrics line."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from async_rl.config import Config
+from async_rl.protocol import AnyMessage, Error, decode, encode
+from async_rl.security import load_keys
+from async_rl.telemetry import RoleMetrics
+from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
+from replay.service import ReplayService, Reply
+from replay.telemetry import metrics_line
+from replay.wal import Entry, Received, Refused, ReplayLog, Ticked, Undecodable
+
+log = logging.getLogger("async_rl.replay")
+
+POLL_S = 0.02
+MAX_MESSAGES_PER_TICK = 1000  # timers still run under a flood of messages
+
+
+def run(config: Config, stop: threading.Event | None = None, service: ReplayService | None = None) -> None:
+    """Serve the replay ROUTER at `config.replay.endpoint` until `stop` is set (or SIGTERM / SIGINT).
+    `service`: the core to serve (a test reads its counters afterwards); a fresh one by default.
+
+    With `replay.durable` the service is first rebuilt from its log in `<run dir>/replay/` (replay/wal.py), and
+    each poll round's inputs are written and fsynced before its replies are sent: started again with the same
+    config after a crash, the replay goes on from the last acknowledged input. Every start begins a new epoch."""
+    stop = stop if stop is not None else threading.Event()
+    service = service if service is not None else ReplayService(config)
+    wal, clock = open_log(config, service)
+    previous_handlers = _stop_on_signals(stop)
+    context = zmq.Context()
+    metrics = RoleMetrics(config, "replay", histograms=("queue_staleness_hist",))
+    try:
+        socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes,
+                             load_keys(config, "replay"))
+        try:
+            service.start_epoch(service.epoch + 1 if wal is not None else _volatile_epoch(), clock())
+            if wal is not None:
+                wal.compact(service, clock())  # the start is in a snapshot; a torn tail of the last run is gone
+            log.info("replay service listening on %s (epoch %d, %s)", config.replay.endpoint, service.epoch,
+                     f"log in {wal.directory}" if wal is not None else "not durable")
+            _serve(config, service, socket, clock, wal, metrics, stop)
+        finally:
+            socket.close(linger=0)
+    finally:
+        metrics.write(metrics_line(service, clock()))
+        metrics.close()
+        context.term()
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        if wal is not None:
+            wal.close()
+        log.info("replay service stopped: %s", service.stats_snapshot())
+
+
+def _serve(config: Config, service: ReplayService, socket: zmq.Socket, clock: Callable[[], float],
+           wal: ReplayLog | None, metrics: RoleMetrics, stop: threading.Event) -> None:
+    """Poll rounds until `stop`. The replies of one round wait for its inputs to be in the log: one write + fsync
+    per round."""
+    next_metrics_at = time.monotonic() + config.run.metrics_every_s
+    while not stop.is_set():
+        if time.monotonic() >= next_metrics_at:
+            next_metrics_at = time.monotonic() + config.run.metrics_every_s
+            metrics.write(metrics_line(service, clock()))
+        replies: list[Reply] = []
+        ready, received = poll(socket, POLL_S), 0
+        while ready and received < MAX_MESSAGES_PER_TICK:
+            replies += _receive_one(service, socket, clock, wal)
+            received += 1
+            ready = poll(socket, 0)
+        now = clock()
+        if isinstance(socket, CurveServerSocket):  # CURVE on: count the peers it kept out
+            for reason in socket.refused_handshakes():
+                if wal is not None:
+                    wal.append(Refused(reason, now))
+                service.refuse_handshake(reason)
+        replies += service.tick(now)
+        if wal is not None:
+            if service.tick_changed:
+                wal.append(Ticked(now))
+            wal.commit()
+        for identity, reply in replies:
+            send(socket, reply, identity)
+        if wal is not None and wal.due():
+            wal.compact(service, clock())
+
+
+def open_log(config: Config, service: ReplayService) -> tuple[ReplayLog | None, Callable[[], float]]:
+    """With `replay.durable`: lock and replay the log in `<run dir>/replay/` into `service`. Returns the log (None
+    when not durable) and the service clock: monotonic seconds that go on from the last logged input, so the
+    timers of the rebuilt state (leases, stage groups, batches) resume where they stopped (the time the replay was
+    down does not count: its peers could not reach it)."""
+    wal, base = None, 0.0
+    if config.replay.durable:
+        wal = ReplayLog(config.run_dir / "replay", config.replay.fsync, config.replay.compact_every)
+        service_log = logging.getLogger("async_rl.replay")
+        service_log_disabled, service_log.disabled = service_log.disabled, True  # the rebuild repeats old lines
+        try:
+            base = wal.recover(service, apply_entry)
+        except BaseException:
+            wal.close()
+            raise
+        finally:
+            service_log.disabled = service_log_disabled
+    started = time.monotonic()
+    return wal, lambda: base + (time.monotonic() - started)
+
+
+def _volatile_epoch() -> int:
+    """A replay without a log cannot count its starts: the wall clock's seconds tell them apart."""
+    return int(time.time()) % 2**31 or 1
+
+
+def apply_entry(service: ReplayService, entry: Entry) -> None:
+    """Replay one logged input exactly as the socket loop handed it over."""
+    match entry:
+        case Received():
+            handle_safely(service, entry.identity, decode(entry.message), entry.now, entry.peer)
+        case Refused():
+            service.refuse_handshake(entry.reason)
+        case Undecodable():
+            service.reject_frame(entry.identity, entry.detail)
+        case Ticked():
+            service.tick(entry.now)
+
+
+def _receive_one(
+    service: ReplayService, socket: zmq.Socket, clock: Callable[[], float], wal: ReplayLog | None
+) -> list[Reply]:
+    try:
+        identity, message, peer = receive_from(socket)
+    except BadFrame as exc:
+        if wal is not None:
+            wal.append(Undecodable(exc.identity, str(exc), clock()))
+        return service.reject_frame(exc.identity, str(exc))
+    now = clock()
+    if wal is not None:
+        wal.append(Received(identity, now, encode(message), peer))
+    return handle_safely(service, identity, message, now, peer)
+
+
+def handle_safely(
+    service: ReplayService, identity: bytes, message: AnyMessage, now: float, peer: str | None = None
+) -> list[Reply]:
+    """`handle`, except that a bug of ours must not take the service down for every other peer."""
+    try:
+        return service.handle(identity, message, now, peer)
+    except Exception:  # a bug of ours must not take the service down for every other peer
+        log.exception("internal error handling %s from %r", type(message).__name__, identity)
+        service.counters.bad_messages += 1
+        service.counters.rejected["internal_error"] = service.counters.rejected.get("internal_error", 0) + 1
+        detail = "internal error in the replay service (see its log)"
+        return [(identity, Error(msg_id=getattr(message, "msg_id", -1), code="bad_state", detail=detail))]
+
+
+def _stop_on_signals(stop: threading.Event) -> dict[int, object]:
+    """SIGTERM / SIGINT set `stop` (only the main thread may install handlers); returns the previous ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}

@@ -1,0 +1,267 @@
+"""Serving batches to learners: parked batch requests, the batch a request gets, acks, untrained steps and the
+requeue of unacked batches, and a learner's new session (docs/algorithm.md, "Batches").
+
+Delivery of credit is at most once per item: only the ack of the batch currently holding an item counts. A batch
+not acked within `replay.batch_ack_timeout_s` is put back at the front of the queue and a late ack for it is
+refused (`Error bad_state`), so the ledger never counts an item twice. The price: if that learner did train the
+batch before vanishing, those tokens are trained again when the items are re-served; the ledger then records
+what was acknowledged, not everything the optimizer saw.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from async_rl.config import Config
+from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
+from async_rl.staleness import correction_trainable, immediate_trainable
+from replay.edge import Edge
+from replay.group import Group
+from replay.guard import Guard
+from replay.queue import InFlightBatch, batch_cost
+from replay.rollback import Rollback
+from replay.rounds import Rounds
+from replay.state import ReplayState, ServeState
+from replay.store import QueuedItem
+
+log = logging.getLogger("async_rl.replay")
+
+Reply = tuple[bytes, object]
+Advance = Callable[[Group, float], None]  # the service's dispatch of a group's transitions
+Reject = Callable[[int, str, str, str], Error]  # (msg_id, code, reason, detail): count, log, answer
+
+
+class Serving:
+    def __init__(self, config: Config, state: ReplayState, edge: Edge, guard: Guard, rounds: Rounds,
+                 rollback: Rollback, advance: Advance, reject: Reject) -> None:
+        self.config, self.algo, self.state = config, config.algo, state
+        self.own: ServeState = state.serving
+        self.edge, self.guard, self.rounds, self.rollback = edge, guard, rounds, rollback
+        self.advance, self.reject = advance, reject
+
+    # --- requests ---
+
+    def park(self, identity: bytes, request: BatchRequest, now: float) -> Error | None:
+        refused = self._learner_session(request, now)
+        if refused is None:
+            problem = self.edge.take_version(request.policy_version)
+            refused = None if problem is None else self.reject(request.msg_id, "bad_state", *problem)
+        if refused is not None:
+            return refused
+        # A newer request from the same learner replaces its older one (among them a request re-sent after
+        # learner.request_timeout_s: the learner takes a Batch that answers any request it sent).
+        self.own.parked[identity] = (request, now)
+        return None
+
+    def answer_parked(self, now: float) -> list[Reply]:
+        replies: list[Reply] = []
+        for identity, (request, since) in list(self.own.parked.items()):
+            batch = self._answer(request, now - since >= request.max_wait_s, now)
+            if batch is not None:
+                del self.own.parked[identity]
+                replies.append((identity, batch))
+        return replies
+
+    def _answer(self, request: BatchRequest, waited: bool, now: float) -> Batch | None:
+        """The batch that answers a parked request now, or None (it stays parked)."""
+        queue, budget = self.own.queue, self.config.run.max_env_steps
+        if not queue:
+            if budget is not None and self.state.counters.env_steps >= budget and waited:
+                return self._empty_batch(request, now)  # no more rollouts will come: the learner may stop
+            return None
+        if self.algo.mode == "sync":
+            if not self.rounds.generated():
+                return None  # lock-step: nothing is trained before the whole round is in; then all of it at once
+        elif len(queue) < max(1, request.min_items) and not waited:
+            return None
+        decision = self.guard.decide(request)
+        if decision == "hold":
+            self.guard.hold(now)
+            return None
+        batch = self._serve(request, now, corrections_only=decision == "corrections")
+        if batch is not None:
+            self.guard.release(now)
+        return batch
+
+    def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Batch | None:
+        """Take items FIFO while the batch fits the token budget, counted as learner.batch_budget says (§4 bounds
+        checked at the learner's v); with `corrections_only` (the guard), stop at the first item that is not a
+        correction."""
+        self.own.serves += 1
+        queue, packed = self.own.queue, self.config.learner.batch_budget == "packed"
+        served: list[QueuedItem] = []
+        stale_groups: dict[str, Group] = {}  # a group held open for its immediates may close now (`confirmed`)
+        longest = total = 0
+        while queue:
+            queued = queue.pop_front()
+            group = self.state.groups.get(queued.group_id)
+            if not self._trainable(queued, group, stale_groups, now):
+                continue
+            n = queued.num_tokens
+            over = served and batch_cost(packed, longest, total, len(served), n) > request.max_tokens
+            if over or (corrections_only and queued.kind != "correction"):
+                queue.push_front([queued])
+                break
+            longest, total = max(longest, n), total + n
+            served.append(queued)
+            if queued.kind == "immediate" and group is not None:
+                group.queued_immediates.discard(queued.item_id)
+                group.in_flight_immediates.add(queued.item_id)
+        for group in stale_groups.values():
+            if group.group_id in self.state.groups:
+                self.advance(group, now)
+        if not served:
+            return None
+        batch_id = next(self.state.batch_ids)
+        self.own.in_flight[batch_id] = InFlightBatch(served, now)
+        self.edge.served(request.policy_version)
+        stats = self.state.stats()
+        stats.immediate_before_outcome = sum(self._before_outcome(queued) for queued in served)
+        self.state.counters.ledger_residual_max = 0.0  # reported once: the max since the previous batch
+        return Batch(msg_id=request.msg_id, batch_id=batch_id, items=[q.item for q in served], stats=stats)
+
+    def _trainable(self, queued: QueuedItem, group: Group | None, stale_groups: dict[str, Group], now: float) -> bool:
+        """Whether an item taken from the queue may be trained at the learner's version; a stale one is accounted
+        here (an immediate's credit goes to its correction, a correction's is dropped)."""
+        v, algo = self.state.learner.policy_version, self.algo
+        if queued.kind == "immediate" and not immediate_trainable(v, queued.oldest_version, algo.max_staleness):
+            self.state.counters.immediate_skipped_stale += 1  # issued stays 0: the correction carries its credit
+            if group is not None:
+                group.queued_immediates.discard(queued.item_id)
+                if self.rollback.retaining():
+                    stale_groups[group.group_id] = group
+            self.state.item_done(queued.group_id, trained=False)
+            return False
+        if queued.kind == "correction" and not correction_trainable(
+            v, queued.oldest_version, algo.max_correction_staleness
+        ):
+            self._drop_correction(group, queued, now)
+            return False
+        return True
+
+    def _empty_batch(self, request: BatchRequest, now: float) -> Batch:
+        self.own.serves += 1
+        batch_id = next(self.state.batch_ids)
+        self.own.in_flight[batch_id] = InFlightBatch([], now)
+        return Batch(msg_id=request.msg_id, batch_id=batch_id, items=[], stats=self.state.stats())
+
+    def _before_outcome(self, queued: QueuedItem) -> bool:
+        """An immediate item trained while its trajectory is still running: the point of immediate updates."""
+        group = self.state.groups.get(queued.group_id)
+        return queued.kind == "immediate" and group is not None and queued.member not in group.ledger.outcomes
+
+    def _drop_correction(self, group: Group | None, queued: QueuedItem, now: float) -> None:
+        """Past max_correction_staleness: the credit is lost, counted, and left out of the residual (§4)."""
+        assert group is not None, "a group stays open while it has corrections"
+        self.state.counters.credit_dropped += len(queued.credit)
+        group.drop_correction(queued)
+        self.state.tally(queued.group_id)[0] -= 1
+        log.warning("correction of %s dropped: past max_correction_staleness", queued.item.trajectory_id)
+        self.advance(group, now)
+
+    # --- acks ---
+
+    def batch_ack(self, ack: BatchAck, now: float) -> Ack | Error:
+        if ack.batch_id not in self.own.in_flight:
+            return self.reject(
+                ack.msg_id, "bad_state", "batch_not_in_flight",
+                f"batch {ack.batch_id} is not in flight (requeued after a timeout?): its ack is refused",
+            )
+        problem = self.edge.take_version(ack.policy_version, acked=True)
+        if problem is not None:
+            return self.reject(ack.msg_id, "bad_state", *problem)
+        batch = self.own.in_flight.pop(ack.batch_id)
+        if not ack.trained:
+            self._untrained(batch, now)
+            return Ack(msg_id=ack.msg_id)
+        self.rollback.journal_ack(ack.policy_version, batch.items)
+        touched: dict[str, Group] = {}
+        for queued in batch.items:
+            tally = self.state.tally(queued.group_id)
+            tally[0] -= 1
+            tally[1] += 1
+            group = self.state.groups.get(queued.group_id)
+            if group is not None:
+                group.record_trained(queued)
+                touched[group.group_id] = group
+            else:  # an immediate-only group already closed; nothing left to account but its tally
+                self.state.settle(queued.group_id)
+        for group in touched.values():
+            self.advance(group, now)
+        return Ack(msg_id=ack.msg_id)
+
+    def _untrained(self, batch: InFlightBatch, now: float) -> None:
+        """The learner refused the step (BatchAck.trained=False): no credit was trained. An immediate's credit goes
+        to its correction (as for a stale one); a correction's credit is dropped and counted (docs/algorithm.md)."""
+        if batch.items:
+            log.warning("the learner did not train a batch of %d items: none of its credit counts", len(batch.items))
+        touched: dict[str, Group] = {}
+        for queued in batch.items:
+            group = self.state.groups.get(queued.group_id)
+            if queued.kind == "correction":
+                self._drop_correction(group, queued, now)
+                continue
+            if group is not None:
+                group.in_flight_immediates.discard(queued.item_id)
+                touched[group.group_id] = group
+            self.state.item_done(queued.group_id, trained=False)
+        for group in touched.values():
+            if group.group_id in self.state.groups:
+                self.advance(group, now)
+
+    def requeue_unacked(self, now: float, everything: bool = False) -> bool:
+        """Batches not acked within replay.batch_ack_timeout_s (`everything`: all of them, their learner restarted
+        or the replay did) go back to the front of the queue. True if any did."""
+        timeout_s, in_flight = self.config.replay.batch_ack_timeout_s, self.own.in_flight
+        expired = [batch_id for batch_id, batch in in_flight.items() if everything or now - batch.sent_at >= timeout_s]
+        touched: dict[str, Group] = {}
+        for batch_id in reversed(expired):  # the oldest batch ends up first
+            batch = in_flight.pop(batch_id)
+            if everything:
+                log.warning("batch %d was in flight to a learner (or a replay) that restarted: back to the front of "
+                            "the queue", batch_id)
+            else:
+                log.warning("batch %d not acked within %.1f s: back to the front of the queue", batch_id, timeout_s)
+            self.own.queue.push_front(batch.items)
+            for queued in batch.items:
+                group = self.state.groups.get(queued.group_id)
+                if group is not None and queued.kind == "immediate":
+                    group.in_flight_immediates.discard(queued.item_id)
+                    group.queued_immediates.add(queued.item_id)
+                    touched[group.group_id] = group
+        for group in touched.values():
+            self.advance(group, now)
+        return bool(expired)
+
+    # --- a learner's session (replay/rollback.py) ---
+
+    def _learner_session(self, request: BatchRequest, now: float) -> Error | None:
+        """Take the learner's checkpoint report; on the first request of a new learner process, requeue what was in
+        flight to the old one and, if it came back below the acked version, roll back to its checkpoint."""
+        own, learner = self.rollback.own, self.state.learner
+        if request.session == 0 or request.session == own.session:
+            self._confirm_checkpoint(request.checkpoint, now)
+            return None
+        if request.session < own.session:  # sessions are start times: a newer learner already spoke
+            return self.reject(request.msg_id, "bad_state", "old_session",
+                               f"learner session {request.session} is older than {own.session}")
+        r = request.policy_version
+        if r < learner.policy_version:
+            problem = self.rollback.problem(r)
+            if problem is not None:
+                return self.reject(request.msg_id, "bad_state", "bad_resume", problem)
+        log.info("learner session %d starts at version %d (the replay had %d, checkpoint %d)",
+                 request.session, r, learner.policy_version, own.checkpointed)
+        own.session = request.session
+        self.requeue_unacked(now, everything=True)
+        if r < learner.policy_version:
+            for group in self.rollback.roll_back(r):
+                if group.group_id in self.state.groups:
+                    self.advance(group, now)
+        self._confirm_checkpoint(request.checkpoint, now)
+        return None
+
+    def _confirm_checkpoint(self, version: int, now: float) -> None:
+        for group in self.rollback.confirm_checkpoint(version):
+            self.advance(group, now)
