@@ -228,8 +228,16 @@ class AlgoConfig(_Section):
     is_cap: PosFloat = 2.0  # truncation of the importance ratio (TIS)
     staleness_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # weight × decay**staleness
     max_staleness: NonNegInt = 4  # admission bound, and hard bound for immediate items
-    max_correction_staleness: NonNegInt = 16  # corrections later than this are dropped (counted)
+    # Corrections later than this are dropped (counted as credit_dropped), and the guard holds the learner rather
+    # than drop one (algo.correction_guard). auto: twice the longest outcome delay in learner versions (recent groups
+    # and pending ones), at least 16, at most max_correction_staleness_cap: it follows the judge (replay/guard.py).
+    max_correction_staleness: NonNegInt | Literal["auto"] = "auto"
+    max_correction_staleness_cap: PosInt = 1024  # auto's ceiling: the stalest correction a run will train
     groups_per_step: PosInt = 8  # groups one learner step is expected to consume (admission rule)
+    # Groups whose trajectories have all ended and wait only for their judge are not counted by admission, up to
+    # this many: a slow judge's backlog does not stop new groups (their data is generated; it trains when the
+    # outcomes land, within the correction bound). 0: every started group counts (the rule before).
+    judge_backlog_groups: NonNegInt = 256
     ppo_epochs: PosInt = 1  # > 1 switches to the decoupled PPO loss
     clip_low: Fraction = 0.2
     clip_high: NonNegFloat = 0.28

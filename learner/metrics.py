@@ -102,8 +102,9 @@ class GuardWatch:
                 self.warned_at is None or wall_s - self.warned_at >= self.warn_every_s):
             self.warned_at = wall_s
             log.warning("the correction guard held the learner %.0f%% of the last %.0f s: corrections reached %d "
-                        "versions (algo.max_correction_staleness=%d); stepping through the holds they would span ~%d. "
-                        "Raise the bound toward that, or accept the holds (docs/algorithm.md, \"Staleness\")",
+                        "versions (the bound in use: algo.max_correction_staleness=%d); stepping through the holds "
+                        "they would span ~%d. Raise the bound (under auto: algo.max_correction_staleness_cap) toward "
+                        "that, or accept the holds (docs/algorithm.md, \"Staleness\")",
                         100 * frac, span, seen, self.bound, needed)
         return {"guard_held_frac": round(frac, 4), "correction_bound_needed": needed}
 
@@ -114,9 +115,11 @@ class MetricsLog:
 
     def __init__(self, config: Config, run_dir: Path) -> None:
         self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
-        self._guard = GuardWatch(config.algo.max_correction_staleness)
+        self._guard = GuardWatch(0)
 
     def write(self, line: dict[str, Any]) -> None:
+        # the bound in use, as the replay reports it (algo.max_correction_staleness=auto: measured)
+        self._guard.bound = line.get("correction_bound", 0)
         line.update(self._guard.update(line["wall_s"], line.get("guard_held_s", 0.0),
                                        line.get("staleness_max_correction", 0)))
         self._metrics.write(line, step=line["version"])

@@ -1,7 +1,8 @@
 """The correction-staleness guard's scheduler (algo.correction_guard, docs/algorithm.md "Staleness"): whether a
 batch request is served, served corrections only, or held, and whether a new group may be admitted.
 
-Every correction still to come must be trainable by its deadline (oldest token version + max_correction_staleness),
+Every correction still to come must be trainable by its deadline (oldest token version + the bound, `Guard.bound`:
+algo.max_correction_staleness, or with `auto` one that follows the judge's delay),
 with one batch every ppo_epochs versions. The guard counts that work (`correction_work`: the queued corrections and
 the pending groups', sized by replay/lengths.py for packed budgets) and checks it earliest deadline first (`fits`).
 """
@@ -39,6 +40,11 @@ class Work(NamedTuple):
         return Work(*(np.concatenate([column, more]) for column, more in zip(self, extra, strict=True)))
 
 
+AUTO_FLOOR = 16  # algo.max_correction_staleness=auto never goes below this (the bound a fast judge had measured)
+AUTO_HEADROOM = 2.0  # ... and is this many times the longest outcome delay seen (recent groups and pending ones)
+AUTO_WINDOW = 64  # groups whose outcome delay the auto bound remembers
+
+
 class Guard:
     def __init__(self, config: Config, state: ReplayState) -> None:
         self.config, self.algo, self.state = config, config.algo, state
@@ -54,6 +60,34 @@ class Guard:
 
     def on(self) -> bool:
         return self.algo.correction_guard and corrections_on(self.algo.updates) and self.algo.mode == "async"
+
+    def bound(self) -> int:
+        """The correction-staleness bound in use: algo.max_correction_staleness, or under `auto`, AUTO_HEADROOM times
+        the longest outcome delay in learner versions (of the last AUTO_WINDOW groups to get every outcome, and the
+        current age of every group and queued correction still waiting), at least AUTO_FLOOR and at most
+        algo.max_correction_staleness_cap. Set once per learner version, so one version's checks agree; a pending
+        correction's age never exceeds half the bound it set, so `auto` holds the learner only at the cap."""
+        fixed = self.algo.max_correction_staleness
+        if fixed != "auto":
+            self.own.auto_bound = fixed  # what the metrics report as the bound in use
+            return fixed
+        own, v = self.own, self.state.learner.policy_version
+        if own.auto_bound_version != v:
+            oldest = [g.leased_version if g.oldest_version is None else g.oldest_version
+                      for g in self.state.groups.values() if not g.finalized]
+            oldest += [q.oldest_version for q in self.state.serving.queue.corrections()]
+            need = max([v - o for o in oldest] + own.outcome_lags, default=0)
+            auto = max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need))
+            own.auto_bound = min(self.algo.max_correction_staleness_cap, auto)
+            own.auto_bound_version = v
+        return own.auto_bound
+
+    def outcomes_in(self, group: Group) -> None:
+        """Every outcome of `group` is in: its delay (learner versions since its oldest token) joins the window."""
+        if group.oldest_version is not None:
+            lags = self.own.outcome_lags
+            lags.append(max(0, self.state.learner.policy_version - group.oldest_version))
+            del lags[:-AUTO_WINDOW]
 
     def forget(self, group_id: str) -> None:
         """The group changed or closed: its cached member sizes are stale."""
@@ -97,7 +131,7 @@ class Guard:
         tokens, longest, growing = self._pending_sizes(parts, members)
         queued_tokens = np.fromiter((q.num_tokens for q in queued), dtype=np.int64, count=len(queued))
         queued_oldest = np.fromiter((q.oldest_version for q in queued), dtype=np.int64, count=len(queued))
-        bound = self.algo.max_correction_staleness
+        bound = self.bound()
         return Work(np.concatenate([queued_oldest, np.asarray(oldest, dtype=np.int64)]) + bound,
                     np.concatenate([np.ones(len(queued), dtype=np.int64), members]),
                     np.concatenate([queued_tokens, tokens]), np.concatenate([queued_tokens, longest]),
@@ -188,7 +222,7 @@ class Guard:
         next_version = self.state.learner.policy_version + self.algo.ppo_epochs
         if self.fits(self.correction_work(), next_version, request.max_tokens):
             return "serve"
-        bound, groups, queue = self.algo.max_correction_staleness, self.state.groups, self.state.serving.queue
+        bound, groups, queue = self.bound(), self.state.groups, self.state.serving.queue
         pending = [g.leased_version if g.oldest_version is None else g.oldest_version
                    for g in groups.values() if not g.finalized]
         first_pending = min(pending) + bound if pending else math.inf
@@ -227,7 +261,7 @@ class Guard:
             estimate, growing = int(np.ceil(self.own.lengths.expected(np.zeros(1))[0])), size
         else:
             estimate, growing = self._length_estimate(), 0
-        deadline = new_group_version + self.algo.max_correction_staleness
+        deadline = new_group_version + self.bound()
         new = (deadline, size, size * estimate, estimate, growing)
         return self.fits(work.plus(new), self.state.learner.policy_version + self.algo.ppo_epochs,
                          self.own.batch_tokens)

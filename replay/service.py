@@ -234,6 +234,7 @@ class ReplayService:
             queue.append(item)
             tally[0] += 1
         if step.finalized:
+            self.guard.outcomes_in(group)
             self.leases.end(group)
             for item_id in step.superseded:
                 queue.remove(item_id)

@@ -134,7 +134,7 @@ class Serving:
             self.state.item_done(queued.group_id, trained=False)
             return False
         if queued.kind == "correction" and not correction_trainable(
-            v, queued.oldest_version, algo.max_correction_staleness
+            v, queued.oldest_version, self.guard.bound()
         ):
             self._drop_correction(group, queued, now)
             return False
@@ -152,12 +152,13 @@ class Serving:
         return queued.kind == "immediate" and group is not None and queued.member not in group.ledger.outcomes
 
     def _drop_correction(self, group: Group | None, queued: QueuedItem, now: float) -> None:
-        """Past max_correction_staleness: the credit is lost, counted, and left out of the residual (§4)."""
+        """Past the correction bound (Guard.bound): the credit is lost, counted, and left out of the residual (§4)."""
         assert group is not None, "a group stays open while it has corrections"
         self.state.counters.credit_dropped += len(queued.credit)
         group.drop_correction(queued)
         self.state.tally(queued.group_id)[0] -= 1
-        log.warning("correction of %s dropped: past max_correction_staleness", queued.item.trajectory_id)
+        log.warning("correction of %s dropped: past the correction bound %d", queued.item.trajectory_id,
+                    self.guard.bound())
         self.advance(group, now)
 
     # --- acks ---

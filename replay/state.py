@@ -80,6 +80,11 @@ class GuardState(msgspec.Struct):
     batch_tokens: int = 0  # the learner's token budget (its latest BatchRequest)
     longest_trajectory: int = 0  # tokens of the longest trajectory stored so far (the size estimate)
     lengths: LengthModel = msgspec.field(default_factory=LengthModel)  # finished trajectories' lengths
+    # algo.max_correction_staleness=auto (Guard.bound): the outcome delays, in learner versions, of the latest
+    # groups (oldest first), and the bound in use (also a fixed one) with the version it was set at (-1: not yet)
+    outcome_lags: list[int] = []
+    auto_bound: int = 0
+    auto_bound_version: int = -1
 
 
 class RoundState(msgspec.Struct):
@@ -165,6 +170,7 @@ class ReplayState(msgspec.Struct):
             success_rate_long=windows.successes_long / len(windows.finished_long) if windows.finished_long else 0.0,
             stage_reward_mean=reward_sum / stages if stages else 0.0,
             items_queued=len(self.serving.queue),
+            correction_bound=self.guard.auto_bound,
             rejected=dict(self.counters.rejected),
         )
 

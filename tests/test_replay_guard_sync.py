@@ -386,3 +386,77 @@ def fits_one_at_a_time(service: ReplayService, rows: list, first: int, max_token
         if need > slots:
             return False
     return True
+
+
+def judge_schedule(service: ReplayService, delays: list[int]) -> list[tuple[int, int]]:
+    """One group a learner version; group k's outcomes land `delays[k]` versions after its stages (a judge that
+    takes that long). Every version the learner asks for a batch and trains it. Returns (bound in use, delay) per
+    version, and stops where the guard first holds the learner or refuses a new group."""
+    worker, waiting, seen = Worker(), [], []
+    for v, delay in enumerate(delays):
+        grant = only_reply(service.handle(WORKER, worker.lease(), float(v)))
+        if not isinstance(grant, LeaseGrant):
+            break
+        send_all(service, stage_records(worker, grant, version=v), now=float(v))
+        waiting.append((v + delay, grant))
+        for due, pending in [w for w in waiting if w[0] <= v]:
+            send_all(service, outcome_messages(worker, pending), now=float(v))
+            waiting.remove((due, pending))
+        batch = request_batch(service, version=v, now=float(v))
+        if batch is None:
+            break
+        ack_batch(service, batch, version=v + 1, now=float(v))
+        seen.append((service.stats_snapshot().correction_bound, delay))
+    return seen
+
+
+def test_the_auto_bound_follows_the_judge_as_it_slows_down_and_speeds_up():
+    config = make_config()  # the default: algo.max_correction_staleness=auto
+    assert config.algo.max_correction_staleness == "auto"
+    service = ReplayService(config)
+    seen = judge_schedule(service, [1] * 20 + [20] * 60 + [1] * 90)
+    assert len(seen) == 170  # the guard never held the learner
+    bounds = [bound for bound, _ in seen]
+    assert set(bounds[:20]) == {16}  # a fast judge: the floor
+    assert 40 <= max(bounds[20:80]) <= 2 * 22  # twice the ~21 versions a group now waits for its outcome
+    assert bounds[-1] == 16  # back to the floor once the slow groups have left the window
+    stats = service.stats_snapshot()
+    assert stats.guard_holds == 0 and stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
+
+
+def test_a_fixed_bound_below_the_judges_delay_holds_the_learner():
+    service = ReplayService(make_config(algo={"max_correction_staleness": 16}))
+    seen = judge_schedule(service, [1] * 20 + [20] * 60)
+    stats = service.stats_snapshot()
+    assert len(seen) < 80 and stats.guard_holds + stats.guard_leases_denied > 0  # what auto avoids
+    assert {bound for bound, _ in seen} == {16}
+
+
+def test_the_auto_bound_stops_at_its_cap():
+    service = ReplayService(make_config(algo={"max_correction_staleness_cap": 24}))
+    seen = judge_schedule(service, [1] * 10 + [30] * 60)
+    stats = service.stats_snapshot()
+    assert max(bound for bound, _ in seen) == 24 and len(seen) < 70  # held at the cap, as a fixed 24 would
+    assert stats.guard_holds + stats.guard_leases_denied > 0 and stats.credit_dropped == 0
+
+
+@pytest.mark.parametrize("backlog", [0, 2])
+def test_groups_waiting_only_for_their_judge_do_not_hold_admission_back(backlog):
+    """Outcome-only, max_staleness 0, one group a step: the learner cannot step before an outcome, so without the
+    judge backlog a second group waits for the first's judge; with it, up to `backlog` judged-pending groups don't
+    count."""
+    config = make_config(algo={"updates": "outcome-only", "max_staleness": 0, "groups_per_step": 1,
+                               "judge_backlog_groups": backlog})
+    service, worker = ReplayService(config), Worker()
+    granted = []
+    for _ in range(4):
+        reply = only_reply(service.handle(WORKER, worker.lease(), 0.0))
+        if not isinstance(reply, LeaseGrant):
+            assert isinstance(reply, LeaseDenied) and reply.reason == "staleness"
+            break
+        granted.append(reply)
+        send_all(service, stage_records(worker, reply, version=0))  # every trajectory ends; no outcome yet
+    assert len(granted) == 1 + backlog
+    send_all(service, outcome_messages(worker, granted[0]))  # a judge answers: its group no longer waits
+    batch = request_batch(service, version=0)
+    assert batch is not None and {item.kind for item in batch.items} == {"correction"}
