@@ -433,7 +433,7 @@ def test_a_log_written_before_the_split_is_refused_naming_its_format_and_ours(tm
 def test_resume_of_a_run_whose_log_is_from_before_the_split_says_so_and_starts_nothing(tmp_path: Path):
     run_dir = tmp_path / "replay_log_v1"
     shutil.copytree(OLD_RUN, run_dir)
-    resumed = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "--resume", str(run_dir)],
+    resumed = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--resume", str(run_dir)],
                              capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     assert f"async-rl train: {run_dir / 'replay' / 'snapshot-00000002.msgpack'}: {OLD_FORMAT}" in resumed.stderr
