@@ -734,6 +734,7 @@ def test_a_checkpoint_saved_with_the_entropy_floor_s_state_still_resumes(tmp_pat
     from learner.engine import _rng_state, load_checkpoint
 
     config = make_config(tmp_path)
+    prepare_model_dir(config)
     engine, _ = build_engine(config)
     try:
         engine.save_checkpoint(str(tmp_path / "ck"), tag="v3", client_state={
