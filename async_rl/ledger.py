@@ -1,8 +1,8 @@
 """The per-group credit ledger of docs/algorithm.md, "Final credit and correction" (pure: no I/O, no clock).
 
 For every stage (i, k) it keeps `issued[i,k]`, the immediate advantage already trained for those tokens (a key
-exactly while the stage's immediate item stands trained: `algo.entropy_per=first-train` reads that), and
-`trained[i,k]`, everything trained for them (immediate + correction). Once the group is final,
+exactly while the stage's immediate item stands trained), and `trained[i,k]`, everything trained for them
+(immediate + correction). Once the group is final,
 
     C[i,k] = A_final[i,k] − issued[i,k]
 

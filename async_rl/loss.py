@@ -13,7 +13,6 @@ With one epoch (π_prox = π_θ) both give the same gradient.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -91,58 +90,6 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) ->
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
 
 
-def bonus_rows(is_correction: torch.Tensor, first_trained: torch.Tensor, algo: AlgoConfig) -> torch.Tensor | None:
-    """Where the entropy bonus applies, given the correction flags and the first-trained flags (per row, or per
-    token of packed rows): all (None) with entropy_per=step; otherwise each token of data once: with new-token on
-    the item that carries its final credit, the correction; with first-train on the first item that trains it,
-    its immediate item where one was trained, else its correction (immediate-only: every item, either way); with
-    credit and credit-norm on every trained token too (None), `policy_loss` weighting each by |its advantage|."""
-    if algo.entropy_per in ("step", "credit", "credit-norm") or algo.updates == "immediate-only":
-        return None
-    return first_trained if algo.entropy_per == "first-train" else is_correction
-
-
-# credit-norm: no token's bonus weight passes this many times the batch's mean weight (one item with credit in a
-# batch of uncredited ones would otherwise take the whole batch's bonus)
-CREDIT_NORM_CLIP = 4.0
-# (scale, clip) that leave |A| as it is: `credit`'s weights, and what every rule but credit-norm passes
-UNSCALED_CREDIT = (1.0, math.inf)
-
-
-def credit_bonus_weights(
-    advantages: torch.Tensor, mask: torch.Tensor, is_correction: torch.Tensor, algo: AlgoConfig
-) -> tuple[float, float]:
-    """algo.entropy_per=credit-norm over a whole batch: (scale, clip) for the bonus weights min(|A|, clip) · scale
-    of its trained tokens. Unclipped they sum to what new-token pays the batch, one per token of data (the
-    correction tokens of immediate+correction; every trained token of one item kind), spread in proportion to
-    |A|; clip = CREDIT_NORM_CLIP × the mean |A|, so no token gets more than CREDIT_NORM_CLIP × the batch's mean
-    weight (what the clip cuts is not paid elsewhere). (0, 0) where no trained token has credit: no bonus.
-    Per-token (B, T−1) tensors of the whole batch, so that every micro-batch and rank trains with the same
-    weights; under any other rule UNSCALED_CREDIT."""
-    if algo.entropy_per != "credit-norm":
-        return UNSCALED_CREDIT
-    mask = mask.double()
-    paid = mask if algo.updates in ("immediate-only", "outcome-only") else mask * is_correction.double()
-    credit = float((advantages.double().abs() * mask).sum())
-    if credit <= 0:
-        return 0.0, 0.0
-    return float(paid.sum()) / credit, CREDIT_NORM_CLIP * credit / float(mask.sum())
-
-
-def entropy_floor_boost(boost: float, entropy: float, algo: AlgoConfig) -> float:
-    """The entropy floor's next extra bonus coefficient after an optimizer step whose trained tokens had mean
-    `entropy` (docs/algorithm.md, "Entropy floor"): up by algo.entropy_floor_step while the entropy is below
-    algo.entropy_floor, down by it otherwise, within [0, algo.entropy_floor_max]; 0 with the floor off. A
-    non-finite entropy (the step was not measured) leaves it as it was. The coefficient trained with is
-    algo.entropy_coef + boost, on the tokens algo.entropy_per names (`bonus_rows`)."""
-    if algo.entropy_floor <= 0:
-        return 0.0
-    if not math.isfinite(entropy):
-        return boost
-    step = algo.entropy_floor_step if entropy < algo.entropy_floor else -algo.entropy_floor_step
-    return min(max(boost + step, 0.0), algo.entropy_floor_max)
-
-
 @dataclass
 class LossStats:
     is_ratio_mean: float
@@ -163,16 +110,12 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    entropy_rows: torch.Tensor | None = None,
-    credit_weights: tuple[float, float] = UNSCALED_CREDIT,
 ) -> tuple[torch.Tensor, LossStats]:
     """The batch loss: TIS form, or decoupled PPO when `prox_logp` is given (ppo_epochs > 1).
 
     With `entropy` (per token) and algo.entropy_coef > 0, − entropy_coef · H is added to the action tokens' loss
-    (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss): of every row, or with
-    `entropy_rows` ((B,) per row or (B, T) per token) only where it is 1 (algo.entropy_per new-token or first-train:
-    `bonus_rows`); with algo.entropy_per=credit on every token, times |its advantage|; with credit-norm times
-    min(|A|, clip) · scale, `credit_weights` = (scale, clip) from the whole batch (`credit_bonus_weights`)."""
+    (an exploration bonus, docs/algorithm.md "Entropy bonus"; not in the design's loss): on every action token with
+    algo.entropy_per=step, times |its advantage| (A_imm or C) with algo.entropy_per=credit."""
     if prox_logp is None:
         token_loss, rho = tis_token_loss(logp, behaviour_logp, advantages, staleness, algo)
     else:
@@ -185,14 +128,8 @@ def policy_loss(
     entropy_value = 0.0
     if entropy is not None:
         if algo.entropy_coef > 0:
-            if algo.entropy_per in ("credit", "credit-norm"):  # by |A_imm| or |C|: more where the pieces disagree
-                scale, clip = credit_weights
-                bonus = entropy * advantages.abs().clamp(max=clip) * scale
-            elif entropy_rows is None:
-                bonus = entropy
-            else:  # (B,) a flag per row, or (B, T) per token (packed rows mix item kinds)
-                rows = entropy_rows.to(entropy.dtype)
-                bonus = entropy * (rows.unsqueeze(-1) if rows.dim() == 1 else rows)
+            # credit: by |A_imm| or |C|, so more where the stage credit and the outcome disagree
+            bonus = entropy * advantages.abs() if algo.entropy_per == "credit" else entropy
             token_loss = token_loss - algo.entropy_coef * bonus
         entropy_value = float(token_mean(entropy.detach(), mask))
     loss = aggregate(token_loss, mask, algo)

@@ -32,7 +32,8 @@ from async_rl.errors import ProtocolError
 # 3: ReplayStats.rejected (counts by reason); BatchAck.trained (False: the learner skipped a non-finite step)
 # 4: resume after a crash: BatchRequest.session/checkpoint, LeaseRequest/Heartbeat.session, ReplayStats.rollbacks
 # 5: TrainItem.first_trained (algo.entropy_per=first-train)
-PROTOCOL_VERSION = 5
+# 6: TrainItem.first_trained removed (with the first-train rule)
+PROTOCOL_VERSION = 6
 
 TOKEN = np.dtype("<i4")  # token ids and policy versions
 LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
@@ -197,9 +198,6 @@ class TrainItem(Message, tag="train_item"):
     advantages: bytes  # float64 per token (0 off the mask): A_imm or C
     behaviour_logprobs: bytes  # float32 per token (0 off the mask)
     policy_versions: bytes  # int32 per token (0 off the mask)
-    # uint8 per token: 1 on the action tokens this item is the first to train (a correction's stages whose
-    # immediate item was trained are 0); empty: every trained token (immediate items, and all of outcome-only)
-    first_trained: bytes = b""
 
     def __post_init__(self) -> None:
         n = _count(self.tokens, TOKEN, "tokens")
@@ -213,12 +211,6 @@ class TrainItem(Message, tag="train_item"):
         ):
             if _count(getattr(self, name), dtype, name) != n:
                 raise ValueError(f"{name}: expected one per token ({n})")
-        if self.first_trained:
-            if _count(self.first_trained, MASK, "first_trained") != n:
-                raise ValueError(f"first_trained: expected one per token ({n}) or none")
-            flags = unpack(self.first_trained, MASK)
-            if flags.max() > 1 or (flags > unpack(self.loss_mask, MASK)).any():
-                raise ValueError("first_trained: a flag above 1 or off the loss mask")
 
     def token_ids(self) -> np.ndarray:
         return unpack(self.tokens, TOKEN)
@@ -238,10 +230,6 @@ class TrainItem(Message, tag="train_item"):
 
     def versions(self) -> np.ndarray:
         return unpack(self.policy_versions, TOKEN)
-
-    def first_mask(self) -> np.ndarray:
-        """1 on the tokens this item is the first to train (`first_trained`, or the loss mask where it is empty)."""
-        return unpack(self.first_trained, MASK) if self.first_trained else self.mask()
 
 
 class ReplayStats(Message, tag="replay_stats"):

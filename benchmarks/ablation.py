@@ -6,8 +6,6 @@ Variants (`algo.updates`, `algo.credit`):
   immediate-only        updates=immediate-only                     stage rewards at once, never corrected (traps)
   immediate+correction  updates=immediate+correction (default)     this project
   imm+corr-no-entropy   the same with algo.entropy_coef=0          what the entropy bonus buys (docs/algorithm.md)
-  imm+corr-per-token    the same with algo.aggregation=token-sum,  the fixed-per-token learner of docs/algorithm.md
-                        algo.entropy_per=new-token                 (opt-in: --variants)
 
 Every variant runs the default config (configs/local.yaml) with the same seeds (`run.seed` and `env.seed` together)
 and the same budget of environment steps (`run.max_env_steps`; `run.target_success=null` so every run spends all
@@ -24,8 +22,6 @@ The plot (success rate vs env steps, mean and min-max band over seeds on a commo
 
     python benchmarks/ablation.py            # 5 variants x 3 seeds x 250k env steps, ~30 min on 2 cores
     python benchmarks/ablation.py --quick    # 5 variants x 1 seed x 6k env steps: it runs end to end (~1 min)
-    # the default learner against the fixed-per-token one (token-sum + new-token), everything else the default:
-    python benchmarks/ablation.py --variants immediate+correction,imm+corr-per-token --seeds 3
 """
 
 from __future__ import annotations
@@ -65,17 +61,14 @@ VARIANTS = {
     "immediate-only": ["algo.updates=immediate-only"],
     "immediate+correction": ["algo.updates=immediate+correction"],
     "imm+corr-no-entropy": ["algo.updates=immediate+correction", "algo.entropy_coef=0"],
-    "imm+corr-per-token": ["algo.updates=immediate+correction", "algo.aggregation=token-sum",
-                           "algo.entropy_per=new-token"],
 }
-DEFAULT_VARIANTS = list(VARIANTS)[:5]
+DEFAULT_VARIANTS = list(VARIANTS)
 DESCRIPTION = {
     "outcome-only": "GRPO (credit=outcome)",
     "outcome-only+step": "no immediate, credit=outcome+step",
     "immediate-only": "no corrections",
     "immediate+correction": "this project",
     "imm+corr-no-entropy": "this project without the entropy bonus",
-    "imm+corr-per-token": "this project, token-sum + entropy per new token",
 }
 
 

@@ -20,8 +20,7 @@ Arms, all with `credit=outcome+step`:
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
 Every run: the trap env (`env.kwargs.traps`; `--env hunt`: the long-horizon hunt, its judge delayed by
 `env.kwargs.judge_delay_s`), `learner.lr` from the sweep, `algo.aggregation` and
-`algo.entropy_per` (and `algo.entropy_coef`, `algo.entropy_floor`) as given (default the fixed-per-token
-learner: token-sum, new-token, the config's 0.2, no floor), the default
+`algo.entropy_per` (and `algo.entropy_coef`) as given (default token-sum, the config's step and 0.2), the default
 `algo.max_correction_staleness` (the config's `auto`, which follows the judge; `--max-correction-staleness N`
 fixes it) with the correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
 admission must let D updates' worth of groups be in flight, or it, not the rule, sets the pace (the default 4
@@ -352,13 +351,10 @@ def main() -> int:
                              "fits set a judge under which the runs measured D ~35, 200,000-step fits one that gave "
                              "~43)")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
-    parser.add_argument("--entropy-per", default="new-token",
-                        choices=["step", "new-token", "first-train", "credit", "credit-norm"],
-                        help="algo.entropy_per of every arm")
+    parser.add_argument("--entropy-per", default="step", choices=["step", "credit"],
+                        help="algo.entropy_per of every arm (default the config's, step)")
     parser.add_argument("--entropy-coef", type=float, default=None,
                         help="algo.entropy_coef of every arm (default the config's, 0.2)")
-    parser.add_argument("--entropy-floor", type=float, default=None,
-                        help="algo.entropy_floor of every arm, nats per action token (default the config's, 0: off)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=None,
                         help="learner.optimizer of every arm (default the config's, adamw); sgd: each step lr x the "
                              "gradient, so two steps on a stage's credit and its correction move the weights as one "
@@ -386,8 +382,6 @@ def main() -> int:
         parser.error(f"--calibrate-tail: expected 0 < F <= 1, got {args.calibrate_tail}")
     if args.entropy_coef is not None and not (math.isfinite(args.entropy_coef) and args.entropy_coef >= 0):
         parser.error(f"--entropy-coef: expected a finite number >= 0, got {args.entropy_coef}")
-    if args.entropy_floor is not None and not (math.isfinite(args.entropy_floor) and args.entropy_floor >= 0):
-        parser.error(f"--entropy-floor: expected a finite number >= 0, got {args.entropy_floor}")
     if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
         parser.error(f"--grad-clip: expected a finite number >= 0, got {args.grad_clip}")
     if args.ppo_epochs is not None and args.ppo_epochs < 1:
@@ -420,8 +414,6 @@ def main() -> int:
     learner = [f"algo.aggregation={args.aggregation}", f"algo.entropy_per={args.entropy_per}"]
     if args.entropy_coef is not None:
         learner.append(f"algo.entropy_coef={args.entropy_coef}")
-    if args.entropy_floor is not None:
-        learner.append(f"algo.entropy_floor={args.entropy_floor}")
     if args.optimizer is not None:
         learner.append(f"learner.optimizer={args.optimizer}")
     if args.grad_clip is not None:

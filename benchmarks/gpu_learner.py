@@ -86,7 +86,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     import torch.nn.functional as F
 
     from async_rl.config import load_config
-    from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
+    from async_rl.loss import policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
     from async_rl.protocol import MASK, unpack
     from learner.engine import build_engine
@@ -144,9 +144,8 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
                 if same_math:
                     logp, entropy = token_logprobs_and_entropy(logits.float(), t.tokens, config.rollout.temperature,
                                                                entropy=algo.entropy_coef > 0)
-                    rows = bonus_rows(t.correction_tokens, t.first_tokens, algo)
                     loss, _ = policy_loss(logp, t.behaviour_logp, t.advantages, t.staleness(0), t.loss_mask, algo,
-                                          entropy=entropy, entropy_rows=rows)
+                                          entropy=entropy)
                 else:
                     logits = logits[:, :-1].float()
                     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.tokens[:, 1:].reshape(-1),

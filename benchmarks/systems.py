@@ -158,7 +158,7 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     import torch
     import torch.nn.functional as F
 
-    from async_rl.loss import bonus_rows, policy_loss, token_logprobs_and_entropy
+    from async_rl.loss import policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
     from learner.batch import collate
     from learner.engine import build_engine
@@ -218,9 +218,8 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
             for t in micro:
                 logp, entropy = token_logprobs_and_entropy(bare_same(**t.model_inputs()).logits, t.tokens,
                                                            config.rollout.temperature, entropy=algo.entropy_coef > 0)
-                rows = bonus_rows(t.correction_tokens, t.first_tokens, algo)
                 loss, _ = policy_loss(logp, t.behaviour_logp, t.advantages, t.staleness(version), t.loss_mask, algo,
-                                      entropy=entropy, entropy_rows=rows)
+                                      entropy=entropy)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(bare_same.parameters(), config.learner.grad_clip)
             same.step()

@@ -32,8 +32,6 @@ class TrainBatch:
     behaviour_logp: torch.Tensor  # (B, T−1) float32: log μ
     versions: torch.Tensor  # (B, T−1) int64: v_t of the weights that produced each token
     is_correction: torch.Tensor  # (B,) bool: item kind (padded layout; a packed row is marked by its first item)
-    correction_tokens: torch.Tensor  # (B, T-1) float: 1 on the positions of correction items (packed rows mix kinds)
-    first_tokens: torch.Tensor  # (B, T-1) float: 1 on the action tokens their item is the first to train
     position_ids: torch.Tensor | None = None  # (B, T) int64 when packed: restarting at 0 for every item
 
     def staleness(self, version: int) -> torch.Tensor:
@@ -105,10 +103,6 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
     advantages = scatter(field("advantages", ADVANTAGE), np.float32)
     behaviour = scatter(field("behaviour_logprobs", LOGPROB), np.float32)
     versions = scatter(field("policy_versions", TOKEN), np.int64)
-    correction = scatter(np.repeat(np.array([item.kind == "correction" for item in order], dtype=np.float32),
-                                   lengths), np.float32)
-    first_trained = np.frombuffer(b"".join(item.first_trained or item.loss_mask for item in order), dtype=MASK)
-    first_tokens = scatter(first_trained, np.float32)
     # positions restart at 0 for every item; the padding tail of a row is a block of its own (loss mask 0)
     positions = np.zeros((count, length), dtype=np.int64)
     positions.reshape(-1)[flat] = within
@@ -122,7 +116,5 @@ def collate_rows(items: list[TrainItem], rows: list[list[int]], packed: bool) ->
         behaviour_logp=torch.from_numpy(behaviour[:, 1:].copy()),
         versions=torch.from_numpy(versions[:, 1:].copy()),
         is_correction=torch.tensor([items[row[0]].kind == "correction" for row in rows], dtype=torch.bool),
-        correction_tokens=torch.from_numpy(correction[:, 1:].copy()),
-        first_tokens=torch.from_numpy(first_tokens[:, 1:].copy()),
         position_ids=torch.from_numpy(positions) if packed else None,
     )

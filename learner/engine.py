@@ -96,11 +96,6 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def activation_checkpointing_on(model: torch.nn.Module) -> bool:
-    """Whether any layer of `model` recomputes its activations (the flag HF's layers carry, under every release)."""
-    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-
-
 def init_distributed(device: str = "cpu") -> None:
     """Join (or, without a launcher, create) the process group; a single process needs no port. On CUDA each rank
     first takes the GPU of its LOCAL_RANK (NCCL and DeepSpeed use the current device)."""
@@ -247,22 +242,18 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 
 
-def save_checkpoint(
-    engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None,
-    state: dict[str, float] | None = None,
-) -> None:
-    """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version, the torch,
-    numpy and python RNG states and the learner's own `state` (the entropy floor's coefficient) in its client
-    state; every rank must call it. Under LoRA the module state is the adapters alone (the frozen base is reloaded
-    from model.path), with the adapters' shape in the client state. DeepSpeed points `latest` at it
-    only once it is written, so a learner killed mid-save resumes from the one before. `keep`: delete all but the
-    newest `keep` checkpoints (rank 0)."""
+def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None) -> None:
+    """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version and the torch,
+    numpy and python RNG states in its client state; every rank must call it. Under LoRA the module state is the
+    adapters alone (the frozen base is reloaded from model.path), with the adapters' shape in the client state.
+    DeepSpeed points `latest` at it only once it is written, so a learner killed mid-save resumes from the one
+    before. `keep`: delete all but the newest `keep` checkpoints (rank 0)."""
     adapted = lora.is_adapted(engine.module)
     if adapted and rank() == 0:  # before DeepSpeed points `latest` at the tag: read first when resuming
         (directory / f"v{version}").mkdir(parents=True, exist_ok=True)
         (directory / f"v{version}" / LORA_FILE).write_text(json.dumps(lora.signature(engine.module)))
     engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={
-        "version": version, "rng": _rng_state(), "learner": dict(state or {}),
+        "version": version, "rng": _rng_state(),
     }, exclude_frozen_parameters=adapted)
     log.info("checkpoint v%d written to %s", version, directory)
     if keep is not None and rank() == 0:
@@ -283,10 +274,10 @@ def latest_checkpoint(directory: Path) -> int | None:
     return int(tag[1:])
 
 
-def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> tuple[int, dict[str, float]] | None:
-    """Restore the latest checkpoint in `directory` (weights, optimizer, RNG states); its version and the
-    learner's state saved with it ({} from a checkpoint written before there was any), or None when there is none
-    (a fresh start). Every rank must call it."""
+def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int | None:
+    """Restore the latest checkpoint in `directory` (weights, optimizer, RNG states); its version, or None when
+    there is none (a fresh start). Every rank must call it. A checkpoint written with the entropy floor (removed)
+    also carries that controller's state under "learner": it is ignored."""
     version = latest_checkpoint(directory)
     if version is None:
         return None
@@ -301,7 +292,7 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> tuple
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     log.info("resumed from checkpoint v%d in %s", version, directory)
-    return version, dict(client_state.get("learner") or {})
+    return version
 
 
 def _check_lora_signature(checkpoint: Path, expected: dict | None) -> None:

@@ -7,24 +7,15 @@ import math
 from dataclasses import replace
 
 import deepspeed
-import msgspec
 import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgoConfig, Config
-from async_rl.loss import (
-    UNSCALED_CREDIT,
-    LossStats,
-    aggregate,
-    bonus_rows,
-    credit_bonus_weights,
-    policy_loss,
-    token_logprobs_and_entropy,
-)
+from async_rl.loss import LossStats, aggregate, policy_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate, collate_micro_batch
 from learner.engine import rank, world_size
-from learner.pack import balance_shards, padding_fraction, plan_shards
+from learner.pack import padding_fraction, plan_shards
 
 log = logging.getLogger("async_rl.learner")
 
@@ -42,19 +33,6 @@ def share_scale(local: torch.Tensor, whole_denominator: float, world_size: int, 
     the whole batch's loss: the part was divided by its own denominator, the whole by the batch's, and DeepSpeed
     averages gradients over ranks, so world_size · d_part / d_whole."""
     return world_size * aggregate_denominator(local, algo) / whole_denominator
-
-
-def rank_share(items: list[TrainItem], rank: int, world_size: int, algo: AlgoConfig) -> tuple[TrainBatch, float]:
-    """This rank's length-balanced share of the items as one padded batch, and the factor that makes the
-    rank-averaged gradient equal the whole batch's (`share_scale`). A rank without items trains a masked-out copy
-    of the first item: every rank must run forward and backward (collectives at ZeRO-3)."""
-    share = balance_shards([item.num_tokens() for item in items], world_size)[rank]
-    batch = collate([items[i] for i in share] or items[:1])
-    if not share:
-        batch.loss_mask.zero_()
-    if world_size == 1:
-        return batch, 1.0
-    return batch, share_scale(batch.loss_mask, aggregate_denominator(collate(items).loss_mask, algo), world_size, algo)
 
 
 def rank_micro_batches(
@@ -83,7 +61,7 @@ def layout_metrics(items: list[TrainItem], world_size: int, config: Config) -> d
 
 
 def _whole_batch_loss(scaled_share_loss: torch.Tensor) -> float:
-    """The rank average of the rescaled share losses is the whole batch's loss (see `rank_share`)."""
+    """The rank average of the rescaled share losses is the whole batch's loss (see `share_scale`)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(scaled_share_loss)
         scaled_share_loss /= dist.get_world_size()
@@ -102,7 +80,7 @@ def _on_any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
 
 def _mean_over_ranks(value: float, tokens: float, device: torch.device | str = "cpu") -> float:
     """A per-token mean of this rank's `tokens` as the whole batch's, the same on every rank (a rank that trained
-    only a masked filler has no tokens and no say): the entropy floor's controller must agree across ranks."""
+    only a masked filler has no tokens and no say): the metrics line reports the batch's entropy, not rank 0's."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = torch.tensor([value * tokens, tokens], dtype=torch.float64, device=device)
         dist.all_reduce(box)
@@ -167,33 +145,16 @@ def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
 
 def train_on_items(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, items: list[TrainItem], version: int,
-    config: Config, entropy_boost: float = 0.0,
+    config: Config,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """This rank's share of a batch's items, in micro-batches: `train_on_micro_batches`."""
     micro = rank_micro_batches(items, rank(), world_size(), config)
-    return train_on_micro_batches(engine, reference, micro, version, config, entropy_boost, batch_credit(items, config))
-
-
-def batch_credit(items: list[TrainItem], config: Config) -> tuple[float, float]:
-    """The whole batch's `credit_bonus_weights` (every rank holds every item): read only under credit-norm."""
-    if config.algo.entropy_per != "credit-norm":  # without building the whole batch's tensors
-        return UNSCALED_CREDIT
-    whole = collate(items)
-    return credit_bonus_weights(whole.advantages, whole.loss_mask, whole.correction_tokens, config.algo)
-
-
-def train_on_batch(
-    engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, batch: TrainBatch, version: int,
-    config: Config, loss_scale: float = 1.0,
-) -> tuple[int, list[tuple[float, LossStats]]]:
-    """One tensor batch as a single micro-batch: `train_on_micro_batches`."""
-    credit = credit_bonus_weights(batch.advantages, batch.loss_mask, batch.correction_tokens, config.algo)
-    return train_on_micro_batches(engine, reference, [(batch, loss_scale)], version, config, credit_weights=credit)
+    return train_on_micro_batches(engine, reference, micro, version, config)
 
 
 def train_on_micro_batches(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    version: int, config: Config, entropy_boost: float = 0.0, credit_weights: tuple[float, float] = UNSCALED_CREDIT,
+    version: int, config: Config,
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
@@ -205,69 +166,115 @@ def train_on_micro_batches(
     A non-finite input, loss (checked before each backward) or gradient (after the last) refuses the step: the
     gradients are zeroed, the optimizer does not step, the weights stay exactly as they were, and the batch's
     remaining epochs are not run. Fewer results than algo.ppo_epochs say so (none: nothing of the batch was trained).
-    `entropy_boost`: the entropy floor's extra bonus coefficient (`async_rl.loss.entropy_floor_boost`);
-    `credit_weights`: the whole batch's (`async_rl.loss.credit_bonus_weights`, read under entropy_per=credit-norm).
     """
-    algo, temperature, device = config.algo, config.rollout.temperature, engine.device
-    if entropy_boost > 0:
-        algo = msgspec.structs.replace(algo, entropy_coef=algo.entropy_coef + entropy_boost)
-    # The entropy is a second vocabulary-sized tensor: computed only when trained or watched (entropy_mean is 0
-    # otherwise).
-    want_entropy = algo.entropy_coef > 0 or algo.entropy_floor > 0
-    micro = [(batch.to(device), scale) for batch, scale in micro]
-    if _on_any_rank(not all(_inputs_finite(batch) for batch, _ in micro), device):
+    micro = [(batch.to(engine.device), scale) for batch, scale in micro]
+    if _on_any_rank(not all(_inputs_finite(batch) for batch, _ in micro), engine.device):
         log.warning("non-finite advantages or behaviour log-probs at version %d: the step is skipped", version)
         return version, []
-    ref_logp: list[torch.Tensor | None] = [None] * len(micro)
-    prox_logp: list[torch.Tensor | None] = [None] * len(micro)
-    with torch.no_grad():
-        for m, (batch, _) in enumerate(micro):
-            if reference is not None:
-                ref_logp[m], _ = _logp(reference, batch, temperature)
-            if algo.ppo_epochs > 1:
-                prox_logp[m], _ = _logp(engine, batch, temperature)
+    fixed = _fixed_logprobs(engine, reference, micro, config)
     results = []
-    for _ in range(algo.ppo_epochs):
-        total = torch.zeros((), device=device)
-        parts = []
-        refused = False
-        for m, (batch, scale) in enumerate(micro):
-            logp, entropy = _logp(engine, batch, temperature, entropy=want_entropy)
-            loss, stats = policy_loss(
-                logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
-                prox_logp=prox_logp[m], ref_logp=ref_logp[m], entropy=entropy,
-                entropy_rows=bonus_rows(batch.correction_tokens, batch.first_tokens, algo),
-                credit_weights=credit_weights,
-            )
-            scaled = loss * scale
-            if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):
-                log.warning("non-finite loss at version %d: the step is skipped", version)
-                refused = True
-                break
-            engine.backward(scaled)
-            total += scaled.detach()
-            parts.append((stats, float(batch.loss_mask.sum()), scale))
-        norm_tensor = None if refused else _gradient_norm(engine)
-        norm = None if norm_tensor is None else float(norm_tensor)
-        if not refused and _on_any_rank(norm is not None and not math.isfinite(norm), device):
-            log.warning("non-finite gradient at version %d: the step is skipped", version)
-            refused = True
-        if refused:
-            _drop_gradients(engine)
+    for _ in range(config.algo.ppo_epochs):
+        result = _optimizer_step(engine, micro, fixed, version, config)
+        if result is None:
             break
-        if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:  # learner.engine.clips_itself
-            # Only at ZeRO-0 in a world of one, where the norm just read is the one to clip by: not computed twice.
-            assert norm_tensor is not None, "torch clips only at ZeRO-0, where _gradient_norm reads the norm"
-            torch.nn.utils.clip_grads_with_norm_(_parameters(engine), config.learner.grad_clip, norm_tensor)
-        engine.step()
         version += 1
-        reported = engine.get_global_grad_norm()  # DeepSpeed's, where it clipped or reduced (ZeRO >= 1)
-        norm = float(reported) if reported is not None else (norm if norm is not None else 0.0)
-        stats = replace(_combined_stats(parts), grad_norm=norm)
-        if want_entropy:  # the whole batch's, not this rank's share: the entropy floor steers by it
-            stats = replace(stats, entropy=_mean_over_ranks(stats.entropy, sum(n for _, n, _ in parts), device))
-        results.append((_whole_batch_loss(total), stats))
+        results.append(result)
     return version, results
+
+
+Fixed = list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per micro-batch: (reference, π_prox) log-probs
+
+
+def _fixed_logprobs(
+    engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
+    config: Config,
+) -> Fixed:
+    """What stays fixed over the batch's epochs, with no gradient: each micro-batch's log-probs under the reference
+    model (the KL term; None without one) and under the policy as the batch arrived (π_prox; None with one epoch)."""
+    temperature = config.rollout.temperature
+    fixed: Fixed = []
+    with torch.no_grad():
+        for batch, _ in micro:
+            ref = _logp(reference, batch, temperature)[0] if reference is not None else None
+            prox = _logp(engine, batch, temperature)[0] if config.algo.ppo_epochs > 1 else None
+            fixed.append((ref, prox))
+    return fixed
+
+
+def _optimizer_step(
+    engine: deepspeed.DeepSpeedEngine, micro: list[tuple[TrainBatch, float]], fixed: Fixed, version: int,
+    config: Config,
+) -> tuple[float, LossStats] | None:
+    """One optimizer step over every micro-batch: the whole batch's loss and the step's statistics, or None (the
+    step was refused for a non-finite loss or gradient, on some rank, and its gradients dropped)."""
+    accumulated = _accumulate_gradients(engine, micro, fixed, version, config)
+    norm = None if accumulated is None else _gradient_norm(engine)
+    norm_value = None if norm is None else float(norm)
+    if accumulated is None or not _finite_gradient(norm_value, version, engine.device):
+        _drop_gradients(engine)
+        return None
+    _clip(engine, config, norm)
+    engine.step()
+    total, parts = accumulated
+    return _whole_batch_loss(total), _step_stats(engine, parts, norm_value, config)
+
+
+def _accumulate_gradients(
+    engine: deepspeed.DeepSpeedEngine, micro: list[tuple[TrainBatch, float]], fixed: Fixed, version: int,
+    config: Config,
+) -> tuple[torch.Tensor, list[tuple[LossStats, float, float]]] | None:
+    """Forward and backward of every micro-batch's scaled loss: their sum and each one's (stats, action tokens,
+    scale); None where a loss is not finite on some rank (checked before its backward: nothing more runs)."""
+    algo, device = config.algo, engine.device
+    # The entropy is a second vocabulary-sized tensor: computed only when trained (entropy_mean is 0 otherwise).
+    want_entropy = algo.entropy_coef > 0
+    total = torch.zeros((), device=device)
+    parts = []
+    for (batch, scale), (ref_logp, prox_logp) in zip(micro, fixed, strict=True):
+        logp, entropy = _logp(engine, batch, config.rollout.temperature, entropy=want_entropy)
+        loss, stats = policy_loss(
+            logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
+            prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
+        )
+        scaled = loss * scale
+        if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):
+            log.warning("non-finite loss at version %d: the step is skipped", version)
+            return None
+        engine.backward(scaled)
+        total += scaled.detach()
+        parts.append((stats, float(batch.loss_mask.sum()), scale))
+    return total, parts
+
+
+def _finite_gradient(norm: float | None, version: int, device: torch.device) -> bool:
+    """The gradient norm read before the step (`_gradient_norm`; None: not read here) is finite on every rank."""
+    if _on_any_rank(norm is not None and not math.isfinite(norm), device):
+        log.warning("non-finite gradient at version %d: the step is skipped", version)
+        return False
+    return True
+
+
+def _clip(engine: deepspeed.DeepSpeedEngine, config: Config, norm: torch.Tensor | None) -> None:
+    """Clip the gradient to learner.grad_clip where DeepSpeed does not (learner.engine.clips_itself): only at ZeRO-0
+    in a world of one, where the norm just read is the one to clip by (not computed twice)."""
+    if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:
+        assert norm is not None, "torch clips only at ZeRO-0, where _gradient_norm reads the norm"
+        torch.nn.utils.clip_grads_with_norm_(_parameters(engine), config.learner.grad_clip, norm)
+
+
+def _step_stats(
+    engine: deepspeed.DeepSpeedEngine, parts: list[tuple[LossStats, float, float]], norm: float | None,
+    config: Config,
+) -> LossStats:
+    """The step's statistics: this rank's micro-batches combined, the gradient norm (DeepSpeed's where it clipped
+    or reduced, ZeRO >= 1; else the one read before the step) and, where computed, the whole batch's entropy."""
+    reported = engine.get_global_grad_norm()
+    grad_norm = float(reported) if reported is not None else (norm if norm is not None else 0.0)
+    stats = replace(_combined_stats(parts), grad_norm=grad_norm)
+    if config.algo.entropy_coef > 0:
+        tokens = sum(n for _, n, _ in parts)
+        stats = replace(stats, entropy=_mean_over_ranks(stats.entropy, tokens, engine.device))
+    return stats
 
 
 def _drop_gradients(engine: deepspeed.DeepSpeedEngine) -> None:

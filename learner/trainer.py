@@ -7,8 +7,8 @@
             → metrics line
     until a budget, the target success rate, a stop event or SIGTERM/SIGINT; then checkpoint, publish, summary.
 
-With several ranks (torchrun) rank 0 alone talks to the replay service and publishes; it broadcasts each batch
-(or the decision to stop) and every rank trains its share of the items.
+With several ranks (torchrun) rank 0 alone talks to the replay service and publishes (`_Leader`); it broadcasts
+each batch (or the decision to stop) and every rank trains its share of the items (the others' side: `_Rank`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 import zmq
 
 from async_rl.config import Config
-from async_rl.loss import entropy_floor_boost
+from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
-from async_rl.protocol import Batch, ReplayStats, decode, encode
+from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
 from async_rl.security import load_keys
 from learner.batch import collate
 from learner.engine import (
@@ -115,6 +115,183 @@ def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
     return summary
 
 
+def _train(config: Config, request: StopRequest, started: float) -> dict[str, Any]:
+    """The loop of the module's docstring, on every rank."""
+    engine, reference = build_engine(config)
+    log.info("learner rank %d of world size %d", rank(), world_size())
+    context = zmq.Context()
+    side = _Leader(context, config, request) if rank() == 0 else _Rank()
+    try:
+        progress = _resume(engine, side, config, started)
+        while (batch := _share_batch(side.next_batch(progress))) is not None:
+            items = _trainable_items(batch, engine.module.config.vocab_size, progress)
+            if not items:
+                side.ack(batch, progress.version, trained=False)  # nothing of it was trained
+                continue
+            trained_at = progress.version
+            losses, step_s = _optimize(engine, reference, items, progress, config)
+            # Honest acks: a batch with no step taken says so, and the replay counts none of its credit trained.
+            side.ack(batch, progress.version, trained=bool(losses))
+            if not losses:
+                continue  # the weights did not change: nothing to publish, checkpoint or log as a step
+            _publish_if_due(engine, side, progress, config)
+            side.log_step(engine, items, trained_at, losses, step_s, progress)
+            _checkpoint_if_due(engine, side, progress, config)
+        return _finish(engine, side, progress, config)
+    finally:
+        side.close()
+        context.term()
+        engine.destroy()
+
+
+@dataclass
+class _Progress:
+    """What the loop counts, alike on every rank (so that the last checkpoint and gather are collective or skipped
+    by all)."""
+
+    started: float  # time.time() at the run's start
+    version: int = 0  # optimizer steps taken: the policy version
+    checkpointed: int = -1  # the latest checkpoint's version (-1: none)
+    published: int = -1  # the latest published weights' version (-1: none)
+    bad_items: int = 0  # items skipped for token ids outside the vocabulary
+    skipped_nonfinite: int = 0  # optimizer steps refused for a non-finite loss or gradient
+
+    def wall_s(self) -> float:
+        return time.time() - self.started
+
+
+class _Rank:
+    """A rank's part of the loop's dealings with the outside: none, on every rank but 0 (`_Leader`). Its batches
+    come from rank 0's broadcast, and rank 0 acks them, publishes, and writes the metrics and the summary."""
+
+    publisher: WeightPublisher | None = None
+
+    def next_batch(self, progress: _Progress) -> Batch | None:
+        return None  # rank 0's is broadcast in its place
+
+    def ack(self, batch: Batch, version: int, trained: bool) -> None:
+        pass
+
+    def resumed(self, version: int) -> None:
+        pass
+
+    def checkpointed(self, version: int) -> None:
+        pass
+
+    def log_step(self, engine: Any, items: list[TrainItem], trained_at: int, losses: list[tuple[float, LossStats]],
+                 step_s: float, progress: _Progress) -> None:
+        pass
+
+    def summary(self, progress: _Progress) -> dict[str, Any]:
+        return {}  # rank 0's is broadcast in its place
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Leader(_Rank):
+    """Rank 0's part: the replay client (batches, acks, the durable checkpoint it reports), the weight publisher
+    (SGLang servers: learner/sglang_sync.py), the replay's latest stats, the metrics log and the summary."""
+
+    def __init__(self, context: zmq.Context, config: Config, request: StopRequest) -> None:
+        self.config, self.request = config, request
+        self.client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s,
+                                   load_keys(config, "learner"))
+        self.publisher = make_publisher(context, config, wait_for_model_dir(config))
+        self.metrics = MetricsLog(config, config.run_dir)
+        self.stats = ReplayStats()
+        self.reason: str | None = None  # why the loop stopped
+
+    def _stop_reason(self, progress: _Progress) -> str | None:
+        return stop_reason(self.config, progress.version, self.stats, progress.wall_s(), self.request)
+
+    def next_batch(self, progress: _Progress) -> Batch | None:
+        """The replay's next batch, or None once a stop condition holds (`reason` names it)."""
+        self.reason = self._stop_reason(progress)
+        if self.reason is not None:
+            return None
+        batch = self.client.next_batch(progress.version, self.config.learner,
+                                       lambda: self._stop_reason(progress) is not None, self.publisher.republish_if_due)
+        if batch is None:
+            self.reason = self._stop_reason(progress)
+        return batch
+
+    def ack(self, batch: Batch, version: int, trained: bool) -> None:
+        self.client.ack(batch, version, trained=trained)
+        self.stats = batch.stats
+
+    def resumed(self, version: int) -> None:
+        self.client.checkpoint = version
+        # weights of versions above the checkpoint died with the learner that wrote them
+        for dead in (self.config.run_dir / "weights").glob("v*.safetensors"):
+            if dead.stem[1:].isdigit() and int(dead.stem[1:]) > version:
+                dead.unlink(missing_ok=True)
+
+    def checkpointed(self, version: int) -> None:
+        self.client.checkpoint = version  # the next BatchRequest reports it durable
+
+    def log_step(self, engine: Any, items: list[TrainItem], trained_at: int, losses: list[tuple[float, LossStats]],
+                 step_s: float, progress: _Progress) -> None:
+        """The step's metrics line (learner/metrics.py). Written before the checkpoint: a learner killed between
+        the two resumes from the previous checkpoint (this line is then superseded), never from a version whose
+        line was not written."""
+        config, stats = self.config, self.stats
+        layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
+        batch_line = {**batch_metrics(collate(items), trained_at), **layout}
+        line = step_metrics(progress.version, stats, batch_line, losses, step_s, progress.wall_s(),
+                            self.client.bad_messages + progress.bad_items, progress.skipped_nonfinite,
+                            lr=float(engine.get_lr()[0]))
+        line["entropy_coef"] = config.algo.entropy_coef  # the coefficient this step trained with
+        if engine.device.type == "cuda":  # this rank's peak since the last line: weights, state, activations
+            line["gpu_peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(engine.device)
+        if config.learner.log_item_ids:
+            line["item_ids"] = [item.item_id for item in items]
+        self.metrics.write(line)
+        log.info("v%d loss %.4f success %.3f env_steps %d", progress.version, line["loss"], stats.success_rate,
+                 stats.env_steps)
+
+    def summary(self, progress: _Progress) -> dict[str, Any]:
+        stats = self.stats
+        return {
+            "final_success_rate": stats.success_rate_long,
+            "env_steps": stats.env_steps,
+            "trajectories_finished": stats.trajectories_finished,
+            "trajectories_abandoned": stats.trajectories_abandoned,
+            "env_errors": stats.env_errors,
+            "steps_skipped_nonfinite": progress.skipped_nonfinite,
+            "versions": progress.version,
+            "wall_s": progress.wall_s(),
+            "run_dir": str(self.config.run_dir.resolve()),
+            "stop_reason": self.reason,
+        }
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        _write_json(self.config.run_dir / "summary.json", summary)
+        log.info("learner stopped (%s) at v%d after %.1f s", self.reason, summary["versions"], summary["wall_s"])
+
+    def close(self) -> None:
+        for owned in (self.client, self.publisher, self.metrics):
+            owned.close()
+
+
+def _resume(engine: Any, side: _Rank, config: Config, started: float) -> _Progress:
+    """Where the loop starts: v0, or the latest checkpoint in the run directory with its version numbering,
+    optimizer and RNG states (docs/architecture.md, "Resume after a crash": the replay rolls back to it if it saw
+    later versions acked). Its weights are published again: the workers may hold weights of versions that died
+    with the learner."""
+    progress = _Progress(started)
+    resumed = load_checkpoint(engine, config.run_dir / "checkpoints")
+    if resumed is not None:
+        progress.version = progress.checkpointed = progress.published = resumed
+        side.resumed(resumed)
+        _publish(engine, side.publisher, resumed)
+    return progress
+
+
 def _share_batch(batch: Batch | None) -> Batch | None:
     """Rank 0's batch (None: stop) on every rank; a no-op in a world of one."""
     if world_size() == 1:
@@ -124,164 +301,67 @@ def _share_batch(batch: Batch | None) -> Batch | None:
     return decode(box[0]) if box[0] else None
 
 
+def _trainable_items(batch: Batch, vocab_size: int, progress: _Progress) -> list[TrainItem]:
+    """The items the model can take; a token id outside the vocabulary would crash the step, so it is counted
+    instead."""
+    items = [item for item in batch.items if item.token_ids().min() >= 0 and item.token_ids().max() < vocab_size]
+    dropped = len(batch.items) - len(items)
+    if dropped:
+        progress.bad_items += dropped
+        log.warning("batch %d: skipped %d item(s) with token ids outside the vocabulary", batch.batch_id, dropped)
+    return items
+
+
+def _optimize(
+    engine: Any, reference: torch.nn.Module | None, items: list[TrainItem], progress: _Progress, config: Config,
+) -> tuple[list[tuple[float, LossStats]], float]:
+    """The optimizer step(s) on this rank's share of the items (learner/step.py): (loss, stats) per step taken
+    (`progress.version` moves on by as many) and the seconds they took."""
+    started = time.monotonic()
+    progress.version, losses = train_on_items(engine, reference, items, progress.version, config)
+    progress.skipped_nonfinite += len(losses) < config.algo.ppo_epochs
+    return losses, time.monotonic() - started
+
+
+def _publish_if_due(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
+    if progress.version % config.learner.publish_every == 0:
+        _publish(engine, side.publisher, progress.version)
+        progress.published = progress.version
+
+
+def _checkpoint_if_due(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
+    """Every learner.checkpoint_every versions, after the ack: a learner killed before this completes resumes from
+    the previous checkpoint, and the replay rolls back the acks above it."""
+    every = config.learner.checkpoint_every
+    if every and progress.version - max(progress.checkpointed, 0) >= every:
+        _checkpoint(engine, side, progress, config)
+
+
+def _checkpoint(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
+    save_checkpoint(engine, config.run_dir / "checkpoints", progress.version, config.learner.keep_checkpoints)
+    progress.checkpointed = progress.version
+    side.checkpointed(progress.version)
+
+
+def _finish(engine: Any, side: _Rank, progress: _Progress, config: Config) -> dict[str, Any]:
+    """The last version checkpointed and published (if it is not yet), then the summary, rank 0's on every rank
+    (it alone knows the replay's stats); rank 0 writes it to <run_dir>/summary.json."""
+    if progress.checkpointed != progress.version:
+        _checkpoint(engine, side, progress, config)
+    if progress.published != progress.version:
+        _publish(engine, side.publisher, progress.version)
+    summary = _share_summary(side.summary(progress))
+    side.write_summary(summary)
+    return summary
+
+
 def _share_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's summary (it alone knows the replay's stats) on every rank."""
+    """Rank 0's summary on every rank."""
     if world_size() == 1:
         return summary
     box = [summary]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _valid_items(batch: Batch, vocab_size: int) -> tuple[list, int]:
-    """Items the model can take; a token id outside the vocabulary would crash the step, so it is counted instead."""
-    valid = [item for item in batch.items if item.token_ids().min() >= 0 and item.token_ids().max() < vocab_size]
-    return valid, len(batch.items) - len(valid)
-
-
-def _train(config: Config, request: StopRequest, started: float) -> dict[str, Any]:
-    run_dir = config.run_dir
-    engine, reference = build_engine(config)
-    leader = rank() == 0
-    log.info("learner rank %d of world size %d", rank(), world_size())
-    vocab_size = engine.module.config.vocab_size
-    context = zmq.Context()
-    client = publisher = metrics = None
-    if leader:
-        client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s,
-                              load_keys(config, "learner"))
-        # SGLang servers: learner/sglang_sync.py
-        publisher = make_publisher(context, config, wait_for_model_dir(config))
-        metrics = MetricsLog(config, run_dir)
-    checkpoints = run_dir / "checkpoints"
-    # Resume (docs/architecture.md, "Resume after a crash"): the latest checkpoint in the run directory, with its
-    # version numbering, optimizer and RNG states; the replay rolls back to it if it saw later versions acked.
-    loaded = load_checkpoint(engine, checkpoints)
-    resumed, saved_state = loaded if loaded is not None else (None, {})
-    version, stats, reason = resumed or 0, ReplayStats(), None
-    # The entropy floor's extra bonus coefficient (async_rl.loss.entropy_floor_boost), checkpointed with the weights.
-    entropy_boost = _saved_boost(saved_state, config) if config.algo.entropy_floor > 0 else 0.0
-    checkpointed = published = -1  # the same on every rank: the final gather must be collective or skipped by all
-    keep = config.learner.keep_checkpoints
-    if resumed is not None:
-        checkpointed = resumed
-        if leader:
-            client.checkpoint = resumed
-            # weights of versions above the checkpoint died with the learner that wrote them
-            for dead in (run_dir / "weights").glob("v*.safetensors"):
-                if dead.stem[1:].isdigit() and int(dead.stem[1:]) > version:
-                    dead.unlink(missing_ok=True)
-        _publish(engine, publisher, version)  # the workers may hold weights of versions that died with the learner
-        published = version
-    bad_items = 0
-    skipped_nonfinite = 0  # optimizer steps refused for a non-finite loss or gradient
-
-    def wall_s() -> float:
-        return time.time() - started
-
-    def waiting_should_stop() -> bool:
-        return stop_reason(config, version, stats, wall_s(), request) is not None
-
-    try:
-        while True:
-            batch = None
-            if leader:
-                reason = stop_reason(config, version, stats, wall_s(), request)
-                if reason is None:
-                    batch = client.next_batch(version, config.learner, waiting_should_stop, publisher.republish_if_due)
-                    if batch is None:
-                        reason = stop_reason(config, version, stats, wall_s(), request)
-            batch = _share_batch(batch)
-            if batch is None:
-                break
-            items, dropped = _valid_items(batch, vocab_size)
-            bad_items += dropped
-            if dropped:
-                log.warning("batch %d: skipped %d item(s) with token ids outside the vocabulary",
-                            batch.batch_id, dropped)
-            if not items:
-                if leader:
-                    client.ack(batch, version, trained=False)  # nothing of it was trained
-                    stats = batch.stats
-                continue
-            step_started = time.monotonic()
-            trained_at = version
-            boost_used = entropy_boost
-            version, losses = train_on_items(engine, reference, items, version, config, entropy_boost)
-            step_s = time.monotonic() - step_started
-            for _, step_stats in losses:  # once per optimizer step; the whole batch's entropy, alike on every rank
-                entropy_boost = entropy_floor_boost(entropy_boost, step_stats.entropy, config.algo)
-            skipped_nonfinite += len(losses) < config.algo.ppo_epochs
-            if leader:
-                # Honest acks: a batch with no step taken says so, and the replay counts none of its credit trained.
-                client.ack(batch, version, trained=bool(losses))
-                stats = batch.stats
-            if not losses:
-                continue  # the weights did not change: nothing to publish, checkpoint or log as a step
-            if version % config.learner.publish_every == 0:
-                _publish(engine, publisher, version)
-                published = version
-            if leader:
-                # Before the checkpoint: a learner killed between the two resumes from the previous checkpoint
-                # (this line is then superseded), never from a version whose line was not written.
-                layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
-                batch_line = {**batch_metrics(collate(items), trained_at), **layout}
-                line = step_metrics(version, stats, batch_line, losses, step_s,
-                                    wall_s(), client.bad_messages + bad_items, skipped_nonfinite,
-                                    lr=float(engine.get_lr()[0]))
-                line["entropy_coef"] = config.algo.entropy_coef + boost_used  # the coefficient this step trained with
-                if engine.device.type == "cuda":  # this rank's peak since the last line: weights, state, activations
-                    line["gpu_peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
-                    torch.cuda.reset_peak_memory_stats(engine.device)
-                if config.learner.log_item_ids:
-                    line["item_ids"] = [item.item_id for item in items]
-                metrics.write(line)
-                log.info("v%d loss %.4f success %.3f env_steps %d", version, line["loss"], stats.success_rate,
-                         stats.env_steps)
-            every = config.learner.checkpoint_every
-            if every and version - max(checkpointed, 0) >= every:
-                # After the ack: a learner killed before this completes resumes from the previous checkpoint, and
-                # the replay rolls back the acks above it. The next BatchRequest reports it durable.
-                save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
-                checkpointed = version
-                if leader:
-                    client.checkpoint = version
-        if checkpointed != version:
-            save_checkpoint(engine, checkpoints, version, keep, {"entropy_boost": entropy_boost})
-        if published != version:
-            _publish(engine, publisher, version)
-        summary = _share_summary({
-            "final_success_rate": stats.success_rate_long,
-            "env_steps": stats.env_steps,
-            "trajectories_finished": stats.trajectories_finished,
-            "trajectories_abandoned": stats.trajectories_abandoned,
-            "env_errors": stats.env_errors,
-            "steps_skipped_nonfinite": skipped_nonfinite,
-            "versions": version,
-            "wall_s": wall_s(),
-            "run_dir": str(run_dir.resolve()),
-            "stop_reason": reason,
-        })
-        if leader:
-            _write_json(run_dir / "summary.json", summary)
-            log.info("learner stopped (%s) at v%d after %.1f s", reason, version, summary["wall_s"])
-        return summary
-    finally:
-        for owned in (client, publisher, metrics):
-            if owned is not None:
-                owned.close()
-        context.term()
-        engine.destroy()
-
-
-def _saved_boost(saved_state: dict[str, Any], config: Config) -> float:
-    """The entropy floor's coefficient a checkpoint carried, checked: a number in [0, algo.entropy_floor_max]
-    (clipped into it, e.g. after the bound was lowered), else 0 with a warning."""
-    value = saved_state.get("entropy_boost", 0.0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        log.warning("checkpoint's entropy_boost %r is not a finite number: starting the entropy floor at 0", value)
-        return 0.0
-    return min(max(float(value), 0.0), config.algo.entropy_floor_max)
 
 
 def _publish(engine: Any, publisher: WeightPublisher | None, version: int) -> None:

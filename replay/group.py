@@ -183,10 +183,8 @@ class Group:
         items = []
         for i, credit in sorted(per_member.items()):
             last_stage = ledger.num_stages[i] - 1
-            first = {k for k in credit if (i, k) not in ledger.issued}  # stages no immediate item trained
-            items.append(assemble_item(
-                next(item_ids), "correction", self.group_id, self.trajectories[i], last_stage, credit, first
-            ))
+            items.append(assemble_item(next(item_ids), "correction", self.group_id, self.trajectories[i], last_stage,
+                                       credit))
         self.open_corrections.update(item.item_id for item in items)
         return items
 

@@ -83,18 +83,13 @@ def assemble_item(
     trajectory: Trajectory,
     through_stage: int,
     credit: dict[int, float],
-    first: set[int] | None = None,
 ) -> QueuedItem:
     """Stages 0..through_stage concatenated (obs_0, act_0, ..., obs_k, act_k); the loss mask, advantages,
-    behaviour log-probs and versions are set on the action tokens of the stages in `credit`, 0 elsewhere.
-    `first`: the stages of `credit` this item is the first to train (all when None): `first_trained` is set
-    only where that is not all of them."""
+    behaviour log-probs and versions are set on the action tokens of the stages in `credit`, 0 elsewhere."""
     stages = [trajectory.stages[k] for k in range(through_stage + 1)]
     tokens = b"".join(part for stage in stages for part in (stage.observation, stage.action))
     n = len(tokens) // TOKEN.itemsize
     mask = np.zeros(n, MASK)
-    # flags only where some trained stage is not this item's first; else empty (every trained token is)
-    first_mask = np.zeros(n, MASK) if first is not None and not first >= credit.keys() else None
     advantages = np.zeros(n, ADVANTAGE)
     logprobs = np.zeros(n, LOGPROB)
     versions = np.zeros(n, TOKEN)
@@ -106,8 +101,6 @@ def assemble_item(
         if k not in credit:
             continue
         mask[start:offset] = 1
-        if first_mask is not None and k in first:
-            first_mask[start:offset] = 1
         advantages[start:offset] = credit[k]
         logprobs[start:offset] = unpack(stage.logprobs, LOGPROB)
         versions[start:offset] = unpack(stage.versions, TOKEN)
@@ -123,6 +116,5 @@ def assemble_item(
         advantages=advantages.tobytes(),
         behaviour_logprobs=logprobs.tobytes(),
         policy_versions=versions.tobytes(),
-        first_trained=b"" if first_mask is None else first_mask.tobytes(),
     )
     return QueuedItem(item, trajectory.member, dict(credit), oldest_version, n)

@@ -38,8 +38,8 @@ def test_overrides_parse_yaml_scalars():
 def test_exponent_floats_without_a_dot_are_numbers_in_overrides_and_files(tmp_path):
     """`learner.lr=3e-4` was read as the string '3e-4' (YAML 1.1 floats need a dot) and refused as "expected float";
     YAML 1.2's form is a number now, on the command line and in a file; a name that only contains one stays text."""
-    config = load_config(None, ["learner.lr=3e-4", "algo.entropy_floor=1E-9", "run.name=x1e5"])
-    assert (config.learner.lr, config.algo.entropy_floor, config.run.name) == (3e-4, 1e-9, "x1e5")
+    config = load_config(None, ["learner.lr=3e-4", "algo.kl_beta=1E-9", "run.name=x1e5"])
+    assert (config.learner.lr, config.algo.kl_beta, config.run.name) == (3e-4, 1e-9, "x1e5")
     path = tmp_path / "c.yaml"
     path.write_text("learner:\n  lr: 2e-5\nalgo:\n  kl_beta: -0e0\n")
     assert (load_config(path).learner.lr, load_config(path).algo.kl_beta) == (2e-5, 0.0)

@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from learner_helpers import activation_checkpointing_on
 
 from async_rl.config import Config, config_from_dict
 from async_rl.errors import ConfigError
-from async_rl.loss import bonus_rows, credit_bonus_weights, policy_loss, token_logprobs_and_entropy
+from async_rl.loss import policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model
 from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
 from learner.batch import collate, collate_rows
 from learner.engine import (
-    activation_checkpointing_on,
     backend_for,
     build_engine,
     deepspeed_config,
@@ -30,7 +30,7 @@ from learner.engine import (
     select_precision,
 )
 from learner.pack import MicroBatch, balance_shards, pack_rows, padding_fraction, plan_shards
-from learner.step import batch_credit, rank_micro_batches, train_on_items
+from learner.step import rank_micro_batches, train_on_items
 from rollout.prepare import prepare_model_dir
 
 # This machine has no GPU: the device-selection tests pass torch's answer for one as a plain flag. That flag is
@@ -59,28 +59,22 @@ def random_items(config: Config, count: int = 10, seed: int = 0) -> list[TrainIt
         mask[0] = 0
         mask[-1] = 1
         correction = n % 3 == 0
-        first = mask * (rng.random(length) < 0.5) if correction else None  # some stages had a trained immediate
         items.append(TrainItem(
             item_id=n, kind="correction" if correction else "immediate", group_id=f"g{n // 4}",
             trajectory_id=f"t{n}", tokens=pack(rng.integers(3, vocab, length).tolist(), TOKEN),
             loss_mask=pack(mask.tolist(), MASK), advantages=pack((rng.normal(size=length) * mask).tolist(), ADVANTAGE),
             behaviour_logprobs=pack((rng.uniform(-5, -1, length) * mask).tolist(), LOGPROB),
             policy_versions=pack([0] * length, TOKEN),
-            first_trained=b"" if first is None else pack(first.tolist(), MASK),
         ))
     return items
 
 
-def loss_and_grads(model: torch.nn.Module, batch, config: Config, scale: float = 1.0, credit=None):
-    """The project's loss (TIS form + entropy bonus) on one tensor batch, backward into `model`'s .grad; `credit`:
-    the whole batch's credit-norm weights (by default this batch's own)."""
+def loss_and_grads(model: torch.nn.Module, batch, config: Config, scale: float = 1.0):
+    """The project's loss (TIS form + entropy bonus) on one tensor batch, backward into `model`'s .grad."""
     logits = model(**batch.model_inputs()).logits
     logp, entropy = token_logprobs_and_entropy(logits, batch.tokens, entropy=True)
-    rows = bonus_rows(batch.correction_tokens, batch.first_tokens, config.algo)
-    if credit is None:
-        credit = credit_bonus_weights(batch.advantages, batch.loss_mask, batch.correction_tokens, config.algo)
     loss, _ = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.staleness(0), batch.loss_mask,
-                          config.algo, entropy=entropy, entropy_rows=rows, credit_weights=credit)
+                          config.algo, entropy=entropy)
     (loss * scale).backward()
     return float(loss.detach()) * scale, logp
 
@@ -95,12 +89,10 @@ def setup(tmp_path_factory):
     return config, random_items(config)
 
 
-@pytest.mark.parametrize("entropy_per", ["step", "new-token", "first-train", "credit", "credit-norm"])
+@pytest.mark.parametrize("entropy_per", ["step", "credit"])
 def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
     """One packed row of all items (position ids, no attention mask) against one right-padded row per item; with
-    the entropy bonus on correction items only (new-token), which a packed row mixes with immediate ones, or on
-    the tokens each item is the first to train (first-train: per token within a correction), or weighted by
-    credit scaled over the batch (credit-norm: the same scale and clip from either layout)."""
+    the entropy bonus on every trained token (step) or weighted by each token's |advantage| (credit)."""
     base, items = setup
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "entropy_per": entropy_per})
     padded, packed = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
@@ -121,17 +113,15 @@ def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
 
 
 @pytest.mark.parametrize("aggregation,entropy_per", [("token-mean", "step"), ("seq-mean-token-sum", "step"),
-                                                     ("token-sum", "step"), ("token-sum", "credit-norm")])
+                                                     ("token-sum", "step"), ("token-sum", "credit")])
 @pytest.mark.parametrize("packing", [True, False])
 def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, aggregation, entropy_per, packing):
     """Two ranks' micro-batches (32-token budget), scaled and summed, then averaged over ranks as DeepSpeed does,
-    give the whole padded batch's loss and gradient; under credit-norm each micro-batch trains with the whole
-    batch's weights (`batch_credit`, as `train_on_items` passes them)."""
+    give the whole padded batch's loss and gradient, with the entropy bonus on every token or weighted by credit."""
     base, items = setup
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "aggregation": aggregation,
                                                    "entropy_per": entropy_per},
                          learner={"micro_batch_tokens": 32, "packing": packing})
-    credit = batch_credit(items, config)
     whole, parts = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
     expected, _ = loss_and_grads(whole, collate(items), config)
     world, total, micro_counts = 2, 0.0, []
@@ -140,7 +130,7 @@ def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, agg
         micro_counts.append(len(micro))
         for batch, scale in micro:
             assert batch.tokens.numel() <= 32 or len(batch) == 1
-            loss, _ = loss_and_grads(parts, batch, config, scale / world, credit)
+            loss, _ = loss_and_grads(parts, batch, config, scale / world)
             total += loss
     assert micro_counts[0] == micro_counts[1] > 1
     assert total == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -248,11 +238,11 @@ def test_bad_learner_keys_are_named():
         make_config(Path("/unused"), learner={"device": "tpu"})
 
 
-@pytest.mark.parametrize("entropy_per", ["step", "credit-norm"])
+@pytest.mark.parametrize("entropy_per", ["step", "credit"])
 def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_padded_batch(setup, entropy_per):
     """Real DeepSpeed engines, two steps on the same batch: one padded micro-batch versus packed 24-token
     micro-batches (accumulated, one optimizer step each) with activation checkpointing; the first step's loss is
-    the whole batch's (under credit-norm: with the whole batch's bonus weights in every micro-batch)."""
+    the whole batch's (with the entropy bonus on every token, or weighted by credit)."""
     base, items = setup
     results = []
     algo = {"entropy_coef": 0.1, "kl_beta": 0.05, "entropy_per": entropy_per}

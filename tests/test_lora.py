@@ -26,10 +26,10 @@ from async_rl.model import load_model, load_weights, save_weights
 from learner import lora
 from learner.batch import collate
 from learner.engine import CheckpointError, build_engine, full_state_dict, load_checkpoint, save_checkpoint
-from learner.step import train_on_batch
 from rollout.prepare import prepare_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learner_helpers import train_on_batch  # noqa: E402
 from test_learner import LearnerRun, Sequences  # noqa: E402
 from test_learner import make_config as learner_config  # noqa: E402
 

@@ -9,9 +9,6 @@ import torch
 from async_rl.config import AlgoConfig, load_config
 from async_rl.loss import (
     aggregate,
-    bonus_rows,
-    credit_bonus_weights,
-    entropy_floor_boost,
     importance_weights,
     k3_kl,
     policy_loss,
@@ -190,49 +187,6 @@ def test_token_sum_weighs_a_token_the_same_whatever_else_the_batch_holds():
     assert float(aggregate(token_loss[1:], mask[1:], mean)) == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize("updates", ["immediate+correction", "outcome-only", "immediate-only"])
-def test_entropy_per_new_token_gives_each_token_of_data_the_bonus_once(model, updates):
-    """entropy_per=new-token: with immediate+correction only the correction rows get the bonus (their tokens were
-    also trained as immediates); with one item kind, every row; entropy_per=step: every row."""
-    tokens, mask, _, staleness = batch(2)
-    is_correction = torch.tensor([False, True, True]) if updates == "immediate+correction" else (
-        torch.full((3,), updates == "outcome-only"))
-    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
-    zero_adv = torch.zeros_like(mask)
-    per_token = AlgoConfig(updates=updates, entropy_coef=0.5, entropy_per="new-token", aggregation="token-sum")
-    rows = bonus_rows(is_correction, mask, per_token)
-    loss, _ = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, per_token, entropy=entropy,
-                          entropy_rows=rows)
-    bonus_mask = mask.clone()
-    if updates == "immediate+correction":
-        bonus_mask[0] = 0  # the immediate row
-    expected = -0.5 * float((entropy.detach() * bonus_mask).sum()) / per_token.token_norm
-    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
-    assert bonus_rows(is_correction, mask, AlgoConfig(entropy_per="step")) is None
-
-
-def test_entropy_per_first_train_gives_each_token_the_bonus_on_the_first_item_that_trains_it(model):
-    """entropy_per=first-train: an immediate item's tokens get the bonus (its push is the token's first); a
-    correction's only on the stages no immediate item trained (its first-trained flags), so each token of data
-    gets it once, and on the immediate item where there was one (not on the correction, as new-token does)."""
-    tokens, mask, _, staleness = batch(3)
-    is_correction = torch.tensor([False, True, True])
-    first = mask.clone()
-    first[1] = 0  # a correction whose stages were all trained by immediate items first
-    first[2, 4] = 0  # a correction whose first stage (position 4) had an immediate item, the rest none
-    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
-    algo = AlgoConfig(entropy_coef=0.5, entropy_per="first-train", aggregation="token-sum")
-    loss, _ = policy_loss(logp, logp.detach(), torch.zeros_like(mask), staleness, mask, algo, entropy=entropy,
-                          entropy_rows=bonus_rows(is_correction, first, algo))
-    expected = -0.5 * float((entropy.detach() * first * mask).sum()) / algo.token_norm
-    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
-    assert float((first * mask).sum()) < float(mask.sum()), "some trained tokens get no bonus"
-    new_token = AlgoConfig(entropy_coef=0.5, entropy_per="new-token", aggregation="token-sum")
-    assert torch.equal(bonus_rows(is_correction, first, new_token), is_correction)
-    only_immediate = AlgoConfig(updates="immediate-only", entropy_per="first-train")
-    assert bonus_rows(is_correction, first, only_immediate) is None
-
-
 def test_entropy_per_credit_weights_each_tokens_bonus_by_its_advantage(model):
     """entropy_per=credit: the bonus on every trained token (as step), times |its advantage in the item|, so a token
     whose immediate push (A_imm) and correction (C) disagree gets |A_imm| + |C| > |A_final|, and one of a group
@@ -242,7 +196,6 @@ def test_entropy_per_credit_weights_each_tokens_bonus_by_its_advantage(model):
     advantages = torch.zeros_like(mask)
     advantages[0], advantages[1] = 1.5, -0.5  # row 2: advantage 0
     algo = AlgoConfig(entropy_coef=0.5, entropy_per="credit", aggregation="token-sum")
-    assert bonus_rows(torch.tensor([False, True, True]), mask, algo) is None
     # the entropy term alone: the loss less the same loss without the entropy
     loss, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo, entropy=entropy)
     pg, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo)
@@ -258,87 +211,3 @@ def test_entropy_per_credit_weights_each_tokens_bonus_by_its_advantage(model):
     model.zero_grad()
     loss.backward()  # it trains: the bonus reaches the model through the entropy
     assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
-
-
-@pytest.mark.parametrize("updates,paid", [("immediate+correction", 6.0), ("outcome-only", 10.0)])
-def test_entropy_per_credit_norm_pays_new_tokens_bonus_in_proportion_to_credit(model, updates, paid):
-    """entropy_per=credit-norm: the weights of credit (|A| on every trained token) scaled so that the batch's
-    bonus sums to new-token's (one per token of data: here the 6 correction tokens of immediate+correction, or all
-    10 trained tokens of outcome-only); a row without credit gets none."""
-    tokens, mask, _, staleness = batch(3)  # 4, 4 and 2 trained tokens
-    logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
-    advantages = torch.zeros_like(mask)
-    advantages[0], advantages[1] = 1.5, -0.5  # Σ|A| over the trained tokens: 8; row 2: advantage 0
-    is_correction = torch.tensor([[0.0], [1.0], [1.0]]).expand_as(mask)
-    algo = AlgoConfig(updates=updates, entropy_coef=0.5, entropy_per="credit-norm", aggregation="token-sum")
-    assert bonus_rows(is_correction, mask, algo) is None
-    scale, clip = credit_bonus_weights(advantages, mask, is_correction, algo)
-    assert scale == pytest.approx(paid / 8) and clip == pytest.approx(4 * 0.8)
-    loss, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo, entropy=entropy,
-                          credit_weights=(scale, clip))
-    pg, _ = policy_loss(logp.detach(), logp.detach(), advantages, staleness, mask, algo)
-    weight = advantages.abs() * scale * mask
-    assert float(weight.sum()) == pytest.approx(paid)  # new-token's bonus, all of it
-    assert float(weight[2].sum()) == 0.0
-    expected = -0.5 * float((entropy.detach() * weight).sum()) / algo.token_norm
-    assert float(loss.detach() - pg.detach()) == pytest.approx(expected, rel=1e-5)
-    # any other rule leaves the weights as they are (credit: |A| itself)
-    assert credit_bonus_weights(advantages, mask, is_correction, AlgoConfig(entropy_per="credit")) == (1.0, math.inf)
-
-
-def test_entropy_per_credit_norm_caps_a_lone_credited_token_and_pays_nothing_without_credit():
-    """One token with credit among ten: it would take all ten tokens' bonus; the clip holds it to 4× the batch's
-    mean weight (4, not 10). A batch with no credit at all pays no bonus (scale 0)."""
-    mask = torch.zeros(2, 8)
-    mask[:, 3:] = 1  # 10 trained tokens
-    advantages = torch.zeros_like(mask)
-    advantages[0, 3] = 2.0
-    algo = AlgoConfig(updates="outcome-only", entropy_per="credit-norm")
-    scale, clip = credit_bonus_weights(advantages, mask, torch.ones_like(mask), algo)
-    assert float((advantages.abs().clamp(max=clip) * scale).max()) == pytest.approx(4.0)
-    assert credit_bonus_weights(torch.zeros_like(mask), mask, torch.ones_like(mask), algo) == (0.0, 0.0)
-
-
-def test_the_entropy_floor_raises_the_bonus_below_it_lowers_it_above_within_its_bounds():
-    """algo.entropy_floor: +step per optimizer step while the trained tokens' entropy is under the floor, -step
-    above it, never below 0 (the bonus is then entropy_coef alone) nor above entropy_floor_max; off, always 0; a
-    step with no entropy measured (NaN) changes nothing."""
-    algo = AlgoConfig(entropy_floor=0.2, entropy_floor_step=0.05, entropy_floor_max=0.12)
-    assert entropy_floor_boost(0.0, 0.1, algo) == pytest.approx(0.05)
-    assert entropy_floor_boost(0.05, 0.1, algo) == pytest.approx(0.10)
-    assert entropy_floor_boost(0.10, 0.1, algo) == pytest.approx(0.12)  # capped
-    assert entropy_floor_boost(0.12, 0.3, algo) == pytest.approx(0.07)
-    assert entropy_floor_boost(0.02, 0.3, algo) == 0.0  # not below the plain coefficient
-    assert entropy_floor_boost(0.0, 0.2, algo) == 0.0  # at the floor is not below it
-    assert entropy_floor_boost(0.07, float("nan"), algo) == 0.07
-    assert entropy_floor_boost(0.07, 0.0, AlgoConfig()) == 0.0  # off by default
-
-
-def test_the_entropy_floor_pulls_a_collapsed_policy_back_up_to_it(model):
-    """The controller on a real tiny model: a constant positive advantage on the sampled tokens collapses the policy
-    without the floor (entropy ~0); with a floor of 1 nat the coefficient rises while the entropy is under it, and
-    the policy comes back and stays near the floor (the last 20 of 80 steps)."""
-    tokens, mask, _, staleness = batch(4)
-    advantages = mask.clone() * 2.0
-
-    def train(floor: float) -> tuple[list[float], float]:
-        net = copy.deepcopy(model)
-        optimizer = torch.optim.Adam(net.parameters(), lr=3e-2)
-        algo = AlgoConfig(entropy_floor=floor, entropy_floor_step=0.05, entropy_floor_max=10.0)
-        boost, seen = 0.0, []
-        for _ in range(80):
-            logp, entropy = token_logprobs_and_entropy(net(tokens).logits, tokens)
-            step_algo = AlgoConfig(entropy_coef=boost, entropy_floor=floor)
-            loss, stats = policy_loss(logp, logp.detach(), advantages, staleness, mask, step_algo, entropy=entropy)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            seen.append(stats.entropy)
-            boost = entropy_floor_boost(boost, stats.entropy, algo)
-        return seen, boost
-
-    collapsed, no_boost = train(0.0)
-    held, boost = train(1.0)
-    assert no_boost == 0.0 and max(collapsed[-20:]) < 0.05
-    assert min(held[:40]) < 0.2, "it collapsed first"
-    assert boost > 0 and 0.6 < sum(held[-20:]) / 20 < 1.8

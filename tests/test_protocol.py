@@ -71,7 +71,6 @@ ALL_MESSAGES = [
     Ack(msg_id=9, duplicate=True),
     BatchRequest(learner_id="learner-0", msg_id=4, policy_version=5, max_tokens=4096, min_items=8, max_wait_s=0.5),
     Batch(msg_id=4, batch_id=11, items=[train_item()], stats=ReplayStats(env_steps=100, success_rate=0.5)),
-    Batch(msg_id=4, batch_id=13, items=[train_item(first_trained=pack([0, 0, 1], MASK))], stats=ReplayStats()),
     BatchAck(learner_id="learner-0", msg_id=5, batch_id=11, policy_version=6),
     BatchAck(learner_id="learner-0", msg_id=5, batch_id=11, policy_version=6, trained=False),
     Batch(msg_id=4, batch_id=12, items=[], stats=ReplayStats(rejected={"nonfinite_reward": 3, "too_long": 1})),
@@ -116,18 +115,6 @@ def test_inconsistent_stage_records_are_rejected_on_decode(changes, problem):
     raw.update(changes)
     with pytest.raises(ProtocolError, match=problem):
         decode(msgspec.msgpack.encode(raw))
-
-
-def test_a_train_item_s_first_trained_flags_are_one_per_token_or_none():
-    item = train_item()
-    np.testing.assert_array_equal(item.first_mask(), [0, 1, 1])  # none: every trained token is trained first
-    np.testing.assert_array_equal(train_item(first_trained=pack([0, 0, 1], MASK)).first_mask(), [0, 0, 1])
-    raw = msgspec.msgpack.decode(encode(Batch(msg_id=1, batch_id=1, items=[item], stats=ReplayStats())))
-    for flags, problem in (([1, 1], "expected one per token"), ([1, 1, 1], "off the loss mask"),
-                           ([0, 2, 1], "above 1")):
-        raw["items"][0]["first_trained"] = pack(flags, MASK)
-        with pytest.raises(ProtocolError, match=f"first_trained: .*{problem}"):
-            decode(msgspec.msgpack.encode(raw))
 
 
 def test_other_protocol_versions_are_rejected():

@@ -287,45 +287,6 @@ def test_outcome_only_mode_serves_no_immediate_items():
     assert len(batches) == 1 and {item.kind for item in batches[0].items} == {"correction"}
 
 
-def first_trained_stages(item: TrainItem) -> set[int]:
-    """The stages whose action tokens `item` is the first to train (its `first_trained` flags, whole stages)."""
-    first, stages = item.first_mask(), set()
-    for k, observation, action in stage_layout(item):
-        assert not first[observation].any() and first[action].min() == first[action].max(), "whole action tokens"
-        if first[action].all():
-            stages.add(k)
-    return stages
-
-
-def test_a_correction_flags_as_first_trained_only_the_stages_no_immediate_item_trained():
-    """What algo.entropy_per=first-train reads: an immediate item is the first to train its tokens; a correction is
-    the first only on stages without a trained immediate item (member 2's stage 1 has no stage reward; an untrained
-    immediate is not trained, so its correction is the first); in outcome-only every correction is."""
-    config = make_config()
-    service, worker = ReplayService(config), Worker()
-    grant = lease(service, worker)
-    send_all(service, stage_records(worker, grant))
-    immediates = request_batch(service, version=0)
-    assert all(not item.first_trained and first_trained_stages(item) == stage_credit(item).keys()
-               for item in immediates.items)
-    ack_batch(service, immediates, version=1)
-    trained = {(int(item.trajectory_id.split("/")[1]), k) for item in immediates.items for k in stage_credit(item)}
-    assert (2, 1) not in trained
-    send_all(service, outcome_messages(worker, grant))
-    corrections = request_batch(service, version=1)
-    assert corrections is not None and len(corrections.items) == 4
-    for item in corrections.items:
-        member = int(item.trajectory_id.split("/")[1])
-        assert first_trained_stages(item) == {k for k in stage_credit(item) if (member, k) not in trained}, member
-    assert any(item.first_trained for item in corrections.items)
-
-    outcome_only = ReplayService(make_config(algo={"updates": "outcome-only"}))
-    grant = lease(outcome_only, worker)
-    send_all(outcome_only, stage_records(worker, grant) + outcome_messages(worker, grant))
-    batch = request_batch(outcome_only, version=0)
-    assert batch is not None and all(not item.first_trained for item in batch.items)
-
-
 def test_immediate_only_mode_closes_groups_without_corrections():
     service, worker = ReplayService(make_config(algo={"updates": "immediate-only"})), Worker()
     grant = lease(service, worker)
@@ -924,7 +885,6 @@ def test_an_untrained_batch_ack_counts_no_credit_and_the_correction_carries_it()
     expected = expected_final_credit(config)
     assert credit.keys() == {s for s, a in expected.items() if abs(a) > 1e-8}
     assert all(credit[s] == pytest.approx(expected[s]) for s in credit), "C = A_final: nothing was issued"
-    assert all(first_trained_stages(item) == stage_credit(item).keys() for item in corrections.items)
     ack = BatchAck(learner_id="l", msg_id=10, batch_id=corrections.batch_id, policy_version=0, trained=False)
     service.handle(LEARNER, ack, 0.0)
     stats = service.stats_snapshot()
@@ -1187,8 +1147,6 @@ def test_a_rollback_past_a_group_s_immediates_finalizes_it_again():
         old_corrections.items)
     assert {item.kind for item in batch.items} == {"correction"}
     assert not {item.item_id for item in batch.items} & {item.item_id for item in old_corrections.items}
-    assert any(item.first_trained for item in old_corrections.items)
-    assert all(not item.first_trained for item in batch.items), "the undone immediates trained nothing first"
     trained = surviving_credit([(1, batch.items)])
     for (i, k), a_final in expected_final_credit(config).items():
         assert math.isclose(trained.get((grant.group_id, i, k), 0.0), a_final, abs_tol=1e-9), (i, k)
