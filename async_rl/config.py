@@ -252,7 +252,7 @@ class AlgoConfig(_Section):
     # steps); credit: on every trained action token, weighted by |its advantage in the item| (A_imm or C), so a token
     # whose stage credit and outcome disagree (an immediate push undone by its correction) gets more bonus than one
     # whose credit came in one piece: the one rule that met every delayed-judge target measured with traps, slower
-    # on the hunt (docs/benchmarks.md).
+    # on the hunt (docs/research/log.md).
     entropy_per: Literal["step", "credit"] = "step"
     # Never let the learner run so far ahead of outcomes still being judged that their corrections would pass
     # max_correction_staleness (docs/algorithm.md, "Staleness"): credit_dropped stays 0.

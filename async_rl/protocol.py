@@ -336,7 +336,7 @@ def _finite(value: float | None) -> bool:
 def value_problem(message: Message) -> tuple[str, str] | None:
     """(reason, detail) for a value out of its range in a message that decoded, or None.
 
-    Only what needs no state: the replay service adds the checks that need its state (replay/service.py).
+    Only what needs no state: the replay service adds the checks that need its state (replay/edge.py).
     Reasons are short snake_case names; they key `ReplayStats.rejected`.
     """
     match message:

@@ -371,7 +371,7 @@ print(json.dumps(results))
 
 
 # A fenced block opened with ```history holds the commands of measurements made with options since removed (they
-# reproduce at the commit docs/benchmarks.md names, not at this one): not parsed here.
+# reproduce at the commit docs/research/log.md names, not at this one): not parsed here.
 HISTORY = re.compile(r"^```history\n.*?^```$", re.MULTILINE | re.DOTALL)
 
 

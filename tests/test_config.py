@@ -124,7 +124,7 @@ def test_a_removed_key_loads_at_its_old_default_and_is_refused_otherwise_with_th
     still loads with its default, false; true names why it went and where it still runs."""
     assert load_config(None, ["algo.hold_immediates=false"]) == load_config(None, [])
     with pytest.raises(ConfigError, match=re.escape("algo.hold_immediates: the ablation of immediate+correction was "
-                                                    "removed from the product (its result is in docs/benchmarks.md; "
+                                                    "removed from the product (its result is in docs/research/log.md; "
                                                     "reproducible at commit 6d4d567); only False is accepted, got "
                                                     "True")):
         load_config(None, ["algo.hold_immediates=true"])
