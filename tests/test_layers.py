@@ -119,3 +119,20 @@ def _components(edges: dict[str, dict[str, str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return components
+
+
+def test_every_product_file_says_its_job_and_architecture_md_names_it():
+    """A file does one job, said in its docstring's first line; docs/architecture.md's table names every file."""
+    table = (REPO / "docs" / "architecture.md").read_text()
+    unsaid, unlisted = [], []
+    for module, path in product_files().items():
+        if path.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if not doc or not doc.strip():
+            unsaid.append(str(path.relative_to(REPO)))
+        inside = path.relative_to(REPO / module.split(".")[0]).as_posix()  # e.g. engines/thread.py
+        if f"`{inside}`" not in table:
+            unlisted.append(str(path.relative_to(REPO)))
+    assert unsaid == [], f"files without a docstring saying their job: {unsaid}"
+    assert unlisted == [], f"files docs/architecture.md's layout table does not name: {unlisted}"
