@@ -333,7 +333,63 @@ def _finite(value: float | None) -> bool:
     return value is None or math.isfinite(value)
 
 
-def value_problem(message: Message) -> tuple[str, str] | None:
+Problem = tuple[str, str] | None  # (reason, detail) of a value out of its range, or None
+
+
+def _stage_record_problem(message: StageRecord) -> Problem:
+    if not _finite(message.stage_reward):
+        return "nonfinite_reward", f"stage_reward {message.stage_reward} is not finite"
+    logprobs = message.logprobs()
+    if not np.isfinite(logprobs).all():
+        return "bad_logprob", "behaviour_logprobs: not finite"
+    if logprobs.max() > LOGPROB_SLACK:
+        return "bad_logprob", f"behaviour_logprobs: {float(logprobs.max())} > 0 is not a log-probability"
+    versions = message.versions()
+    if versions.min() < 0:
+        return "bad_version", f"policy_versions: {int(versions.min())} < 0"
+    for name, ids in (("action_tokens", message.action_ids()), ("observation_tokens", message.observation_ids())):
+        if len(ids) and ids.min() < 0:
+            return "bad_token", f"{name}: token id {int(ids.min())} < 0"
+    return None
+
+
+def _outcome_problem(message: Outcome) -> Problem:
+    if message.member < 0:
+        return "bad_member", f"member {message.member} < 0"
+    if not _finite(message.outcome):
+        return "nonfinite_outcome", f"outcome {message.outcome} is not finite"
+    if message.num_stages < 0 or (not message.abandoned and message.num_stages == 0):
+        return "bad_num_stages", f"num_stages {message.num_stages}: a finished trajectory has >= 1 stage"
+    return None
+
+
+def _version_problem(version: int) -> Problem:
+    if not 0 <= version <= MAX_VERSION:
+        return "bad_version", f"policy_version {version} out of [0, {MAX_VERSION}]"
+    return None
+
+
+def _eval_report_problem(message: EvalReport) -> Problem:
+    problem = _version_problem(message.policy_version)
+    if problem is None and not all(math.isfinite(value) for value in message.metrics.values()):
+        problem = "nonfinite_metric", "metrics: a value is not finite"
+    return problem
+
+
+def _batch_request_problem(message: BatchRequest) -> Problem:
+    problem = _version_problem(message.policy_version)
+    if problem is None and message.max_tokens < 1:
+        problem = "bad_request", f"max_tokens {message.max_tokens} < 1"
+    if problem is None and not 0 <= message.min_items <= MAX_MIN_ITEMS:
+        problem = "bad_request", f"min_items {message.min_items} out of [0, {MAX_MIN_ITEMS}]"
+    if problem is None and not 0.0 <= message.max_wait_s <= MAX_WAIT_S:  # NaN fails too
+        problem = "bad_request", f"max_wait_s {message.max_wait_s} out of [0, {MAX_WAIT_S}]"
+    if problem is None and not -1 <= message.checkpoint <= message.policy_version:
+        problem = "bad_version", f"checkpoint {message.checkpoint} out of [-1, policy_version]"
+    return problem
+
+
+def value_problem(message: Message) -> Problem:
     """(reason, detail) for a value out of its range in a message that decoded, or None.
 
     Only what needs no state: the replay service adds the checks that need its state (replay/edge.py).
@@ -341,46 +397,15 @@ def value_problem(message: Message) -> tuple[str, str] | None:
     """
     match message:
         case StageRecord():
-            if not _finite(message.stage_reward):
-                return "nonfinite_reward", f"stage_reward {message.stage_reward} is not finite"
-            logprobs = message.logprobs()
-            if not np.isfinite(logprobs).all():
-                return "bad_logprob", "behaviour_logprobs: not finite"
-            if logprobs.max() > LOGPROB_SLACK:
-                return "bad_logprob", f"behaviour_logprobs: {float(logprobs.max())} > 0 is not a log-probability"
-            versions = message.versions()
-            if versions.min() < 0:
-                return "bad_version", f"policy_versions: {int(versions.min())} < 0"
-            for name, ids in (("action_tokens", message.action_ids()), ("observation_tokens",
-                                                                          message.observation_ids())):
-                if len(ids) and ids.min() < 0:
-                    return "bad_token", f"{name}: token id {int(ids.min())} < 0"
+            return _stage_record_problem(message)
         case Outcome():
-            if message.member < 0:
-                return "bad_member", f"member {message.member} < 0"
-            if not _finite(message.outcome):
-                return "nonfinite_outcome", f"outcome {message.outcome} is not finite"
-            if message.num_stages < 0 or (not message.abandoned and message.num_stages == 0):
-                return "bad_num_stages", f"num_stages {message.num_stages}: a finished trajectory has >= 1 stage"
+            return _outcome_problem(message)
         case EvalReport():
-            if not 0 <= message.policy_version <= MAX_VERSION:
-                return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"
-            if not all(math.isfinite(value) for value in message.metrics.values()):
-                return "nonfinite_metric", "metrics: a value is not finite"
+            return _eval_report_problem(message)
         case BatchRequest():
-            if not 0 <= message.policy_version <= MAX_VERSION:
-                return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"
-            if message.max_tokens < 1:
-                return "bad_request", f"max_tokens {message.max_tokens} < 1"
-            if not 0 <= message.min_items <= MAX_MIN_ITEMS:
-                return "bad_request", f"min_items {message.min_items} out of [0, {MAX_MIN_ITEMS}]"
-            if not 0.0 <= message.max_wait_s <= MAX_WAIT_S:  # NaN fails too
-                return "bad_request", f"max_wait_s {message.max_wait_s} out of [0, {MAX_WAIT_S}]"
-            if not -1 <= message.checkpoint <= message.policy_version:
-                return "bad_version", f"checkpoint {message.checkpoint} out of [-1, policy_version]"
+            return _batch_request_problem(message)
         case BatchAck():
-            if not 0 <= message.policy_version <= MAX_VERSION:
-                return "bad_version", f"policy_version {message.policy_version} out of [0, {MAX_VERSION}]"
+            return _version_problem(message.policy_version)
     return None
 
 
