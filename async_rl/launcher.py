@@ -316,18 +316,28 @@ def _table(metrics: dict, elapsed: float, children: list[Child], config: Config)
     return table
 
 
-def _evaluate(config_path: Path, run_dir: Path, env: dict[str, str], console: Console) -> dict:
-    """The final weights on every task (the windowed training metric is noisy): `async-rl evaluate`."""
+def _evaluate(config: Config, console: Console) -> dict:
+    """The final weights on every task (the windowed training metric is noisy), as `async-rl evaluate` does, in this
+    process: it has torch and the model code loaded already, where a new process spent ~8 s of the default run's
+    2 cores importing them and exiting. The evaluation's log goes to logs/evaluate.log; a failure leaves the
+    run's result without it."""
+    from rollout.evaluate import evaluate
+
     console.print("evaluating the final weights on every task ...")
-    with open(run_dir / "logs" / "evaluate.log", "ab") as log_file:
-        done = subprocess.run(
-            [sys.executable, "-m", "async_rl.cli", "evaluate", "--config", str(config_path)],
-            stdout=subprocess.PIPE, stderr=log_file, env=env, text=True,
-        )
-    if done.returncode != 0:
-        console.print(f"[red]evaluation failed; see {run_dir / 'logs' / 'evaluate.log'}[/]")
+    log_path = config.run_dir / "logs" / "evaluate.log"
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [evaluate] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    saved, root.handlers = root.handlers, [handler]
+    try:
+        return evaluate(config, max(1, config.run.eval_samples_per_task))
+    except Exception:  # any failure of the evaluation: the run's own result stands
+        log.exception("evaluation failed")
+        console.print(f"[red]evaluation failed; see {log_path}[/]")
         return {}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        root.handlers = saved
+        handler.close()
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -429,6 +439,6 @@ def train(config: Config, resume: bool = False) -> int:
     result = {key: summary.get(key) for key in ("final_success_rate", "env_steps", "versions", "wall_s", "run_dir")}
     result["stop_reason"] = summary.get("stop_reason")
     if config.run.eval_samples_per_task > 0 and not interrupted:
-        result.update(_evaluate(config_path, run_dir, env, console))
+        result.update(_evaluate(config, console))
     print(json.dumps(result), flush=True)
     return 130 if interrupted else 0
