@@ -318,9 +318,9 @@ def _table(metrics: dict, elapsed: float, children: list[Child], config: Config)
 
 def _evaluate(config: Config, console: Console) -> dict:
     """The final weights on every task (the windowed training metric is noisy), as `async-rl evaluate` does, in this
-    process: it has torch and the model code loaded already, where a new process spent ~8 s of the default run's
-    2 cores importing them and exiting. The evaluation's log goes to logs/evaluate.log; a failure leaves the
-    run's result without it."""
+    process: it has torch and the model code loaded already. A new `async-rl evaluate` process took 19 s to import
+    them and exit around a 0.6 s evaluation (the 2-core machine at load 12, 2026-11-27). The evaluation's log goes
+    to logs/evaluate.log; a failure leaves the run's result without it."""
     from rollout.evaluate import evaluate
 
     console.print("evaluating the final weights on every task ...")
