@@ -8,6 +8,7 @@ message names the dotted key, the bad value and what is allowed, e.g.
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 import re
 import types
 import typing
@@ -38,7 +39,8 @@ class RunConfig(_Section):
     dir: str = "runs"  # parent directory of run directories
     seed: int = 0  # seeds model init, sampling and the learner
     max_env_steps: PosInt | None = None  # budget: stop after this many environment steps (stage records)
-    max_versions: PosInt | None = 2000  # budget: stop after this many learner optimizer steps
+    # budget: stop after this many learner optimizer steps (the default run stops at target_success long before)
+    max_versions: PosInt | None = 10_000
     target_success: Fraction | None = 0.8  # stop early once success_rate_long reaches this (None: never)
     max_wall_s: PosFloat | None = None  # stop after this many seconds
     eval_samples_per_task: NonNegInt = 16  # after `train`: evaluate the final weights on every eval task (0: skip)
@@ -212,9 +214,10 @@ class LearnerConfig(_Section):
     micro_batch_tokens: PosInt = 4096
     # Sequences laid end to end in rows of at most pack_row_tokens, attention kept per sequence through position
     # ids; false: one right-padded sequence per row. null row length: micro_batch_tokens (one row per micro-batch,
-    # what flash-attention's varlen kernel wants); on CPU/sdpa attention costs a row's length squared, so shorter.
+    # what flash-attention's varlen kernel wants); on CPU/sdpa attention costs a row's length squared, so shorter:
+    # 64 keeps the default run's padding at ~5% at about the unpacked learner's speed (docs/benchmarks.md).
     packing: bool = True
-    pack_row_tokens: PosInt | None = None
+    pack_row_tokens: PosInt | None = 64
     activation_checkpointing: bool = False  # recompute activations in backward (HF gradient checkpointing)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
@@ -247,7 +250,9 @@ class AlgoConfig(_Section):
     seq_norm: PosFloat = 8.0  # fixed normalizer of seq-mean-token-sum (Dr. GRPO)
     token_norm: PosFloat = 256.0  # fixed normalizer of token-sum (action tokens)
     kl_beta: NonNegFloat = 0.0  # KL to the initial policy (k3); 0 = off
-    entropy_coef: NonNegFloat = 0.0  # − coef · H(π) per action token (exploration bonus); 0 = off (docs/algorithm.md)
+    # − coef · H(π) per action token (exploration bonus; 0 = off, the design's loss): without it 3–6 of 16 trap tasks
+    # stay trapped on some seeds (docs/algorithm.md, "Entropy bonus")
+    entropy_coef: NonNegFloat = 0.2
     # step (the default): on every trained action token (immediate+correction trains a token twice, over ~5× the
     # steps); credit: on every trained action token, weighted by |its advantage in the item| (A_imm or C), so a token
     # whose stage credit and outcome disagree (an immediate push undone by its correction) gets more bonus than one
@@ -263,7 +268,9 @@ class AlgoConfig(_Section):
 
 
 class WandbConfig(_Section):
-    mode: Literal["offline", "online", "disabled"] = "offline"
+    # disabled: no W&B (the metrics.jsonl files are always written); offline: run files to sync later (`wandb sync`);
+    # online: live. Each role runs its own wandb-core service, ~40 s of the default run on 2 cores: ask for it.
+    mode: Literal["offline", "online", "disabled"] = "disabled"
     project: str = "async-rl"
     entity: str | None = None
     tags: list[str] = []
@@ -291,7 +298,13 @@ class Config(_Section):
         return Path(self.run.dir) / self.run.name
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+# The packaged configs (package data, async_rl/configs/<name>.yaml; configs/ in a checkout links to them): `local`
+# (the defaults above as a commented file), `cluster` (deploy/k8s), `smollm2` (a real model with a tool).
+PACKAGED = importlib.resources.files("async_rl") / "configs"
+
+
+def packaged_config_names() -> list[str]:
+    return sorted(entry.name.removesuffix(".yaml") for entry in PACKAGED.iterdir() if entry.name.endswith(".yaml"))
 
 
 def configured_model_path(config: Config) -> Path | None:
@@ -319,17 +332,18 @@ def _yaml(text: str) -> Any:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML (the embedded local default when `path` is None), apply `a.b=value` overrides, validate."""
-    source = Path(path) if path is not None else DEFAULT_CONFIG
-    try:
-        raw = _yaml(source.read_text()) if source.exists() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    if path is not None and not source.exists():
-        raise ConfigError(f"config file {source} does not exist")
-    raw = raw or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    """The config of `path` with `a.b=value` overrides applied, validated. `path`: None for the defaults (the structs
+    above; nothing is read), a YAML file, or a packaged config by name (`cluster`; a file of that name is `./cluster`).
+    A file that does not exist is an error that names it: nothing falls back to the defaults."""
+    raw: Any = {}
+    if path is not None:
+        source, text = _read_config(path)
+        try:
+            raw = _yaml(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(raw).__name__}")
     for override in overrides:
         _apply_override(raw, override)
     return config_from_dict(raw)
@@ -355,6 +369,22 @@ def _drop_removed(raw: dict[str, Any]) -> None:
             if values[key] != default:
                 raise ConfigError(f"{section}.{key}: {why}; only {default!r} is accepted, got {values[key]!r}")
             del values[key]
+
+
+def _read_config(path: str | Path) -> tuple[str, str]:
+    """(what to call it in an error, its text): a packaged config when `path` is one's bare name, else a file."""
+    if isinstance(path, str) and path in packaged_config_names():
+        resource = PACKAGED / f"{path}.yaml"
+        return f"packaged config {path} ({resource})", resource.read_text()
+    source = Path(path)
+    try:
+        return str(source), source.read_text()
+    except FileNotFoundError:
+        names = ", ".join(packaged_config_names())
+        raise ConfigError(f"config file {source} does not exist (a packaged config is named without a path or "
+                          f".yaml: {names})") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"config file {source}: cannot read it: {exc}") from None
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

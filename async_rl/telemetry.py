@@ -3,7 +3,8 @@
 All roles of one training run are one W&B *group* (the run directory's `wandb_group` file, written once by the
 first role to start, so pods that share the volume and a resumed run agree on it); each role is a W&B run in it
 with a stable id (`<group>-<role>`, resumed with `resume="allow"`), named and typed by its role: `learner`,
-`replay`, `rollout-0`, ... Offline by default (`wandb.mode`); `wandb sync <run_dir>/wandb/offline-run-*` uploads.
+`replay`, `rollout-0`, ... Only when asked (`wandb.mode` offline or online; the default is disabled); `wandb sync
+<run_dir>/wandb/offline-run-*` uploads an offline run.
 
 Files: `<run_dir>/metrics/<role>.jsonl`; the learner keeps `<run_dir>/metrics.jsonl` (one line per step), which
 `async-rl train`'s display and the benchmarks follow.

@@ -29,6 +29,8 @@ MODEL_IMPORT_HELP = ("Write a GGUF model as a Hugging Face directory that model.
 EXPORT_HELP = ("Write a run's latest (or --version N) published policy as a Hugging Face directory with its tokenizer "
                "and chat template, for transformers or SGLang (docs/models.md).")
 POD_ROLES = ("replay", "learner", "rollout")
+CONFIG_HELP = ("a YAML config file, or a packaged config by name: local, cluster, smollm2 (default: the built-in "
+               "defaults, the same as local)")
 OVERRIDES_HELP = "overrides of config keys, e.g. algo.max_staleness=2 env.kwargs.stages=5 (anywhere on the line)"
 
 
@@ -40,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     for role, text in ROLES.items():
         sub = roles.add_parser(role, help=text.split(". ")[0], description=text)
-        sub.add_argument("--config", default=None, metavar="FILE", help="YAML config (default: configs/local.yaml)")
+        sub.add_argument("--config", default=None, metavar="FILE", help=CONFIG_HELP)
         if role == "train":
             sub.add_argument("--resume", default=None, metavar="RUN_DIR",
                              help="continue the run in RUN_DIR (its config.yaml; overrides apply on top): the learner "

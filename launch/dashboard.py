@@ -70,6 +70,21 @@ def _budget_progress(config: Config, metrics: dict, elapsed: float) -> tuple[flo
     return min(fraction, 1.0), name
 
 
+def _progress(config: Config, metrics: dict, elapsed: float) -> tuple[float, str]:
+    """The progress bar's fraction and text: toward what will stop the run. With run.target_success, the long-window
+    success rate against the target (the stop rule; no ETA, learning is not linear), then the nearest cap;
+    without, the nearest cap with the ETA its pace gives."""
+    fraction, budget = _budget_progress(config, metrics, elapsed)
+    learning_s = metrics.get("wall_s", 0.0)  # since the launcher started, at the learner's last step
+    eta = f"{learning_s * (1 - fraction) / fraction:.0f} s" if 0 < fraction < 1 else "-"
+    cap = f"{100 * fraction:.0f}% of {budget}, ETA {eta}"
+    target = config.run.target_success
+    if target is None:
+        return fraction, cap
+    success = metrics.get("success_rate_long", 0.0)
+    return min(success / target, 1.0) if target > 0 else 1.0, f"success {success:.3f} of target {target}; cap: {cap}"
+
+
 def _state(child: Child) -> str:
     code = child.process.poll()
     if code is None:
@@ -81,13 +96,11 @@ def _table(metrics: dict, elapsed: float, children: list[Child], config: Config)
     table = Table(title="async-rl train", show_header=False, expand=False)
     table.add_column(style="bold cyan")
     table.add_column()
-    fraction, budget = _budget_progress(config, metrics, elapsed)
+    fraction, progress = _progress(config, metrics, elapsed)
     learning_s = metrics.get("wall_s", 0.0)  # since the launcher started, at the learner's last step
-    eta = f"{learning_s * (1 - fraction) / fraction:.0f} s" if 0 < fraction < 1 else "-"
     target = config.run.target_success
     rows = [
-        ("progress", Columns([ProgressBar(total=1.0, completed=fraction, width=30),
-                              f"{100 * fraction:.0f}% of {budget}, ETA {eta}"])),
+        ("progress", Columns([ProgressBar(total=1.0, completed=fraction, width=30), progress])),
         ("elapsed", f"{elapsed:.0f} s"),
         ("policy version", metrics.get("version", 0)),
         ("env steps", metrics.get("env_steps", 0)),

@@ -1,8 +1,10 @@
 """Config: the embedded default loads, round-trips, and every bad value is named by its dotted key."""
 
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from async_rl.config import Config, config_from_dict, config_to_dict, dump_config, load_config
 from async_rl.errors import ConfigError
@@ -16,7 +18,54 @@ def test_embedded_default_has_the_documented_defaults():
         1.0, 0.95, 2.0, 1.0,
     )
     assert config.env.name == "trap"
-    assert config.wandb.mode == "offline"
+    assert config.wandb.mode == "disabled"  # W&B when asked: each role's service costs the quick start ~40 s
+    # the README's default run: what configs/local.yaml said while the structs said 0.0, 2000 and null
+    assert (config.algo.entropy_coef, config.run.max_versions, config.learner.pack_row_tokens) == (0.2, 10_000, 64)
+    assert config.run.target_success == 0.8
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "kwargs":
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_the_local_config_is_the_structs_defaults_key_by_key():
+    """configs/local.yaml is the defaults as a commented file, not a second source: every key it sets equals the
+    structs' default, so loading it gives the defaults exactly (a wheel, which runs the structs, runs the same)."""
+    from async_rl.config import PACKAGED
+
+    written = _flat(yaml.safe_load((PACKAGED / "local.yaml").read_text()))
+    defaults = _flat(config_to_dict(Config()))
+    assert set(written) <= set(defaults), set(written) - set(defaults)
+    differ = {key: (value, defaults[key]) for key, value in written.items() if value != defaults[key]}
+    assert not differ, f"configs/local.yaml (file, struct): {differ}"
+    assert config_to_dict(load_config("local")) == config_to_dict(Config()) == config_to_dict(load_config())
+    assert len(written) >= 40  # the knobs a newcomer turns: run, model, env, rollout, replay, learner, algo, wandb
+
+
+def test_a_packaged_config_is_named_and_a_missing_file_is_named_in_the_error(tmp_path, monkeypatch):
+    from async_rl.config import packaged_config_names
+
+    assert packaged_config_names() == ["cluster", "local", "smollm2"]
+    repo = Path(__file__).resolve().parent.parent
+    for name in packaged_config_names():  # configs/ in the checkout is the packaged files, linked
+        assert load_config(name) == load_config(repo / "configs" / f"{name}.yaml")
+    cluster = load_config("cluster")
+    assert (cluster.rollout.engine, cluster.wandb.mode, cluster.algo.entropy_coef) == ("sglang", "online", 0.0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cluster").write_text("run:\n  name: mine\n")
+    assert load_config("./cluster").run.name == "mine"  # a path is a file; a bare name the packaged config
+    assert load_config("cluster").run.name == "agent-grpo"
+    with pytest.raises(ConfigError, match=r"config file clutser\.yaml does not exist .*: cluster, local, smollm2"):
+        load_config("clutser.yaml")
+    with pytest.raises(ConfigError, match=f"config file {re.escape(str(tmp_path))}/dir: cannot read it"):
+        (tmp_path / "dir").mkdir()
+        load_config(tmp_path / "dir")
 
 
 def test_round_trip_through_yaml(tmp_path):
@@ -87,7 +136,7 @@ def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
 
 
 def test_missing_file_and_bad_yaml_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match=f"config file {re.escape(str(tmp_path / 'nope.yaml'))} does not exist"):
         load_config(tmp_path / "nope.yaml")
     path = tmp_path / "broken.yaml"
     path.write_text("algo: [1,\n")
@@ -96,8 +145,6 @@ def test_missing_file_and_bad_yaml_are_config_errors(tmp_path):
 
 
 def test_every_shipped_config_is_valid():
-    from pathlib import Path
-
     configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
     assert configs
     for path in configs:

@@ -42,7 +42,7 @@ def make_config(tmp_path: Path, **sections: dict) -> Config:
     # fp32 wherever the engine runs (the CPU here, the GPU on a GPU machine): these tests compare layouts to 1e-5;
     # bf16 is tests/test_gpu.py's.
     raw: dict = {"run": {"dir": str(tmp_path), "name": "scale", "seed": 0}, "wandb": {"mode": "disabled"},
-                 "algo": {"entropy_coef": 0.1}, "learner": {"precision": "fp32"}}
+                 "algo": {"entropy_coef": 0.1}, "learner": {"precision": "fp32", "pack_row_tokens": None}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return config_from_dict(raw)

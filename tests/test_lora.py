@@ -38,8 +38,11 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "gate_pr
 
 
 def make_config(tmp_path: Path, lora_options: dict | None = None, **sections: dict) -> Config:
+    # no entropy bonus and one row per micro-batch, as test_learner's configs (the reference losses here have none)
     raw: dict = {"run": {"dir": str(tmp_path), "name": "lora", "seed": 0}, "wandb": {"mode": "disabled"},
-                 "learner": {"precision": "fp32", "device": "cpu", "lora": {**LORA, **(lora_options or {})}}}
+                 "algo": {"entropy_coef": 0.0},
+                 "learner": {"precision": "fp32", "device": "cpu", "pack_row_tokens": None,
+                             "lora": {**LORA, **(lora_options or {})}}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     config = config_from_dict(raw)

@@ -135,13 +135,14 @@ def test_entropy_of_uniform_logits_is_log_vocab_and_matches_the_chosen_logprobs(
     assert torch.allclose(logp, token_logprobs(torch.zeros(1, 3, 7), tokens))
 
 
-def test_entropy_bonus_raises_the_policy_entropy_and_is_off_by_default(model):
+def test_entropy_bonus_raises_the_policy_entropy_and_is_off_at_zero(model):
     model = copy.deepcopy(model)  # trained below; the fixture is shared
     tokens, mask, _, staleness = batch(1)
     zero_adv = torch.zeros_like(mask)
     logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)
-    loss, stats = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, AlgoConfig(), entropy=entropy)
-    assert float(loss.detach()) == 0.0 and stats.entropy > 0  # reported, not trained, at the default 0
+    off = AlgoConfig(entropy_coef=0.0)  # the design's loss (configs/cluster.yaml); the default run's is 0.2
+    loss, stats = policy_loss(logp, logp.detach(), zero_adv, staleness, mask, off, entropy=entropy)
+    assert float(loss.detach()) == 0.0 and stats.entropy > 0  # reported, not trained, at 0
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     for _ in range(3):
         logp, entropy = token_logprobs_and_entropy(model(tokens).logits, tokens)

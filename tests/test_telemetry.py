@@ -101,20 +101,32 @@ def _finished_child(tmp_path: Path, name: str, code: int) -> Child:
     return Child(name, process, log_path, log_path.open("w"))
 
 
-def test_the_display_shows_progress_to_the_budget_eta_throughput_and_finished_roles_as_done(tmp_path):
-    config = config_from_dict({"run": {"max_versions": 200, "target_success": 0.8}})
+def _display(tmp_path: Path, run: dict) -> str:
+    config = config_from_dict({"run": run})
     children = [_finished_child(tmp_path, "learner", 0), _finished_child(tmp_path, "rollout-0", 3)]
     metrics = {"version": 50, "env_steps": 1000, "wall_s": 100.0, "success_rate": 0.5, "success_rate_long": 0.4,
                "tokens_per_s": 1234.0}
-    console = Console(record=True, width=140)
+    console = Console(record=True, width=160)
     console.print(_table(metrics, 110.0, children, config))
-    text = console.export_text()
-    assert "25% of 200 versions, ETA 300 s" in text  # 100 s for the first quarter: 300 s for the rest
+    for child in children:
+        child.log_file.close()
+    return console.export_text()
+
+
+def test_the_display_shows_progress_to_the_target_the_cap_throughput_and_finished_roles_as_done(tmp_path):
+    """The run stops at run.target_success (the default) long before its version cap: the bar is the success rate
+    against the target (0.4 of 0.8: half-filled), the cap and its ETA follow."""
+    text = _display(tmp_path, {"max_versions": 200, "target_success": 0.8})
+    assert "success 0.400 of target 0.8; cap: 25% of 200 versions, ETA 300 s" in text  # 100 s for the first quarter
+    assert "━" * 15 in text and "━" * 16 not in text  # the 30-wide bar, half-filled by 0.4 / 0.8
     assert "10.0 env steps/s, 0.50 versions/s, 1234 tokens/s trained" in text
     assert "0.500 (0.400), target 0.8" in text
     assert "learner done" in text and "rollout-0 exited 3" in text
-    for child in children:
-        child.log_file.close()
+
+
+def test_without_a_target_the_display_shows_progress_to_the_nearest_budget(tmp_path):
+    text = _display(tmp_path, {"max_versions": 200, "target_success": None, "max_wall_s": 1000})
+    assert "25% of 200 versions, ETA 300 s" in text and "target" not in text
 
 
 ROLE_SCRIPT = """
