@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -130,6 +131,17 @@ def configure_logging(role: str, config: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    finally:
+        # The interpreter's last garbage collection at exit walks every object torch and transformers made: seconds
+        # per process on a busy machine (6.5 s -> 1.7 s at a load of 10 on 2 cores), paid by the launcher and each
+        # role at the end of every run. Frozen objects are skipped by it; atexit handlers, threads and the
+        # modules' own cleanup run as before.
+        gc.freeze()
+
+
+def _run(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.role in ("model", "export"):
         return run_hf_io(args)
