@@ -49,6 +49,7 @@ def assert_children_gone(run_dir: Path) -> None:
 
 
 def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
+    """Slow: a real run of 25 versions (checkpoints at 10 and 20) and the final evaluation this test checks."""
     done, run_dir = train(tmp_path, "run.max_versions=25", "learner.checkpoint_every=10")  # groups close at checkpoints
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -412,6 +412,7 @@ def assert_invariants(lines: list[dict], max_staleness: int) -> None:
 
 
 def test_train_with_sglang_servers_and_distributed_sync(servers, tmp_path):
+    """Slow: 60 versions through two SGLang servers, the fewest in which the stage reward's climb shows."""
     # A shorter trap task (2 stages, no trap) so that learning shows within a CI-sized budget of 60 versions.
     run = train(tmp_path, servers, "run.max_versions=60", "rollout.sglang.weight_sync=distributed",
                 f"rollout.sglang.dist_master_port={free_port()}", "env.kwargs.stages=2", "env.kwargs.traps=0",
