@@ -7,7 +7,7 @@ samples each): as trained, and `--blind` (every tool answer replaced by `?`). Ru
 runs share the two cores: each gets about one).
 
     python benchmarks/hunt.py                  # seeds 0 1 2, two at a time, up to 15 min each
-    python benchmarks/hunt.py --quick          # one seed, 20 versions: the shape of the output, no learning
+    python benchmarks/hunt.py --quick          # one seed, 5 versions: the shape of the output, no learning
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-wall", type=float, default=900.0, help="seconds of training per run (default 900)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
-    parser.add_argument("--quick", action="store_true", help="one seed, 20 versions, 4 samples per house")
+    parser.add_argument("--quick", action="store_true", help="one seed, 5 versions, 2 samples per house")
     args = parser.parse_args()
     seeds, extra, samples = args.seeds, [], 16
     if args.quick:
-        seeds, extra, samples = [0], ["run.max_versions=20", "run.target_success=null"], 4
+        seeds, extra, samples = [0], ["run.max_versions=5", "run.target_success=null"], 2
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         rows = list(pool.map(lambda s: one_seed(s, args.max_wall, extra, samples), seeds))
     columns = ["seed", "reached 0.8", "training wall s", "end to end s", "env steps", "versions",

@@ -19,7 +19,7 @@ latency and D = that latency x learner versions per second (the outcome's delay 
 `d_from_updates`), the learner's `correction_bound_needed` and `ledger_residual_max`, and the tool calls and
 unparsed calls counted on the rollout lines; `delta_ratio` = delta(immediate+correction) / delta(outcome-only+step).
 
-    python benchmarks/real_model.py --quick    # LoRA rank 8, 1 version per arm, 2 tasks x 2 samples; ~4 min
+    python benchmarks/real_model.py --quick    # LoRA rank 8, 1 version of 1 group per arm, 1 task x 2 samples; ~2 min
     python benchmarks/real_model.py --minutes 60 --judge-delay-s 120    # full fine-tune, 12 tasks x 4 samples
     python benchmarks/real_model.py --minutes 60 --judge-delay-s 120 --lora-rank 8
 """
@@ -78,6 +78,9 @@ SETTINGS = [
     "algo.entropy_coef=0.0", "algo.groups_per_step=2", "learner.checkpoint_every=0", "learner.keep_weights=2",
     "replay.batch_ack_timeout_s=600",  # steps of 60-150 s here: at the default 120 s slow steps' batches were requeued
 ]
+# --quick proves the script end to end, not learning: a version is one group of 4 (half the learner step's tokens),
+# with 4 trajectories in flight.
+QUICK_SETTINGS = ["algo.groups_per_step=1", "learner.min_batch_items=4", "rollout.max_inflight=4"]
 ARMS = {
     "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
@@ -211,7 +214,7 @@ def measure(run: RunResult, peak_mib: float, base: dict[str, Any], final: dict[s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="the suite's form: LoRA rank 8, 1 version per arm, 2 eval tasks x 2 samples")
+                        help="the suite's form: LoRA rank 8, 1 version of 1 group per arm, 1 eval task x 2 samples")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
                         help="model directory (default benchmarks/out/smollm2; imported when it has no config.json)")
     parser.add_argument("--minutes", type=float, default=None, help="run.max_wall_s of each arm (default 60, quick 4)")
@@ -220,7 +223,7 @@ def main() -> int:
     parser.add_argument("--lora-rank", type=int, default=None, help="learner.lora.rank (default 0: full fine-tune; "
                                                                      "quick 8)")
     parser.add_argument("--lr", type=float, default=None, help="learner.lr (default 1e-5 full, 2e-4 LoRA)")
-    parser.add_argument("--eval-tasks", type=int, default=None, help="run.eval_max_tasks (default 12, quick 2)")
+    parser.add_argument("--eval-tasks", type=int, default=None, help="run.eval_max_tasks (default 12, quick 1)")
     parser.add_argument("--eval-samples", type=int, default=None, help="samples per eval task (default 4, quick 2)")
     parser.add_argument("--max-versions", type=int, default=None, help="run.max_versions (default none, quick 1)")
     args = parser.parse_args()
@@ -229,7 +232,7 @@ def main() -> int:
     delay = args.judge_delay_s if args.judge_delay_s is not None else (2.0 if quick else 120.0)
     rank = args.lora_rank if args.lora_rank is not None else (8 if quick else 0)
     lr = args.lr if args.lr is not None else (2e-4 if rank else 1e-5)
-    eval_tasks = args.eval_tasks or (2 if quick else 12)
+    eval_tasks = args.eval_tasks or (1 if quick else 12)
     eval_samples = args.eval_samples or (2 if quick else 4)
     max_versions = args.max_versions or (1 if quick else None)
     model = args.model.resolve()
@@ -240,7 +243,7 @@ def main() -> int:
 
     ensure_model(model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    common = [*SETTINGS, f"model.path={model}", f"replay.vocab_size={vocab}"]
+    common = [*SETTINGS, *(QUICK_SETTINGS if quick else []), f"model.path={model}", f"replay.vocab_size={vocab}"]
     eval_args = [f"run.eval_samples_per_task={eval_samples}", f"run.eval_max_tasks={eval_tasks}",
                  "env.kwargs.judge_delay_s=0"]
     console.print(f"[bold]real_model[/] base eval: {eval_tasks} tasks x {eval_samples} samples of {model}")

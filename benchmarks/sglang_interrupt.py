@@ -19,7 +19,7 @@ A batch still unfinished at twice a row's time is given up (counted: discarding 
 faster than a batch of actions takes). `throughput_ratio` = useful tokens/s partial / discard per interval.
 
     python benchmarks/sglang_interrupt.py            # updates every 1 s and every 3 s, 45 s per row (~4 min)
-    python benchmarks/sglang_interrupt.py --quick    # the same rows, 10 s each (~2 min)
+    python benchmarks/sglang_interrupt.py --quick    # the same rows, 5 s each (~1 min)
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def merge(runs: list[dict]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 s per row")
+    parser.add_argument("--quick", action="store_true", help="5 s per row (past the 3 s row's first update)")
     parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per row (default 1)")
     parser.add_argument("--seconds", type=float, default=None, help="generation time per row (default 45)")
     parser.add_argument("--update-every", default="1,3", help="seconds between aborting updates; a list is a row each")
@@ -159,7 +159,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=200, help="new tokens per action (max_new_tokens)")
     args = parser.parse_args()
     repeats = args.repeats or 1
-    seconds = args.seconds or (10.0 if args.quick else 45.0)
+    seconds = args.seconds or (5.0 if args.quick else 45.0)
     intervals = [float(x) for x in args.update_every.split(",")]
     torch.set_num_threads(1)
     out = OUT_DIR / "sglang_interrupt"

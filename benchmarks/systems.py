@@ -19,7 +19,7 @@ baseline alternate in rounds; a ratio is the median over back-to-back pairs.
              one right-padded item per row, and the same learner with learner.packing=false.
   replay     CPU inside ReplayService.handle per stage record, over a group's whole life (lease, records,
              outcomes, batch requests and acks until its corrections are trained), while 10^3 versus 10^6 other
-             records are held in open groups (10^5 with --quick). Ratio large ÷ small, target <= 1.5. Memory per
+             records are held in open groups (10^4 with --quick). Ratio large ÷ small, target <= 1.5. Memory per
              stored token: tracemalloc over a fill of open groups ÷ the tokens they hold (RSS delta as a check).
   durable    stage records/s of ReplayService.handle with the write-ahead log (replay/wal.py: each message
              appended, one write + fsync per round of N messages, as the socket loop does per poll round) ÷
@@ -458,7 +458,7 @@ def report(transport: dict | None, learner: dict | None, replay: dict | None, du
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer messages and rounds; 10^5 records, not 10^6")
+    parser.add_argument("--quick", action="store_true", help="fewer messages and rounds; 10^4 records, not 10^6")
     parser.add_argument("--only", choices=("transport", "learner", "replay", "durability"), action="append",
                         help="measure only this part (repeatable); default: all four")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -476,7 +476,7 @@ def main() -> int:
     if "learner" in parts:
         learner = measure_learner(num_batches=8, rounds=args.rounds or (3 if quick else 11), overrides=args.set)
     if "replay" in parts:
-        replay = measure_replay((10**3, 10**5 if quick else 10**6), groups_per_round=30, rounds=3 if quick else 11,
+        replay = measure_replay((10**3, 10**4 if quick else 10**6), groups_per_round=30, rounds=3 if quick else 11,
                                 memory_records=20_000)
     if "durability" in parts:
         durability = measure_durability(groups=30, rounds=2 if quick else 7,

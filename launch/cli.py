@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from functools import partial
 from pathlib import Path
@@ -119,6 +120,17 @@ def print_config(config: Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse, load the config, refuse what can be refused before anything starts, then run the command; returns
     the exit code."""
+    try:
+        return _run(argv)
+    finally:
+        # The interpreter's last garbage collection at exit walks every object torch and transformers made: seconds
+        # per process on a busy machine (6.5 s -> 1.7 s at a load of 10 on 2 cores), paid by the launcher and each
+        # role at the end of every run. Frozen objects are skipped by it; atexit handlers, threads and the
+        # modules' own cleanup run as before.
+        gc.freeze()
+
+
+def _run(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.role in ("keys", "model", "export"):  # no config: they write files and exit
         from launch.tools import run_tool

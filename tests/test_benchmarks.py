@@ -30,12 +30,16 @@ def run_benchmark(script: str, timeout_s: float, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_ablation_quick():
+    """Slow: one real `async-rl train` per variant (3k env steps each, ~10 s of startup each), one after another."""
     result = run_benchmark("ablation.py", timeout_s=420)
     variants = {"outcome-only", "immediate-only", "immediate+correction"}
     assert variants <= result["steps_to_target"].keys()
     assert variants <= result["final_success"].keys()
     assert variants <= result["wall_s_to_target"].keys()
     assert "steps_ratio" in result
+    # every run spent the quick budget, and the variants that train on stage rewards trained on it
+    assert all(reasons == ["max_env_steps"] for reasons in result["stop_reasons"].values()), result["stop_reasons"]
+    assert result["versions"]["immediate-only"][0] >= 1 and result["versions"]["immediate+correction"][0] >= 1
 
 
 def test_ablation_names_an_unknown_variant():
@@ -47,6 +51,7 @@ def test_ablation_names_an_unknown_variant():
 
 @pytest.mark.slow
 def test_async_vs_sync_quick():
+    """Slow: two real `async-rl train` runs (lock-step, then async), each to its 25 s cap."""
     result = run_benchmark("async_vs_sync.py", timeout_s=300)
     assert {"throughput_ratio", "time_to_target_ratio", "learner_busy"} <= result.keys()
     assert result["learner_busy"].keys() == {"sync", "async"}
@@ -56,6 +61,7 @@ def test_async_vs_sync_quick():
 
 @pytest.mark.slow
 def test_trap_dynamics_quick():
+    """Slow: 40 real learner steps on the trap env, probed every 10."""
     result = run_benchmark("trap_dynamics.py", timeout_s=300)
     assert result["steps"] == 40 and result["hit_step"] is None  # 40 steps are far too few to reach 0.8
     assert result["stage_reward_last"] > result["stage_reward_first"]  # but the stage rewards are being learned
@@ -67,8 +73,10 @@ def test_trap_dynamics_quick():
 
 @pytest.mark.slow
 def test_slow_judge_quick():
+    """Slow: two real `async-rl train` runs (3k env steps each) whose outcomes each wait for a 2 s judge."""
     result = run_benchmark("slow_judge.py", timeout_s=400)
     assert result["outcome_delay_s"] == 2.0 and result["target"] is None
+    assert all(versions[0] >= 1 for versions in result["versions"].values())  # both arms trained within the budget
     assert set(result["time_to_target_s"]) == {"immediate+correction", "outcome-only+step"}
     # With a 2 s judge, immediate items are trained before their trajectory's outcome is known; without them, none.
     assert result["immediate_before_outcome"]["immediate+correction"][0] > 0
@@ -78,7 +86,8 @@ def test_slow_judge_quick():
 @pytest.mark.slow
 def test_real_model_quick(smollm2):
     """SmolLM2-135M-Instruct trained through real processes on the tasks env, both arms side by side (LoRA, 1 version
-    each), evaluated before and after on the same eval tasks."""
+    of one group each), evaluated before and after on the same eval task. Slow: a 135M-parameter model on the CPU
+    (a learner step on a group of 4 takes ~15 s here) and five processes that each load it."""
     result = run_benchmark("real_model.py", 900, "--model", str(smollm2))
     assert result["vocab_size"] == 49152 and result["lora_rank"] == 8
     assert 0.0 <= result["base_eval"]["eval_success_rate"] <= 1.0
@@ -98,6 +107,7 @@ def test_real_model_quick(smollm2):
 
 @pytest.mark.slow
 def test_inflight_quick():
+    """Slow: two 4 s rounds of real rollout (16, then 64 trajectories in flight)."""
     result = run_benchmark("inflight.py", timeout_s=120)
     assert set(result["trajectories_per_s"]) == {"16", "64"}
     # 50 ms tools: four groups in flight finish more trajectories per second than one (measured ~4x; a loose bound).
@@ -106,15 +116,17 @@ def test_inflight_quick():
 
 @pytest.mark.slow
 def test_hunt_quick():
+    """Slow: a real `async-rl train env.name=hunt` run, then two `async-rl evaluate` runs (seeing and blind)."""
     result = run_benchmark("hunt.py", timeout_s=400)
     (run,) = result["runs"]
-    assert run["versions"] == 20 and not run["reached"]  # 20 versions: the shape of the output, no learning
+    assert run["versions"] == 5 and not run["reached"]  # 5 versions: the shape of the output, no learning
     assert 0.0 <= run["eval_blind"] <= 1.0 and run["eval_turns"] >= 1.0
 
 
 @pytest.mark.slow
 @pytest.mark.sglang
 def test_sglang_interrupt_quick():
+    """Slow: a real SGLang server started (~20 s), then four 5 s rows of generation under aborting updates."""
     result = run_benchmark("sglang_interrupt.py", timeout_s=400)
     assert set(result["variants"]) == {"partial@1s", "discard@1s", "partial@3s", "discard@3s"}
     for every in ("1s", "3s"):
@@ -126,6 +138,7 @@ def test_sglang_interrupt_quick():
 
 @pytest.mark.slow
 def test_delay_quick():
+    """Slow: two calibration runs side by side, then the two arms side by side: four real `async-rl train` runs."""
     result = run_benchmark("delay.py", timeout_s=300)
     calibration = result["calibration"]["2"]
     assert calibration["trajectories_per_s"] > 0 and calibration["trajectories_per_update"] > 0

@@ -30,6 +30,8 @@ def run_quick(script: str, timeout_s: float) -> dict:
 
 
 def test_systems_quick():
+    """Slow: four measured parts, each alternating ours and a baseline in rounds (the replay's fills 10^3 and 10^4
+    records; the learner part trains real steps; the durable part fsyncs)."""
     headline = run_quick("systems.py", timeout_s=600)
     assert {"transport_ratio", "learner_ratio", "replay_scale_ratio", "bytes_per_token", "durable_ratio"} <= (
         headline.keys())
@@ -40,6 +42,7 @@ def test_systems_quick():
     reason="TRL is not installed: vs_trl needs the bench extra (pip install -e '.[bench]')",
 )
 def test_vs_trl_quick():
+    """Slow: async-rl and TRL's GRPOTrainer each train the same tiny model to 0.8 success (one seed)."""
     headline = run_quick("vs_trl.py", timeout_s=600)
     assert {"time_to_target_ratio", "samples_ratio"} <= headline.keys()
 

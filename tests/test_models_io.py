@@ -133,10 +133,12 @@ def test_the_kernel_module_imports_no_role():
 # ------------------------------------------------------------------------------------------------------------ export
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A real tiny run: the default trap task and tiny model, 4 learner versions (the last 3 kept on disk)."""
+    """A real tiny run: the default trap task and tiny model, 4 learner versions (the last 3 kept on disk; no final
+    evaluation: the tests read the weights)."""
     root = tmp_path_factory.mktemp("run")
     args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={root}", "run.name=t", "wandb.mode=disabled",
-            "run.target_success=null", "run.max_versions=4", "rollout.workers=1", "rollout.group_size=4",
+            "run.target_success=null", "run.max_versions=4", "run.eval_samples_per_task=0", "rollout.workers=1",
+            "rollout.group_size=4",
             "env.kwargs.num_tasks=4", "env.kwargs.step_latency_s=0.01", "env.kwargs.outcome_delay_s=0.1",
             "learner.min_batch_items=4", "learner.batch_wait_s=0.2", "learner.keep_weights=3"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)

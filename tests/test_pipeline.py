@@ -49,6 +49,7 @@ def assert_children_gone(run_dir: Path) -> None:
 
 
 def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
+    """Slow: a real run of 25 versions (checkpoints at 10 and 20) and the final evaluation this test checks."""
     done, run_dir = train(tmp_path, "run.max_versions=25", "learner.checkpoint_every=10")  # groups close at checkpoints
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -68,7 +69,8 @@ def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
 
 
 def test_outcome_only_trains_no_immediate_items(tmp_path):
-    done, run_dir = train(tmp_path, "run.max_versions=6", "algo.updates=outcome-only")
+    """Slow: a real `async-rl train` run (three processes) of 6 versions; its final evaluation is not this test's."""
+    done, run_dir = train(tmp_path, "run.max_versions=6", "algo.updates=outcome-only", "run.eval_samples_per_task=0")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = metrics(run_dir)
     assert all(m["items_immediate"] == 0 for m in lines)
@@ -76,7 +78,8 @@ def test_outcome_only_trains_no_immediate_items(tmp_path):
 
 
 def test_immediate_only_trains_no_corrections(tmp_path):
-    done, run_dir = train(tmp_path, "run.max_versions=6", "algo.updates=immediate-only")
+    """Slow: a real `async-rl train` run (three processes) of 6 versions; its final evaluation is not this test's."""
+    done, run_dir = train(tmp_path, "run.max_versions=6", "algo.updates=immediate-only", "run.eval_samples_per_task=0")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = metrics(run_dir)
     assert all(m["items_correction"] == 0 for m in lines)
@@ -223,12 +226,14 @@ def test_the_example_environment_trains_from_outside_the_project(tmp_path):
 
 
 def test_the_hunt_trains_and_evaluates_blind(tmp_path):
+    """Slow: a real `async-rl train env.name=hunt` run, then `async-rl evaluate --blind` of its weights (the run's
+    own final evaluation is skipped: the blind one is what this test checks)."""
     done, run_dir = train(tmp_path, "env.name=hunt", "env.kwargs={}", "env.kwargs.num_tasks=2", "run.max_versions=4",
-                          "run.eval_samples_per_task=4")
+                          "run.eval_samples_per_task=0")
     assert done.returncode == 0, done.stderr[-3000:]
     config = run_dir / "config.yaml"
-    blind = subprocess.run([sys.executable, "-m", "launch.cli", "evaluate", "--config", str(config), "--blind"],
-                           capture_output=True, text=True, timeout=120)
+    blind = subprocess.run([sys.executable, "-m", "launch.cli", "evaluate", "--config", str(config), "--blind",
+                            "run.eval_samples_per_task=4"], capture_output=True, text=True, timeout=120)
     assert blind.returncode == 0, blind.stderr[-3000:]
     result = json.loads(blind.stdout.strip().splitlines()[-1])
     assert result["eval_blind"] is True and result["eval_version"] == 4 and result["eval_tasks"] == 2

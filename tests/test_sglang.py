@@ -412,6 +412,7 @@ def assert_invariants(lines: list[dict], max_staleness: int) -> None:
 
 
 def test_train_with_sglang_servers_and_distributed_sync(servers, tmp_path):
+    """Slow: 60 versions through two SGLang servers, the fewest in which the stage reward's climb shows."""
     # A shorter trap task (2 stages, no trap) so that learning shows within a CI-sized budget of 60 versions.
     run = train(tmp_path, servers, "run.max_versions=60", "rollout.sglang.weight_sync=distributed",
                 f"rollout.sglang.dist_master_port={free_port()}", "env.kwargs.stages=2", "env.kwargs.traps=0",
@@ -436,7 +437,9 @@ def test_train_with_sglang_servers_and_distributed_sync(servers, tmp_path):
 
 
 def test_a_server_killed_mid_run_loses_no_stage(servers, tmp_path):
-    run = train(tmp_path, servers, "run.max_versions=14")
+    """Slow: a real `async-rl train` run of 14 versions through two SGLang servers, one killed after the 4th
+    (the run's final evaluation is skipped: not what this test checks)."""
+    run = train(tmp_path, servers, "run.max_versions=14", "run.eval_samples_per_task=0")
     run_dir = tmp_path / "t"
     deadline = time.monotonic() + 180
     while len(metrics(run_dir)) < 4:

@@ -283,6 +283,7 @@ def final_replay_stats(log_text: str) -> dict[str, int]:
 
 
 def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
+    """Slow by design: the run's 20 versions take >= 10 s by the clock so that they outlast the fuzz (below)."""
     keys = tmp_path / "curve"
     assert main(["keys", str(keys)]) == 0
     replay, publish = free_endpoint(), free_endpoint()
