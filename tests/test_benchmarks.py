@@ -417,6 +417,7 @@ def test_every_documented_benchmark_command_parses():
 
 @pytest.mark.slow
 def test_engine_cache_quick():
+    """Slow: SmolLM2-135M's shape at 2 layers plays 3 turns twice, with and without the cache (~10 s idle)."""
     result = run_benchmark("engine_cache.py", timeout_s=300)
     assert set(result["episode_s"]) == {"re-prefill", "cache"}
     # turns 2-3 feed only their 24 new tokens of contexts of 88-136: most prompt tokens come from the cache
