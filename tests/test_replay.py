@@ -1161,10 +1161,7 @@ def test_admission_after_a_rollback_counts_the_versions_it_took_back_as_steps():
     """The groups admitted for versions the dead learner reached are in the system already; the resumed learner
     may retrain their items in fewer steps, so admission must not wait for it to reach that version again (a
     real run stalled so: tests/test_faults.py)."""
-    # judge_backlog_groups 0: the first group's trajectories ended and wait for their judge, which the default
-    # would not count (tests/test_replay_guard_sync.py); here every group counts, as the rollback's offset needs
-    config = make_config(learner={"checkpoint_every": 2},
-                         algo={"groups_per_step": 1, "max_staleness": 0, "judge_backlog_groups": 0})
+    config = make_config(learner={"checkpoint_every": 2}, algo={"groups_per_step": 1, "max_staleness": 0})
     service, worker = ReplayService(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
