@@ -237,10 +237,6 @@ class AlgoConfig(_Section):
     max_correction_staleness: NonNegInt | Literal["auto"] = "auto"
     max_correction_staleness_cap: PosInt = 1024  # auto's ceiling: the stalest correction a run will train
     groups_per_step: PosInt = 8  # groups one learner step is expected to consume (admission rule)
-    # Groups whose trajectories have all ended and wait only for their judge are not counted by admission, up to
-    # this many: a slow judge's backlog does not stop new groups (their data is generated; it trains when the
-    # outcomes land, within the correction bound). 0: every started group counts (the rule before).
-    judge_backlog_groups: NonNegInt = 256
     ppo_epochs: PosInt = 1  # > 1 switches to the decoupled PPO loss
     clip_low: Fraction = 0.2
     clip_high: NonNegFloat = 0.28

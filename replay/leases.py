@@ -105,7 +105,7 @@ class Leases:
         algo, counters = self.config.algo, self.state.counters
         if algo.mode == "sync":
             return self.rounds.open()
-        admitted = counters.groups_started - counters.groups_empty - self._judging(algo.judge_backlog_groups)
+        admitted = counters.groups_started - counters.groups_empty
         # rolled-back versions count as steps taken (LeaseState.admission_offset)
         if not admission_allowed(admitted + 1, self.state.learner.policy_version + self.own.admission_offset,
                                  algo.max_staleness, algo.groups_per_step):
@@ -114,18 +114,6 @@ class Leases:
             counters.guard_leases_denied += 1
             return False
         return True
-
-    def _judging(self, at_most: int) -> int:
-        """Groups whose members have all ended (terminal stage or abandoned) but not all been judged, up to
-        `at_most`: what a slow judge keeps open."""
-        count = 0
-        for group in self.state.groups.values():
-            if count >= at_most:
-                break
-            ledger = group.ledger
-            count += not group.finalized and all(i in ledger.num_stages or i in ledger.abandoned
-                                                 for i in range(group.group_size))
-        return count
 
     def new_group_version(self, worker_id: str) -> int:
         """The oldest version a new group's tokens can have: the learner's, or the worker's weights if older."""

@@ -438,25 +438,3 @@ def test_the_auto_bound_stops_at_its_cap():
     stats = service.stats_snapshot()
     assert max(bound for bound, _ in seen) == 24 and len(seen) < 70  # held at the cap, as a fixed 24 would
     assert stats.guard_holds + stats.guard_leases_denied > 0 and stats.credit_dropped == 0
-
-
-@pytest.mark.parametrize("backlog", [0, 2])
-def test_groups_waiting_only_for_their_judge_do_not_hold_admission_back(backlog):
-    """Outcome-only, max_staleness 0, one group a step: the learner cannot step before an outcome, so without the
-    judge backlog a second group waits for the first's judge; with it, up to `backlog` judged-pending groups don't
-    count."""
-    config = make_config(algo={"updates": "outcome-only", "max_staleness": 0, "groups_per_step": 1,
-                               "judge_backlog_groups": backlog})
-    service, worker = ReplayService(config), Worker()
-    granted = []
-    for _ in range(4):
-        reply = only_reply(service.handle(WORKER, worker.lease(), 0.0))
-        if not isinstance(reply, LeaseGrant):
-            assert isinstance(reply, LeaseDenied) and reply.reason == "staleness"
-            break
-        granted.append(reply)
-        send_all(service, stage_records(worker, reply, version=0))  # every trajectory ends; no outcome yet
-    assert len(granted) == 1 + backlog
-    send_all(service, outcome_messages(worker, granted[0]))  # a judge answers: its group no longer waits
-    batch = request_batch(service, version=0)
-    assert batch is not None and {item.kind for item in batch.items} == {"correction"}
