@@ -464,7 +464,7 @@ def main() -> int:
         console.print(f"  {per_s:.1f} trajectories/s, {per_update:.1f} per outcome-only update")
         for d in ds:
             delay = round(d * per_update / per_s, 2)
-            # --shipped: the config's admission (its judge backlog not counted), else D updates' worth above it
+            # --shipped: the config's admission bound, else D updates' worth above it
             max_staleness = AlgoConfig().max_staleness if args.shipped else math.ceil(d) + 4
             bound = args.max_correction_staleness
             fits = []
