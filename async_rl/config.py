@@ -151,6 +151,11 @@ class ReplayConfig(_Section):
     # The correction-staleness guard (algo.correction_guard) never holds the learner longer than this for one
     # group: its unfinished trajectories are then abandoned (a judge that never answers cannot stall the run).
     guard_abandon_s: PosFloat = 300.0
+    # At most this many groups wait for their workers' outcomes at once (leased, some trajectory neither finished nor
+    # abandoned): a lease granted at the cap first gives up the group idle longest (no record or outcome since; its
+    # unfinished trajectories abandoned, as for an expired lease), so a worker that heartbeats but never finishes
+    # cannot grow the replay's memory without bound (docs/architecture.md, "Stopping and failure").
+    max_open_groups: PosInt = 4096
     # A write-ahead log in <run dir>/replay/ (docs/architecture.md, "A durable replay"): each poll round's inputs
     # are written before its replies are sent, so nothing acknowledged is lost to a crash, and the replay started
     # again with the same config rebuilds its state from the log. false: memory only.

@@ -251,6 +251,11 @@ class ReplayStats(Message, tag="replay_stats"):
     leases_denied: int = 0
     bad_messages: int = 0
     trajectories_abandoned: int = 0
+    # stage records (and finished outcomes) for a member already abandoned: its lease expired or was given up while
+    # its worker was frozen or cut off; acked as duplicates, nothing of them stored
+    late_records: int = 0
+    late_batch_acks: int = 0  # acks of batches requeued after replay.batch_ack_timeout_s, taken for their queued items
+    groups_given_up: int = 0  # groups whose unfinished trajectories were abandoned at replay.max_open_groups
     env_errors: int = 0  # trajectories abandoned because the environment plugin raised or broke its contract
     immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
     immediate_before_outcome: int = 0  # in this batch: immediate items served before their trajectory's outcome

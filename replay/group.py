@@ -50,6 +50,7 @@ class Group:
     task_id: str | None = None  # the worker's task, fixed by the group's first stage record
     oldest_version: int | None = None  # the oldest policy version among the group's stored action tokens
     leased_version: int = 0  # the learner's version when leased (or its worker's, if older): before any record
+    touched: float = 0.0  # when it was leased or last stored a record or an outcome (replay.max_open_groups)
 
     @property
     def group_size(self) -> int:

@@ -268,6 +268,14 @@ class Guard:
 
     # --- holding the learner ---
 
+    def overdue(self) -> bool:
+        """Whether the work to come no longer fits even before a new group: a pending group is due before the
+        learner's next batch could serve its corrections. With nothing queued nothing can change that (admission
+        refuses every group), so the caller holds, and the abandon clock gives up the group that blocks
+        (`blocker_due`)."""
+        next_version = self.state.learner.policy_version + self.algo.ppo_epochs
+        return self.on() and not self.fits(self.correction_work(), next_version, self.own.batch_tokens)
+
     def hold(self, now: float) -> None:
         own = self.own
         if own.since is None:
@@ -292,5 +300,8 @@ class Guard:
         if own.abandon_at is None or now < own.abandon_at:
             return False, None
         own.abandon_at = None if own.since is None else now + self.config.replay.guard_abandon_s
-        pending = [g for g in self.state.groups.values() if not g.finalized and g.oldest_version is not None]
-        return True, min(pending, key=lambda g: g.oldest_version, default=None)
+        # A group with no record yet counts from its lease's version, as in `correction_work`: a worker that leased
+        # and never sent anything would otherwise hold the learner for good, and others be abandoned in its place.
+        pending = [g for g in self.state.groups.values() if not g.finalized]
+        return True, min(pending, key=lambda g: g.leased_version if g.oldest_version is None else g.oldest_version,
+                         default=None)

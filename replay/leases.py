@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from async_rl.config import Config
 from async_rl.ledger import GroupLedger
@@ -51,12 +52,16 @@ class AdmissionClock:
         }
 
 
+GiveUp = Callable[[Group, float], None]  # the service abandons a group's unfinished trajectories (max_open_groups)
+
+
 class Leases:
     def __init__(self, config: Config, state: ReplayState, guard: Guard, rounds: Rounds,
-                 admission: AdmissionClock) -> None:
+                 admission: AdmissionClock, give_up: GiveUp) -> None:
         self.config, self.state, self.guard, self.rounds = config, state, guard, rounds
         self.own: LeaseState = state.leases
         self.admission = admission
+        self.give_up = give_up
 
     def renew(self, worker_id: str, now: float) -> None:
         if worker_id in self.own.leases:
@@ -80,16 +85,17 @@ class Leases:
         if budget is not None and counters.env_steps >= budget:
             counters.leases_denied += 1
             return LeaseDenied(msg_id=request.msg_id, reason="budget", retry_after_s=BUDGET_RETRY_S, policy_version=v)
-        if not self._admitted(request.worker_id):
+        if not self._admitted(request.worker_id, now):
             counters.leases_denied += 1
             return LeaseDenied(
                 msg_id=request.msg_id, reason="staleness", retry_after_s=STALENESS_RETRY_S, policy_version=v
             )
+        self._make_room(now)
         group_id = f"e{state.epoch}.g{next(state.group_ids) & ID_MASK}"
         counters.groups_started += 1
         group_size = self.config.rollout.group_size
         state.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size),
-                                       leased_version=self.new_group_version(request.worker_id))
+                                       leased_version=self.new_group_version(request.worker_id), touched=now)
         if self.config.algo.mode == "sync":
             self.rounds.add(group_id)
         own.leases.setdefault(request.worker_id, set()).add(group_id)
@@ -98,7 +104,7 @@ class Leases:
         own.last_grant[request.worker_id] = grant
         return grant
 
-    def _admitted(self, worker_id: str) -> bool:
+    def _admitted(self, worker_id: str, now: float) -> bool:
         """May one more group start? A group that ended with nothing trained never takes learner capacity, so it does
         not count: with it counted, a stretch of zero-variance groups (a random policy's usual output), or of
         immediate-only groups whose items all went stale, stalled admission for good while the learner waited."""
@@ -112,8 +118,20 @@ class Leases:
             return False
         if not self.guard.admits(self.new_group_version(worker_id)):
             counters.guard_leases_denied += 1
+            if not self.state.serving.queue and not self.guard.holding() and self.guard.overdue():
+                self.guard.hold(now)  # a stall (nothing queued, no group admitted): the abandon clock must run
             return False
         return True
+
+    def _make_room(self, now: float) -> None:
+        """replay.max_open_groups: while that many groups wait for their workers' outcomes, the one idle longest (no
+        record or outcome stored since: `Group.touched`; the earliest lease among equals) is given up. A worker that
+        heartbeats but never finishes would otherwise hold its groups, and their tokens, for good; groups that make
+        progress are touched all the time. `state.groups` is in lease order, also when rebuilt from the log."""
+        held = self.own.leases
+        while sum(len(groups) for groups in held.values()) >= self.config.replay.max_open_groups:
+            waiting = (group for group in self.state.groups.values() if group.group_id in held.get(group.worker_id, ()))
+            self.give_up(min(waiting, key=lambda group: group.touched), now)
 
     def new_group_version(self, worker_id: str) -> int:
         """The oldest version a new group's tokens can have: the learner's, or the worker's weights if older."""

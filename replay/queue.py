@@ -54,6 +54,9 @@ class ItemQueue:
         for queued in reversed(list(items)):
             self._items.move_to_end(queued.item_id, last=False)
 
+    def get(self, item_id: int) -> QueuedItem | None:
+        return self._items.get(item_id)
+
     def remove(self, item_id: int) -> None:
         self._items.pop(item_id, None)
         self._corrections.pop(item_id, None)

@@ -81,7 +81,7 @@ class ReplayService:
         self.guard = Guard(config, state)
         self.rounds = Rounds(config, state)
         self.rollback = Rollback(config, state)
-        self.leases = Leases(config, state, self.guard, self.rounds, self.admission)
+        self.leases = Leases(config, state, self.guard, self.rounds, self.admission, self._give_up)
         self.serving = Serving(config, state, self.edge, self.guard, self.rounds, self.rollback, self.advance,
                                self.reject)
 
@@ -259,6 +259,11 @@ class ReplayService:
             return group
         if group.is_duplicate(record.member, record.stage_index):
             return Ack(msg_id=record.msg_id, duplicate=True)
+        if record.member in group.ledger.abandoned:
+            # A late record: its member was abandoned (the lease expired while its worker was frozen or cut off, or
+            # the group was given up). Nothing of it is stored; the ack stops the worker's resends.
+            self.counters.late_records += 1
+            return Ack(msg_id=record.msg_id, duplicate=True)
         refused = self.edge.record_problem(group, record)
         if refused is not None:
             error = self.reject(record.msg_id, "bad_state", *refused)
@@ -272,6 +277,7 @@ class ReplayService:
             deadline = now + self.config.replay.stage_group_timeout_s
             self.state.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
         self.counters.env_steps += 1
+        group.touched = now
         self.guard.stored(group.trajectories[record.member].num_tokens)
         self.leases.generates_with(record.worker_id, int(record.versions().max()))
         self.advance(group, now)
@@ -300,7 +306,9 @@ class ReplayService:
         i, ledger = message.member, group.ledger
         if i in ledger.outcomes or i in ledger.abandoned:
             # A resend, or the outcome of a member already abandoned (its lease expired): nothing changes.
+            self.counters.late_records += i in ledger.abandoned and not message.abandoned
             return Ack(msg_id=message.msg_id, duplicate=True)
+        group.touched = now
         if message.abandoned:
             self._abandon(group, i, message.reason or "abandoned by its worker")
         else:
@@ -342,6 +350,19 @@ class ReplayService:
                 self._abandon(group, i, reason)
             self.leases.end(group)
             self.advance(group, now)
+
+    def _give_up(self, group: Group, now: float) -> None:
+        """replay.max_open_groups: the group idle longest has its unfinished trajectories abandoned, as for an
+        expired lease; it finalizes over the finished ones, and late records of its worker are acked, not stored."""
+        unfinished = group.unfinished_members()
+        log.warning("%d groups wait for outcomes (replay.max_open_groups): giving up group %s of worker %s, idle "
+                    "%.1f s (%d unfinished trajectories abandoned)", self.config.replay.max_open_groups,
+                    group.group_id, group.worker_id, now - group.touched, len(unfinished))
+        self.counters.groups_given_up += 1
+        for i in unfinished:
+            self._abandon(group, i, "given up at replay.max_open_groups")
+        self.leases.end(group)
+        self.advance(group, now)
 
     def _eval_report(self, report: EvalReport) -> Ack:
         self.state.outcomes.latest_eval = {**report.metrics, "eval_version": float(report.policy_version)}

@@ -2,10 +2,13 @@
 requeue of unacked batches, and a learner's new session (docs/algorithm.md, "Batches").
 
 Delivery of credit is at most once per item: only the ack of the batch currently holding an item counts. A batch
-not acked within `replay.batch_ack_timeout_s` is put back at the front of the queue and a late ack for it is
-refused (`Error bad_state`), so the ledger never counts an item twice. The price: if that learner did train the
-batch before vanishing, those tokens are trained again when the items are re-served; the ledger then records
-what was acknowledged, not everything the optimizer saw.
+not acked within `replay.batch_ack_timeout_s` is put back at the front of the queue. A late ack for it (a learner
+frozen or cut off past the timeout, then back) takes the items still waiting in the queue as trained, so a learner
+that did train the batch does not get them again (`late_batch_acks`); items already served again, or superseded by
+their group's correction, are not its any more, and an ack with none left is refused (`Error bad_state`), so the
+ledger never counts an item twice. The price: if the learner vanished for good after training the batch, or came back
+after its items were served again, those tokens are trained again; the ledger then records what was acknowledged,
+not everything the optimizer saw.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ log = logging.getLogger("async_rl.replay")
 Reply = tuple[bytes, object]
 Advance = Callable[[Group, float], None]  # the service's dispatch of a group's transitions
 Reject = Callable[[int, str, str, str], Error]  # (msg_id, code, reason, detail): count, log, answer
+
+REQUEUED_KEPT = 16  # requeued batches whose late ack is still taken (a learner holds one batch at a time)
 
 
 class Serving:
@@ -165,6 +170,9 @@ class Serving:
 
     def batch_ack(self, ack: BatchAck, now: float) -> Ack | Error:
         if ack.batch_id not in self.own.in_flight:
+            late = self._late_ack(ack, now)
+            if late is not None:
+                return late
             return self.reject(
                 ack.msg_id, "bad_state", "batch_not_in_flight",
                 f"batch {ack.batch_id} is not in flight (requeued after a timeout?): its ack is refused",
@@ -176,21 +184,48 @@ class Serving:
         if not ack.trained:
             self._untrained(batch, now)
             return Ack(msg_id=ack.msg_id)
-        self.rollback.journal_ack(ack.policy_version, batch.items)
+        self._trained(batch.items, ack.policy_version, now)
+        return Ack(msg_id=ack.msg_id)
+
+    def _late_ack(self, ack: BatchAck, now: float) -> Ack | Error | None:
+        """The ack of a batch requeued after replay.batch_ack_timeout_s: its items still in the queue (served to no
+        one since, not superseded) leave it as trained, since the learner trained them. None: nothing of it is left
+        (the ack is refused as for any batch not in flight)."""
+        item_ids = self.own.requeued.pop(ack.batch_id, None)
+        queue = self.own.queue
+        items = [queued for queued in map(queue.get, item_ids or ()) if queued is not None]
+        if not items:
+            return None
+        problem = self.edge.take_version(ack.policy_version, acked=True)
+        if problem is not None:
+            return self.reject(ack.msg_id, "bad_state", *problem)
+        if ack.trained:  # else nothing was trained: the items wait in the queue as they are
+            log.warning("late ack of batch %d (requeued after %.1f s): %d of its %d items were still queued and "
+                        "count as trained", ack.batch_id, self.config.replay.batch_ack_timeout_s, len(items),
+                        len(item_ids or ()))
+            self.state.counters.late_batch_acks += 1
+            for queued in items:
+                queue.remove(queued.item_id)
+            self._trained(items, ack.policy_version, now)
+        return Ack(msg_id=ack.msg_id)
+
+    def _trained(self, items: list[QueuedItem], version: int, now: float) -> None:
+        """Acked items: their credit is trained (and journaled, for a rollback to `version`'s checkpoint)."""
+        self.rollback.journal_ack(version, items)
         touched: dict[str, Group] = {}
-        for queued in batch.items:
+        for queued in items:
             tally = self.state.tally(queued.group_id)
             tally[0] -= 1
             tally[1] += 1
             group = self.state.groups.get(queued.group_id)
             if group is not None:
+                group.queued_immediates.discard(queued.item_id)  # a late ack's immediate waited in the queue again
                 group.record_trained(queued)
                 touched[group.group_id] = group
             else:  # an immediate-only group already closed; nothing left to account but its tally
                 self.state.settle(queued.group_id)
         for group in touched.values():
             self.advance(group, now)
-        return Ack(msg_id=ack.msg_id)
 
     def _untrained(self, batch: InFlightBatch, now: float) -> None:
         """The learner refused the step (BatchAck.trained=False): no credit was trained. An immediate's credit goes
@@ -225,6 +260,11 @@ class Serving:
             else:
                 log.warning("batch %d not acked within %.1f s: back to the front of the queue", batch_id, timeout_s)
             self.own.queue.push_front(batch.items)
+            if not everything and batch.items:  # its learner may be frozen, not dead: its late ack is still taken
+                requeued = self.own.requeued
+                requeued[batch_id] = [queued.item_id for queued in batch.items]
+                for old in list(requeued)[:-REQUEUED_KEPT]:
+                    del requeued[old]
             for queued in batch.items:
                 group = self.state.groups.get(queued.group_id)
                 if group is not None and queued.kind == "immediate":
@@ -255,6 +295,7 @@ class Serving:
         log.info("learner session %d starts at version %d (the replay had %d, checkpoint %d)",
                  request.session, r, learner.policy_version, own.checkpointed)
         own.session = request.session
+        self.own.requeued.clear()  # a new learner process: the old one's late acks are not its lineage's
         self.requeue_unacked(now, everything=True)
         if r < learner.policy_version:
             for group in self.rollback.roll_back(r):

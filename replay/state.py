@@ -70,6 +70,9 @@ class ServeState(msgspec.Struct):
     in_flight: dict[int, InFlightBatch] = {}
     parked: dict[bytes, tuple[BatchRequest, float]] = {}  # learner identity -> (request, arrival)
     serves: int = 0  # batches served (empty ones too), so `tick` can tell whether it changed anything
+    # batch id -> its item ids, for the latest batches requeued after replay.batch_ack_timeout_s (a frozen learner's
+    # late ack takes the items still queued: replay/serving.py), oldest first, at most REQUEUED_KEPT
+    requeued: dict[int, list[int]] = {}
 
 
 class GuardState(msgspec.Struct):

@@ -106,8 +106,8 @@ def scripted_run(logged: Logged) -> None:
     first = only(logged.handle(LEARNER, _request(1, 0), 2.0), LEARNER)
     assert isinstance(first, Batch) and first.items
     logged.tick(7.0)  # batch_ack_timeout_s: first goes back to the queue
-    assert isinstance(only(logged.handle(LEARNER, _ack(2, first, 1), 8.0), LEARNER), Error)
     second = only(logged.handle(LEARNER, _request(3, 0), 8.0), LEARNER)
+    assert isinstance(only(logged.handle(LEARNER, _ack(2, first, 1), 8.0), LEARNER), Error)  # its items went again
     assert isinstance(only(logged.handle(LEARNER, _ack(4, second, 1), 9.0), LEARNER), Ack)
     for message in outcome_messages(worker, grants[0]):
         logged.handle(WORKER, message, 10.0)
