@@ -1,21 +1,36 @@
-"""Fixtures shared by test files: the real pretrained model, imported once per session (it takes 40-90 s here)."""
+"""Fixtures shared by test files: the real pretrained model, imported once per test run (it takes 40-90 s here),
+also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock)."""
 
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct imported through `async-rl model import` as docs/models.md prints it, in bf16 (the
-    learner and the built-in engine upcast to fp32 when they load it)."""
+def _import_smollm2(out: Path) -> None:
     async_rl = shutil.which("async-rl") or pytest.fail("the async-rl command is not on PATH (pip install -e '.[test]')")
-    out = tmp_path_factory.mktemp("import") / "smollm2"
     done = subprocess.run([async_rl, "model", "import", "smollm2-135m-instruct", str(out), "--dtype", "bf16"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(out)
     assert "renders no tools" in done.stderr  # the shipped tools template replaced SmolLM2's, and the log says so
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory, request) -> Path:
+    """SmolLM2-135M-Instruct imported through `async-rl model import` as docs/models.md prints it, in bf16 (the
+    learner and the built-in engine upcast to fp32 when they load it). Under xdist the first worker that needs it
+    imports it into the run's shared temporary root; the others wait on the lock and reuse that directory."""
+    if not hasattr(request.config, "workerinput"):  # one process (no xdist worker): its own session directory
+        out = tmp_path_factory.mktemp("import") / "smollm2"
+        _import_smollm2(out)
+        return out
+    root = tmp_path_factory.getbasetemp().parent  # shared by this run's workers
+    out = root / "import" / "smollm2"
+    with FileLock(str(root / "smollm2.lock")):
+        if not out.exists():  # the import renames a staging directory into place: `out` is whole or absent
+            out.parent.mkdir(exist_ok=True)
+            _import_smollm2(out)
     return out
