@@ -16,7 +16,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from async_rl.errors import AsyncRLError
@@ -26,6 +29,7 @@ log = logging.getLogger("async_rl.learner")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TAG = re.compile(r"v(\d+)")
+WRITTEN = re.compile(r"v(\d+)(?:\.corrupt)?")  # a checkpoint directory, or one set aside
 CHUNK = 1 << 22
 
 
@@ -106,27 +110,64 @@ def latest(directory: Path) -> tuple[bool, int | None]:
     return True, (int(match[1]) if (match := TAG.fullmatch(text)) else None)
 
 
-def resumable(directory: Path) -> int | None:
-    """The version of the checkpoint in `directory` to resume from: the one `latest` names if it matches its
-    manifest, else the newest older one that does (a warning names each one skipped). None: a fresh start (no
-    `latest`, and no checkpoint that passes). CheckpointError when `latest` exists but no checkpoint passes."""
-    tags = sorted((int(m[1]) for p in directory.iterdir() if p.is_dir() and (m := TAG.fullmatch(p.name))),
-                  reverse=True) if directory.is_dir() else []
+@dataclass
+class Resume:
+    """What a resume loads, and the version it goes on at (`resumable`)."""
+
+    version: int  # the checkpoint to load
+    at: int  # `version`, or the newest checkpoint written when that one failed its check (see `resumable`)
+    skipped: list[Path]  # checkpoint directories that failed it: `set_aside` once the load is done
+
+
+def resumable(directory: Path) -> Resume | None:
+    """The checkpoint in `directory` to resume from: the one `latest` names if it matches its manifest, else the
+    newest other one that does (a warning names each one skipped and why). None: a fresh start (no `latest`, and no
+    checkpoint that passes). CheckpointError when `latest` exists but no checkpoint passes.
+
+    A resume from an older checkpoint than the newest one written goes on at the newest one's version N: the replay
+    may have been told of N, and can roll back only to it (docs/architecture.md, "Resume after a crash"). The
+    weights, optimizer and RNG are the older checkpoint's: the updates of the versions between are lost, and their
+    items stay trained once (nothing is trained twice, versions stay continuous)."""
+    tags = _versions(directory, TAG)
     exists, named = latest(directory)
     if not exists and not tags:
         return None
-    order = [named, *(v for v in tags if v < named)] if named is not None else tags
-    skipped = [f"{directory / LATEST}: names no checkpoint (torn or changed)"] if exists and named is None else []
+    written = _versions(directory, WRITTEN, lambda p: (p / MANIFEST).exists())  # manifests: each was complete once
+    order = sorted({v for v in tags if named is None or v <= named or v in written} | ({named} - {None}),
+                   reverse=True)
+    reasons = [f"{directory / LATEST}: names no checkpoint (torn or changed)"] if exists and named is None else []
+    skipped = []
     for version in order:
         tag = directory / f"v{version}"
         found = problem(tag) if tag.is_dir() else "missing"
         if found is None or (found == "no manifest" and version == named):  # the latter: written before manifests
-            if skipped:
-                log.warning("resuming from checkpoint v%d; skipped: %s", version, "; ".join(skipped))
-            return version
-        skipped.append(f"{tag}: {found}")
+            at = max([version, *written, *({named} - {None})])
+            if reasons:
+                log.warning("resuming from checkpoint v%d%s; skipped: %s", version, "" if at == version else (
+                    f" as version {at}: the updates of versions {version + 1}..{at} are lost from the weights, "
+                    "their items stay trained once"), "; ".join(reasons))
+            return Resume(version, at, skipped)
+        reasons.append(f"{tag}: {found}")
+        skipped += [tag] if tag.is_dir() else []
     if not exists:  # none was ever complete: a save cut short before the first `latest`
-        log.warning("no complete checkpoint in %s (%s): starting from v0", directory, "; ".join(skipped))
+        log.warning("no complete checkpoint in %s (%s): starting from v0", directory, "; ".join(reasons))
         return None
-    raise CheckpointError(f"no checkpoint in {directory} can be resumed from: {'; '.join(skipped)}. Restore the "
+    raise CheckpointError(f"no checkpoint in {directory} can be resumed from: {'; '.join(reasons)}. Restore the "
                           "directory from a backup, or move it away to start this learner again from v0")
+
+
+def _versions(directory: Path, pattern: re.Pattern, keep: Callable[[Path], bool] = Path.is_dir) -> list[int]:
+    """The versions of the entries of `directory` whose names match `pattern` and that `keep`, newest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((int(m[1]) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)) and keep(p)),
+                  reverse=True)
+
+
+def set_aside(tags: list[Path]) -> None:
+    """Rename checkpoint directories that failed their check to `v<N>.corrupt` (kept to look at; no longer
+    counted by `learner.keep_checkpoints`, nor tried again)."""
+    for tag in tags:
+        target = tag.with_name(tag.name + ".corrupt")
+        shutil.rmtree(target, ignore_errors=True)
+        tag.rename(target)

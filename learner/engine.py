@@ -250,9 +250,6 @@ def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version:
     adapted = lora.is_adapted(engine.module)
     tag, failure = directory / f"v{version}", None
     try:
-        if adapted and rank() == 0:  # before `latest` points at the tag: read first when resuming
-            tag.mkdir(parents=True, exist_ok=True)
-            (tag / LORA_FILE).write_text(json.dumps(lora.signature(engine.module)))
         engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={
             "version": version, "rng": _rng_state(),
         }, exclude_frozen_parameters=adapted, save_latest=False)
@@ -262,6 +259,8 @@ def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version:
             dist.barrier()  # the ranks that wrote theirs wait in DeepSpeed's last barrier
     if _all_ranks(failure is None) and rank() == 0:
         try:
+            if adapted:  # before `latest` points at the tag (in its manifest): read first when resuming
+                (tag / LORA_FILE).write_text(json.dumps(lora.signature(engine.module)))
             checkpoint.commit(directory, version)
         except OSError as exc:
             failure = exc
@@ -288,7 +287,10 @@ def _all_ranks(ok: bool) -> bool:
 
 def _abandon_checkpoint(tag: Path, version: int, failure: BaseException | None) -> None:
     """A checkpoint not written on every rank: rank 0 removes its files (a full disk gets its space back)."""
-    if failure is not None:
+    if failure is None:
+        log.error("checkpoint v%d was not written by every rank (their logs say why); the previous checkpoint stays "
+                  "the one to resume from", version)
+    else:
         free = shutil.disk_usage(tag.parent).free if tag.parent.exists() else 0
         log.error("checkpoint v%d could not be written to %s: %s (%d bytes free there); the previous checkpoint "
                   "stays the one to resume from, and the next is tried in learner.checkpoint_every versions",
@@ -298,13 +300,15 @@ def _abandon_checkpoint(tag: Path, version: int, failure: BaseException | None) 
 
 
 def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int | None:
-    """Restore the checkpoint in `directory` that `latest` names, or the newest older one whose files match their
-    manifest when it does not (learner/checkpoint.py `resumable`): weights, optimizer, RNG states. Its version, or
+    """Restore the checkpoint in `directory` that `latest` names, or the newest other one whose files match their
+    manifest when it does not (learner/checkpoint.py `resumable`; the ones that failed are set aside): weights,
+    optimizer, RNG states. The version to go on at (its own, or the newest written one's: see `resumable`), or
     None when there is none (a fresh start). Every rank must call it. A checkpoint written with the entropy floor
     (removed) also carries that controller's state under "learner": it is ignored."""
-    version = checkpoint.resumable(directory)
-    if version is None:
+    resume = checkpoint.resumable(directory)
+    if resume is None:
         return None
+    version = resume.version
     adapted = lora.is_adapted(engine.module)
     _check_lora_signature(directory / f"v{version}", lora.signature(engine.module))
     # Under LoRA the checkpoint holds the adapters only: the frozen base stays as model.path loaded it.
@@ -315,8 +319,13 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int |
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
+    if resume.skipped:
+        if world_size() > 1:
+            dist.barrier()  # every rank has chosen from the same files
+        if rank() == 0:
+            checkpoint.set_aside(resume.skipped)
     log.info("resumed from checkpoint v%d in %s", version, directory)
-    return version
+    return resume.at
 
 
 def _check_lora_signature(checkpoint: Path, expected: dict | None) -> None:

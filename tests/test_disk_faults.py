@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from test_learner import LearnerRun
 from test_learner import make_config as learner_config
 from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
 from test_rollout import make_config as worker_config
@@ -200,16 +201,20 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path:
         step_weights(engine, 2)
         damage(directory / "v4" / "mp_rank_00_model_states.pt", how)
         with caplog.at_level(logging.WARNING, logger="async_rl.learner"):
-            assert load_checkpoint(engine, directory) == 2
+            # v4 may have been reported to the replay, which rolls back only to it: v2's state goes on as v4
+            assert load_checkpoint(engine, directory) == 4
         assert all(torch.equal(v, module_weights(engine)[k]) for k, v in at_v2.items()), "v2's weights, exactly"
         warning = next(r.getMessage() for r in caplog.records if "resuming from checkpoint v2" in r.getMessage())
         assert str(directory / "v4") in warning and "mp_rank_00_model_states.pt" in warning, warning
+        assert "as version 4: the updates of versions 3..4 are lost" in warning, warning
+        assert sorted(p.name for p in directory.iterdir()) == ["latest", "v2", "v4.corrupt"], "set aside"
 
         (directory / "latest").write_text("v")  # a torn `latest` too: the newest checkpoint that passes
-        assert load_checkpoint(engine, directory) == 2
+        assert load_checkpoint(engine, directory) == 4
         damage(directory / "v2" / "mp_rank_00_model_states.pt", how)
-        with pytest.raises(CheckpointError, match=r"no checkpoint in .*ck can be resumed from: .*v4: .*v2: .*"
-                                                  r"Restore the directory from a backup, or move it away"):
+        with pytest.raises(CheckpointError, match=r"no checkpoint in .*ck can be resumed from: .*latest: names no "
+                                                  r"checkpoint .*v2: mp_rank_00_model_states.pt .* Restore the "
+                                                  r"directory from a backup, or move it away"):
             load_checkpoint(engine, directory)
     finally:
         engine.destroy()
@@ -241,3 +246,21 @@ def test_a_checkpoint_the_full_disk_refuses_names_its_directory_and_the_previous
         assert load_checkpoint(engine, directory) == 6
     finally:
         engine.destroy()
+
+
+def test_a_learner_resumed_past_a_damaged_checkpoint_goes_on_at_its_version_from_the_one_before(tmp_path: Path):
+    """The trainer's side: v4 (the newest checkpoint, reported to the replay) damaged, the learner restarts with v2's
+    weights, optimizer and RNG as version 4, the one version the replay rolls back to; it publishes them as v4."""
+    keep = {"checkpoint_every": 2, "keep_checkpoints": 2, "keep_weights": 10}
+    first = LearnerRun(learner_config(tmp_path, learner=keep)).start().finish()
+    checkpoints, published = first.run_dir / "checkpoints", first.run_dir / "weights"
+    assert (checkpoints / "latest").read_text() == "v4" and first.replay.requests[-1].checkpoint == 2
+    damage(checkpoints / "v4" / "mp_rank_00_model_states.pt", "flipped")
+    resumed = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 6})).start().finish()
+    request = resumed.replay.requests[0]
+    assert (request.policy_version, request.checkpoint) == (4, 4)
+    assert request.session > first.replay.requests[0].session
+    assert [ack.policy_version for ack in resumed.replay.acks] == [5, 6], "versions go on without a gap"
+    v2, v4 = read_weights(published / "v2.safetensors"), read_weights(published / "v4.safetensors")
+    assert v2.keys() == v4.keys() and all(torch.equal(v2[k], v4[k]) for k in v2), "v4 now holds v2's weights"
+    assert (checkpoints / "v4.corrupt").is_dir() and (checkpoints / "latest").read_text() == "v6"
