@@ -89,7 +89,7 @@ def _serve(config: Config, service: ReplayService, socket: zmq.Socket, clock: Ca
         if wal is not None:
             if service.tick_changed:
                 wal.append(Ticked(now))
-            if not hold_until_written(wal.commit, stop):
+            if not hold_until_written(wal.commit, stop, clock):
                 return  # stopped while the disk refused the round: its replies were never durable, never sent
         for identity, reply in replies:
             send(socket, reply, identity)
@@ -102,9 +102,9 @@ def start_log(wal: ReplayLog, service: ReplayService, clock: Callable[[], float]
     the recovered log's last segment, then a snapshot (best effort); a fresh log's first snapshot must be written.
     False: `stop` came while the disk refused."""
     if not wal.opened():
-        return hold_until_written(lambda: wal.compact(service, clock()), stop)
+        return hold_until_written(lambda: wal.compact(service, clock()), stop, clock)
     wal.append(Started(service.epoch, clock()))
-    if not hold_until_written(wal.commit, stop):
+    if not hold_until_written(wal.commit, stop, clock):
         return False
     compact(wal, service, clock())  # the start is in a snapshot; a torn tail of the last run is gone
     return True
@@ -119,11 +119,12 @@ def compact(wal: ReplayLog, service: ReplayService, now: float) -> None:
                   wal.segment, max(1, wal.compact_every // 4))
 
 
-def hold_until_written(write: Callable[[], object], stop: threading.Event) -> bool:
+def hold_until_written(write: Callable[[], object], stop: threading.Event, clock: Callable[[], float] | None = None
+                       ) -> bool:
     """Run `write` (a commit of the round's inputs, or a fresh log's first snapshot) until the disk takes it: True,
     or False once `stop` is set first. While the disk refuses (ENOSPC, EIO: `WalWriteError` names the file and the
     errno) the replay holds: it takes no input and sends no reply, so nothing is acknowledged that is not durable,
-    and its peers send again (docs/architecture.md, "A durable replay")."""
+    and its peers send again (docs/architecture.md, "A durable replay"). A `ServiceClock` skips the time held."""
     held_since = reminded = None
     while True:
         try:
@@ -139,8 +140,10 @@ def hold_until_written(write: Callable[[], object], stop: threading.Event) -> bo
                 return False
             continue
         if held_since is not None:
-            log.warning("the replay's log was written after %.1f s held: the replay goes on",
-                        time.monotonic() - held_since)
+            held = time.monotonic() - held_since
+            if isinstance(clock, ServiceClock):
+                clock.skip(held)
+            log.warning("the replay's log was written after %.1f s held: the replay goes on", held)
         return True
 
 
@@ -161,8 +164,22 @@ def open_log(config: Config, service: ReplayService) -> tuple[ReplayLog | None, 
             raise
         finally:
             service_log.disabled = service_log_disabled
-    started = time.monotonic()
-    return wal, lambda: base + (time.monotonic() - started)
+    return wal, ServiceClock(base)
+
+
+class ServiceClock:
+    """The service clock: monotonic seconds that go on from `base` (the last logged input's). Time the replay spent
+    holding (`hold_until_written`) does not count, as the time it was down does not: its peers could not reach it,
+    so their leases and the learner's batches must not expire for it."""
+
+    def __init__(self, base: float = 0.0) -> None:
+        self.base, self.started = base, time.monotonic()
+
+    def __call__(self) -> float:
+        return self.base + (time.monotonic() - self.started)
+
+    def skip(self, seconds: float) -> None:
+        self.started += seconds
 
 
 def _volatile_epoch() -> int:

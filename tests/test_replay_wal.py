@@ -553,7 +553,7 @@ def test_a_replay_whose_disk_fills_holds_its_acks_and_resumes_when_space_comes_b
     from replay import server
 
     config = make_config(run={"dir": str(small_disk), "name": "run"},
-                         replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"})
+                         replay={"endpoint": f"ipc://{tmp_path}/replay.ipc", "lease_timeout_s": 2.0})
     service, stop = ReplayService(config), threading.Event()
     thread = threading.Thread(target=server.run, args=(config, stop, service), daemon=True)
     thread.start()
@@ -579,12 +579,14 @@ def test_a_replay_whose_disk_fills_holds_its_acks_and_resumes_when_space_comes_b
             assert held and "ENOSPC" in held[0] and str(config.run_dir / "replay" / "wal-") in held[0], held
         filler.unlink()
         assert reply(10.0) == Ack(msg_id=report.msg_id), "acked once the disk took it"
+        time.sleep(0.5)  # a few rounds of timers after the hold
     finally:
         stop.set()
         thread.join(timeout=20)
         dealer.close(linger=0)
         context.term()
     assert not thread.is_alive()
+    assert service.counters.trajectories_abandoned == 0, "the time held does not count against the lease (2 s)"
     expected = comparable(service)
     rebuilt_service, wal = rebuilt(config, config.run_dir / "replay")
     assert comparable(rebuilt_service) == expected, "everything acknowledged is in the log"
