@@ -1,5 +1,5 @@
-"""The replay's write-ahead log on disk: its entries, snapshots and segments (docs/architecture.md, "A durable
-replay").
+"""The replay's write-ahead log on disk: its files, their recovery, writing and compaction (docs/architecture.md, "A
+durable replay"; the entries, the snapshot and their framing as bytes: replay/log_format.py).
 
 `ReplayService` is deterministic given its inputs (handle(identity, message, now), reject_frame, tick(now)), so
 the log records the inputs, not the state: every message the service handled (with its `now`), every frame it
@@ -34,34 +34,39 @@ import fcntl
 import logging
 import os
 import re
-import struct
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from async_rl.errors import AsyncRLError, ConfigError
-from replay.state import ReplayState, decoder, encoder
+from replay.log_format import (  # noqa: F401 - the log's names, imported from here by the server and tests
+    FORMAT,
+    SEGMENT,
+    SNAPSHOT,
+    CorruptSnapshot,
+    Entry,
+    LogFormatError,
+    Received,
+    Refused,
+    Snapshot,
+    Started,
+    Ticked,
+    Undecodable,
+    WalError,
+    check_format,
+    entry_decoder,
+    entry_encoder,
+    format_decoder,
+    format_problem,
+    frame,
+    read_frames,
+    snapshot_decoder,
+)
+from replay.state import ReplayState, encoder
 from replay.state import comparable as comparable_state
 
 log = logging.getLogger("async_rl.replay.wal")
-
-# Of the snapshot (and the log's messages): bump when the state's layout or the protocol changes. 1: the replay
-# before its split by job; 2: replay/state.py's ReplayState, protocol without TrainItem.first_trained.
-FORMAT = 2
-HEADER = struct.Struct("<II")  # payload length, zlib.crc32(payload)
-SEGMENT = re.compile(r"wal-(\d{8})\.log")
-SNAPSHOT = re.compile(r"snapshot-(\d{8})\.msgpack")
-
-
-class WalError(AsyncRLError):
-    """The log cannot be used: corrupt beyond a torn tail, from another format, or held by another replay."""
-
-
-class CorruptSnapshot(WalError):
-    """A snapshot whose checksum or length is wrong: the disk changed it after it was written."""
 
 
 class WalWriteError(WalError):
@@ -71,131 +76,6 @@ class WalWriteError(WalError):
         self.path, self.errno = path, exc.errno
         name = errno.errorcode.get(exc.errno or 0, "an OS error")
         super().__init__(f"{path}: could not {doing}: {name} ({exc.strerror or exc})")
-
-
-class LogFormatError(WalError, ConfigError):
-    """The log is of another format: a restart would meet it again (a ConfigError: `async-rl train` does not restart
-    the replay, and reports it by name)."""
-
-
-# --- entries: the service's inputs ---------------------------------------------------------------------
-
-
-class Received(msgspec.Struct, tag="in", array_like=True):
-    """A message `handle` answered: the sender's identity, the service clock, the message as encoded, and the
-    sender's role as CURVE authenticated it (None without CURVE): the rebuild must refuse what the live replay did."""
-
-    identity: bytes
-    now: float
-    message: bytes
-    peer: str | None = None
-
-
-class Undecodable(msgspec.Struct, tag="frame", array_like=True):
-    """A frame that did not decode (`reject_frame`): it only counts, but counts are state."""
-
-    identity: bytes | None
-    detail: str
-    now: float
-
-
-class Refused(msgspec.Struct, tag="refused", array_like=True):
-    """A connection CURVE refused (`refuse_handshake`): it only counts, but counts are state."""
-
-    reason: str
-    now: float
-
-
-class Ticked(msgspec.Struct, tag="tick", array_like=True):
-    """A `tick(now)` that changed the state (lease expiry, stage-group timeout, requeue, a parked request served)."""
-
-    now: float
-
-
-class Started(msgspec.Struct, tag="start", array_like=True):
-    """A start of the replay (`start_epoch`): its epoch is state, and logging it makes the snapshot of the start
-    equal to the snapshot before it plus its segment (the fallback from a corrupt snapshot needs that)."""
-
-    epoch: int
-    now: float
-
-
-Entry = Received | Undecodable | Refused | Ticked | Started
-
-
-# --- the state: a snapshot -----------------------------------------------------------------------------
-
-
-class Snapshot(msgspec.Struct):
-    """The service's whole state (replay/state.py) when a segment began. `now`: the service clock then."""
-
-    format: int
-    now: float
-    state: ReplayState
-
-
-class _Format(msgspec.Struct):
-    """A snapshot's format alone, read before the rest (a snapshot of another format does not decode as ours)."""
-
-    format: int
-
-
-_snapshot_decoder = decoder(Snapshot)
-_format_decoder = msgspec.msgpack.Decoder(_Format)
-_entry_encoder = msgspec.msgpack.Encoder()
-_entry_decoder = msgspec.msgpack.Decoder(Entry)
-
-
-def format_problem(path: Path, written: int) -> str | None:
-    """Why a snapshot of format `written` cannot be read by this build, or None."""
-    if written == FORMAT:
-        return None
-    before = " (written before the replay was split by job)" if written < FORMAT else ""
-    return (f"{path}: replay log format {written}{before}; this build reads format {FORMAT} only: "
-            "resume it with the async-rl version that wrote it, or move its replay/ directory away to start the "
-            "replay afresh")
-
-
-def check_format(directory: Path) -> None:
-    """Raise LogFormatError when the newest snapshot in `directory` is of a format this build does not read (a
-    cheap look before a resume starts anything; `ReplayLog.recover` names any other problem)."""
-    numbers = sorted(int(m.group(1)) for p in directory.iterdir() if (m := SNAPSHOT.fullmatch(p.name))) if (
-        directory.is_dir()) else []
-    if not numbers:
-        return
-    path = directory / f"snapshot-{numbers[-1]:08d}.msgpack"
-    payloads, _ = read_frames(path.read_bytes())
-    try:
-        written = _format_decoder.decode(payloads[0]).format if payloads else FORMAT
-    except msgspec.MsgspecError:
-        return
-    problem = format_problem(path, written)
-    if problem is not None:
-        raise LogFormatError(problem)
-
-
-# --- framing -------------------------------------------------------------------------------------------
-
-
-def frame(payload: bytes) -> bytes:
-    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def read_frames(data: bytes) -> tuple[list[bytes], int]:
-    """The payloads of the whole frames in `data`, and the offset where a torn or corrupt frame began (len(data)
-    when there is none)."""
-    payloads, offset = [], 0
-    while offset < len(data):
-        if len(data) - offset < HEADER.size:
-            break
-        length, crc = HEADER.unpack_from(data, offset)
-        start = offset + HEADER.size
-        payload = data[start : start + length]
-        if len(payload) < length or zlib.crc32(payload) != crc:
-            break
-        payloads.append(payload)
-        offset = start + length
-    return payloads, offset
 
 
 # --- the log -------------------------------------------------------------------------------------------
@@ -299,10 +179,10 @@ class ReplayLog:
             raise CorruptSnapshot(f"{path}: corrupt snapshot (checksum or length); it was written atomically, so the "
                                   "disk changed it")
         try:
-            problem = format_problem(path, _format_decoder.decode(payloads[0]).format)
+            problem = format_problem(path, format_decoder.decode(payloads[0]).format)
             if problem is not None:
                 raise LogFormatError(problem)
-            snapshot = _snapshot_decoder.decode(payloads[0])
+            snapshot = snapshot_decoder.decode(payloads[0])
         except msgspec.MsgspecError as exc:
             raise WalError(f"{path}: not a replay snapshot of format {FORMAT}: {exc}") from None
         return snapshot.state, snapshot.now
@@ -326,7 +206,7 @@ class ReplayLog:
         entries = []
         for offset, payload in enumerate(payloads):
             try:
-                entries.append(_entry_decoder.decode(payload))
+                entries.append(entry_decoder.decode(payload))
             except msgspec.MsgspecError as exc:
                 raise WalError(f"{path}: entry {offset} has a valid checksum but does not decode: {exc}") from None
         return entries
@@ -348,7 +228,7 @@ class ReplayLog:
 
     def append(self, entry: Entry) -> None:
         """Queue an entry for the next `commit` (nothing is on disk before it)."""
-        self._pending.append(frame(_entry_encoder.encode(entry)))
+        self._pending.append(frame(entry_encoder.encode(entry)))
 
     def commit(self) -> bool:
         """Write the queued entries and fsync (replay.fsync) once; True if there were any. WalWriteError when the
