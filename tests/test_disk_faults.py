@@ -1,7 +1,8 @@
-"""The learner's checkpoints and published weights on a disk that fills or corrupts them (docs/architecture.md,
-"Resume after a crash"): a write the disk refuses names its file and leaves the previous one in use; a checkpoint
-or weights file torn or changed after a node crash is caught by its checksum, and the learner's resume and the
-rollout worker fall back to the newest one that passes. A real 2 MiB..64 MiB tmpfs fills (mounting needs root)."""
+"""The learner's checkpoints and published weights, and every role's metrics file, on a disk that fills or
+corrupts them (docs/architecture.md, "Resume after a crash"): a write the disk refuses names its file and leaves the
+previous one in use; a checkpoint or weights file torn or changed after a node crash is caught by its checksum, and
+the learner's resume and the rollout worker fall back to the newest one that passes. A real 2 MiB..64 MiB tmpfs
+fills (mounting needs root)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from test_learner import make_config as learner_config
 from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
 from test_rollout import make_config as worker_config
 
+from async_rl.config import load_config
 from async_rl.model import WeightsError, load_model, read_weights, save_weights
+from async_rl.telemetry import RoleMetrics
 from learner.checkpoint import CheckpointError
 from learner.engine import build_engine, load_checkpoint, save_checkpoint
 from learner.publisher import WeightPublisher
@@ -111,8 +114,6 @@ def test_a_publish_the_full_disk_refuses_names_the_file_and_leaves_the_previous_
 def model_files(tmp_path_factory) -> tuple[Path, dict[int, Path]]:
     """The tiny model and three published versions of it (v3, v4, v5), as a learner writes them."""
     run = tmp_path_factory.mktemp("run")
-    from async_rl.config import load_config
-
     model_dir = prepare_model_dir(load_config(None, [f"run.dir={run}", "run.seed=1"]))
     base = load_model(model_dir).state_dict()
     files = {}
@@ -264,3 +265,23 @@ def test_a_learner_resumed_past_a_damaged_checkpoint_goes_on_at_its_version_from
     v2, v4 = read_weights(published / "v2.safetensors"), read_weights(published / "v4.safetensors")
     assert v2.keys() == v4.keys() and all(torch.equal(v2[k], v4[k]) for k in v2), "v4 now holds v2's weights"
     assert (checkpoints / "v4.corrupt").is_dir() and (checkpoints / "latest").read_text() == "v6"
+
+
+def test_a_metrics_line_the_full_disk_refuses_is_dropped_whole_and_named_not_fatal(small_disk: Path, caplog):
+    config = load_config(None, [f"run.dir={small_disk}", "run.name=r"])
+    metrics = RoleMetrics(config, "replay")
+    try:
+        metrics.write({"n": 0})
+        filler = fill(small_disk)
+        with caplog.at_level(logging.ERROR, logger="async_rl.telemetry"):
+            for n in range(1, 400):  # ~40 KB: more than the page the file has
+                metrics.write({"n": n, "pad": "x" * 100})
+        assert metrics.dropped > 0
+        error = next(r.getMessage() for r in caplog.records if "a metrics line was dropped" in r.getMessage())
+        assert str(metrics.path) in error and "No space left" in error, error
+        filler.unlink()
+        metrics.write({"n": "after"})
+    finally:
+        metrics.close()
+    lines = [json.loads(line) for line in metrics.path.read_text().splitlines()]  # every line whole
+    assert lines[0] == {"n": 0} and lines[-1] == {"n": "after"} and len(lines) == 401 - metrics.dropped
