@@ -265,13 +265,9 @@ def run_model_dir(run_dir: Path) -> Path:
 
 
 def _load_published(path: Path) -> dict[str, Any]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from async_rl.model import read_weights
 
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        raise AsyncRLError(f"{path}: cannot read the weights ({exc})") from None
+    state = read_weights(path)  # a WeightsError names a file that is missing, torn or fails its checksum
     adapter = [k for k in state if any(marker in k for marker in PEFT_MARKERS)]
     if adapter:
         raise AsyncRLError(f"{path}: holds LoRA adapter (peft) tensors, e.g. {adapter[0]}, not merged weights; "

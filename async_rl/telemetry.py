@@ -13,6 +13,7 @@ Files: `<run_dir>/metrics/<role>.jsonl`; the learner keeps `<run_dir>/metrics.js
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -21,6 +22,10 @@ from typing import Any
 
 from async_rl.config import Config, config_to_dict
 from async_rl.protocol import ReplayStats
+from async_rl.ratelimit import RateLimitedLog
+
+log = logging.getLogger("async_rl.telemetry")
+DROPPED_LOG_EVERY_S = 60.0
 
 GROUP_FILE = "wandb_group"
 
@@ -83,7 +88,10 @@ class RoleMetrics:
         path = path if path is not None else config.run_dir / "metrics" / f"{role}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         _drop_partial_line(path)  # a restarted (or resumed) role appends to its file
-        self._file = path.open("a")
+        self.path = path
+        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); one write per line
+        self.dropped = 0  # lines the disk refused
+        self._dropped_log = RateLimitedLog(log, DROPPED_LOG_EVERY_S)
         self._wandb = None
         if config.wandb.mode != "disabled":
             import wandb  # slow to import; only when used
@@ -111,8 +119,18 @@ class RoleMetrics:
             self._wandb = wandb
 
     def write(self, line: dict[str, Any], step: int | None = None) -> None:
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
+        """Append `line`. One the disk refuses (full) is dropped whole and logged, naming the file (at most once a
+        minute): a metrics line is not worth a role."""
+        data, size = (json.dumps(line) + "\n").encode(), os.fstat(self._file.fileno()).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as exc:
+            self.dropped += 1
+            self._file.truncate(size)  # no half line left behind (a shrink needs no space)
+            self._dropped_log("dropped", logging.ERROR, "%s: a metrics line was dropped: %s (%d so far)", self.path,
+                              exc, self.dropped)
         if self._wandb is None:
             return
         values: dict[str, Any] = scalars(line)

@@ -27,15 +27,12 @@ from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from async_rl.config import Config, LearnerConfig
-from async_rl.errors import AsyncRLError, ConfigError
+from async_rl.errors import ConfigError
 from async_rl.model import load_model, resolve_device, wait_for_model_dir
-from learner import lora
+from learner import checkpoint, lora
+from learner.checkpoint import CheckpointError
 
 log = logging.getLogger("async_rl.learner")
-
-
-class CheckpointError(AsyncRLError):
-    """A checkpoint that exists but cannot be resumed from."""
 
 
 LORA_FILE = "lora.json"  # in a LoRA run's checkpoint: the adapters' rank, alpha and targets (learner/lora.py)
@@ -242,45 +239,76 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 
 
-def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None) -> None:
+def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version: int, keep: int | None = None) -> bool:
     """DeepSpeed checkpoint (model, optimizer, ZeRO shards) tagged `v{version}`, with the version and the torch,
     numpy and python RNG states in its client state; every rank must call it. Under LoRA the module state is the
     adapters alone (the frozen base is reloaded from model.path), with the adapters' shape in the client state.
-    DeepSpeed points `latest` at it only once it is written, so a learner killed mid-save resumes from the one
-    before. `keep`: delete all but the newest `keep` checkpoints (rank 0)."""
+    Rank 0 then records its files' checksums and points `latest` at it (learner/checkpoint.py), so a learner killed
+    mid-save resumes from the one before. `keep`: delete all but the newest `keep` checkpoints (rank 0).
+    Returns whether it was written, alike on every rank: one the disk refused (full) is logged naming its
+    directory, its files are removed, and `latest` still names the one before."""
     adapted = lora.is_adapted(engine.module)
-    if adapted and rank() == 0:  # before DeepSpeed points `latest` at the tag: read first when resuming
-        (directory / f"v{version}").mkdir(parents=True, exist_ok=True)
-        (directory / f"v{version}" / LORA_FILE).write_text(json.dumps(lora.signature(engine.module)))
-    engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={
-        "version": version, "rng": _rng_state(),
-    }, exclude_frozen_parameters=adapted)
+    tag, failure = directory / f"v{version}", None
+    try:
+        engine.save_checkpoint(str(directory), tag=f"v{version}", client_state={
+            "version": version, "rng": _rng_state(),
+        }, exclude_frozen_parameters=adapted, save_latest=False)
+    except (OSError, RuntimeError) as exc:  # torch.save says RuntimeError for a write the disk refused
+        failure = exc
+        if world_size() > 1:
+            dist.barrier()  # the ranks that wrote theirs wait in DeepSpeed's last barrier
+    if _all_ranks(failure is None) and rank() == 0:
+        try:
+            if adapted:  # before `latest` points at the tag (in its manifest): read first when resuming
+                (tag / LORA_FILE).write_text(json.dumps(lora.signature(engine.module)))
+            checkpoint.commit(directory, version)
+        except OSError as exc:
+            failure = exc
+    if not _all_ranks(failure is None):
+        _abandon_checkpoint(tag, version, failure)
+        return False
     log.info("checkpoint v%d written to %s", version, directory)
     if keep is not None and rank() == 0:
         tags = sorted((p for p in directory.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name)),
                       key=lambda p: int(p.name[1:]))
         for old in tags[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+    return True
 
 
-def latest_checkpoint(directory: Path) -> int | None:
-    """The version of the checkpoint DeepSpeed's `latest` names in `directory`, or None (no checkpoint)."""
-    try:
-        tag = (directory / "latest").read_text().strip()
-    except OSError:
-        return None
-    if not re.fullmatch(r"v\d+", tag) or not (directory / tag).is_dir():
-        raise CheckpointError(f"{directory / 'latest'} names {tag!r}, which is not a checkpoint in {directory}")
-    return int(tag[1:])
+def _all_ranks(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a collective when there are several)."""
+    if world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=get_accelerator().current_device_name())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _abandon_checkpoint(tag: Path, version: int, failure: BaseException | None) -> None:
+    """A checkpoint not written on every rank: rank 0 removes its files (a full disk gets its space back)."""
+    if failure is None:
+        log.error("checkpoint v%d was not written by every rank (their logs say why); the previous checkpoint stays "
+                  "the one to resume from", version)
+    else:
+        free = shutil.disk_usage(tag.parent).free if tag.parent.exists() else 0
+        log.error("checkpoint v%d could not be written to %s: %s (%d bytes free there); the previous checkpoint "
+                  "stays the one to resume from, and the next is tried in learner.checkpoint_every versions",
+                  version, tag, failure, free)
+    if rank() == 0 and checkpoint.latest(tag.parent)[1] != version:  # never the one `latest` names
+        shutil.rmtree(tag, ignore_errors=True)
 
 
 def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int | None:
-    """Restore the latest checkpoint in `directory` (weights, optimizer, RNG states); its version, or None when
-    there is none (a fresh start). Every rank must call it. A checkpoint written with the entropy floor (removed)
-    also carries that controller's state under "learner": it is ignored."""
-    version = latest_checkpoint(directory)
-    if version is None:
+    """Restore the checkpoint in `directory` that `latest` names, or the newest other one whose files match their
+    manifest when it does not (learner/checkpoint.py `resumable`; the ones that failed are set aside): weights,
+    optimizer, RNG states. The version to go on at (its own, or the newest written one's: see `resumable`), or
+    None when there is none (a fresh start). Every rank must call it. A checkpoint written with the entropy floor
+    (removed) also carries that controller's state under "learner": it is ignored."""
+    resume = checkpoint.resumable(directory)
+    if resume is None:
         return None
+    version = resume.version
     adapted = lora.is_adapted(engine.module)
     _check_lora_signature(directory / f"v{version}", lora.signature(engine.module))
     # Under LoRA the checkpoint holds the adapters only: the frozen base stays as model.path loaded it.
@@ -291,8 +319,13 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int |
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
+    if resume.skipped:
+        if world_size() > 1:
+            dist.barrier()  # every rank has chosen from the same files
+        if rank() == 0:
+            checkpoint.set_aside(resume.skipped)
     log.info("resumed from checkpoint v%d in %s", version, directory)
-    return version
+    return resume.at
 
 
 def _check_lora_signature(checkpoint: Path, expected: dict | None) -> None:

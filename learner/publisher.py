@@ -2,6 +2,9 @@
 
 The order matters: a worker that sees the notice (or reads latest.json) always finds a complete file. PUB drops
 messages to subscribers that connect late (ZeroMQ's slow joiner), so the latest notice is repeated while idle.
+Both files are written atomically and fsynced; the weights carry a checksum (async_rl/model.py `save_weights`). A
+disk that refuses them (full) is an error naming the file, not the learner's end: latest.json keeps naming the
+previous version, nothing is announced, and the next publish tries again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from async_rl.model import save_weights
+from async_rl.model import WeightsError, save_weights
 from async_rl.protocol import WeightsPublished
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import CurveKeys
@@ -39,19 +42,38 @@ class WeightPublisher:
         self.refused_handshakes = 0
         self._refused_log = RateLimitedLog(log, REFUSED_LOG_EVERY_S)
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
+        """Write, record and announce version `version`; False (logged, naming the file) when the disk refused."""
+        try:
+            notice = self._write(state_dict, version)
+            self._record(notice)
+        except (WeightsError, OSError) as exc:
+            before = f"v{self.latest.version}" if self.latest is not None else "no version"
+            log.error("weights v%d not published: %s; %s still names %s and nothing is announced (the next publish "
+                      "tries again)", version, exc, self.weights_dir / "latest.json", before)
+            return False
+        self._prune()
+        log.info("published weights v%d (%s)", version, notice.format)
+        return True
+
+    def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
         path = self.weights_dir / f"v{version}.safetensors"
         save_weights(state_dict, path)
-        self._record(WeightsPublished(version=version, path=str(path)))
-        self._prune()
-        log.info("published weights v%d", version)
+        return WeightsPublished(version=version, path=str(path))
 
     def _record(self, notice: WeightsPublished) -> None:
-        """Point latest.json at the new weights, then announce them."""
+        """Point latest.json at the new weights (a temporary, fsynced, renamed), then announce them."""
         latest = self.weights_dir / "latest.json"
         staging = latest.with_suffix(".json.tmp")
-        staging.write_text(json.dumps({"version": notice.version, "path": notice.path}))
-        os.replace(staging, latest)
+        try:
+            with open(staging, "w") as f:
+                f.write(json.dumps({"version": notice.version, "path": notice.path}))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(staging, latest)
+        except OSError as exc:
+            staging.unlink(missing_ok=True)
+            raise WeightsError(f"{latest}: could not point it at v{notice.version}: {exc}") from None
         self.latest = notice
         self._announce()
 

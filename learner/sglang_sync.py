@@ -30,7 +30,7 @@ import zmq
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from async_rl.config import Config, SGLangConfig
-from async_rl.model import save_weights
+from async_rl.model import WeightsError, save_weights
 from async_rl.protocol import WeightsPublished
 from async_rl.security import CurveKeys, load_keys, sglang_headers
 from learner.publisher import WeightPublisher
@@ -49,10 +49,17 @@ def write_hf_dir(state_dict: dict[str, torch.Tensor], model_dir: Path, target: P
     """An HF model directory SGLang can load: the model's config files and the new weights, made atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    for name in HF_FILES:
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, staging / name)
-    save_weights(state_dict, staging / "model.safetensors")
+    try:
+        for name in HF_FILES:
+            if (model_dir / name).exists():
+                shutil.copy(model_dir / name, staging / name)
+        save_weights(state_dict, staging / "model.safetensors")
+    except OSError as exc:  # a full disk: WeightsError names the weights file, this the copy
+        shutil.rmtree(staging, ignore_errors=True)
+        raise WeightsError(f"{staging}: could not write the model directory: {exc}") from None
+    except WeightsError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.rmtree(target, ignore_errors=True)  # a re-publish of the same version
     os.rename(staging, target)
     return target
@@ -166,15 +173,12 @@ class SGLangWeightPublisher(WeightPublisher):
         self.model_dir = model_dir
         self.sync = DistributedWeightSync(config) if config.weight_sync == "distributed" else None
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
         if self.sync is not None:
             self.sync.push(state_dict, version)
-            self._record(WeightsPublished(version=version, path="", format="distributed"))
-        else:
-            path = write_hf_dir(state_dict, self.model_dir, self.weights_dir / f"hf-v{version}")
-            self._record(WeightsPublished(version=version, path=str(path), format="hf-dir"))
-            self._prune()
-        log.info("published weights v%d (%s)", version, self.latest.format)
+            return WeightsPublished(version=version, path="", format="distributed")
+        path = write_hf_dir(state_dict, self.model_dir, self.weights_dir / f"hf-v{version}")
+        return WeightsPublished(version=version, path=str(path), format="hf-dir")
 
     def _prune(self) -> None:
         dirs = sorted(self.weights_dir.glob("hf-v*"), key=lambda p: int(p.name[4:]))

@@ -152,6 +152,7 @@ class _Progress:
     started: float  # time.time() at the run's start
     version: int = 0  # optimizer steps taken: the policy version
     checkpointed: int = -1  # the latest checkpoint's version (-1: none)
+    checkpoint_failed: int = -1  # the version of the last checkpoint the disk refused (the next waits checkpoint_every)
     published: int = -1  # the latest published weights' version (-1: none)
     bad_items: int = 0  # items skipped for token ids outside the vocabulary
     skipped_nonfinite: int = 0  # optimizer steps refused for a non-finite loss or gradient
@@ -333,14 +334,18 @@ def _checkpoint_if_due(engine: Any, side: _Rank, progress: _Progress, config: Co
     """Every learner.checkpoint_every versions, after the ack: a learner killed before this completes resumes from
     the previous checkpoint, and the replay rolls back the acks above it."""
     every = config.learner.checkpoint_every
-    if every and progress.version - max(progress.checkpointed, 0) >= every:
+    if every and progress.version - max(progress.checkpointed, progress.checkpoint_failed, 0) >= every:
         _checkpoint(engine, side, progress, config)
 
 
 def _checkpoint(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
-    save_checkpoint(engine, config.run_dir / "checkpoints", progress.version, config.learner.keep_checkpoints)
-    progress.checkpointed = progress.version
-    side.checkpointed(progress.version)
+    """A checkpoint of this version; one the disk refused (logged, naming it) is not reported to the replay, and
+    the learner goes on: the previous checkpoint stays the one to resume from."""
+    if save_checkpoint(engine, config.run_dir / "checkpoints", progress.version, config.learner.keep_checkpoints):
+        progress.checkpointed = progress.version
+        side.checkpointed(progress.version)
+    else:
+        progress.checkpoint_failed = progress.version
 
 
 def _finish(engine: Any, side: _Rank, progress: _Progress, config: Config) -> dict[str, Any]:

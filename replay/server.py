@@ -18,12 +18,14 @@ from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.service import ReplayService, Reply
 from replay.telemetry import metrics_line
-from replay.wal import Entry, Received, Refused, ReplayLog, Ticked, Undecodable
+from replay.wal import Entry, Received, Refused, ReplayLog, Started, Ticked, Undecodable, WalWriteError
 
 log = logging.getLogger("async_rl.replay")
 
 POLL_S = 0.02
 MAX_MESSAGES_PER_TICK = 1000  # timers still run under a flood of messages
+RETRY_S = 1.0  # a log write the disk refused is tried again this often
+REMIND_S = 60.0  # while it keeps refusing, the error is logged again this often
 
 
 def run(config: Config, stop: threading.Event | None = None, service: ReplayService | None = None) -> None:
@@ -32,7 +34,8 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
 
     With `replay.durable` the service is first rebuilt from its log in `<run dir>/replay/` (replay/wal.py), and
     each poll round's inputs are written and fsynced before its replies are sent: started again with the same
-    config after a crash, the replay goes on from the last acknowledged input. Every start begins a new epoch."""
+    config after a crash, the replay goes on from the last acknowledged input. Every start begins a new epoch.
+    A disk that refuses the log (full, failing) holds the replay until it takes it again (`hold_until_written`)."""
     stop = stop if stop is not None else threading.Event()
     service = service if service is not None else ReplayService(config)
     wal, clock = open_log(config, service)
@@ -44,11 +47,10 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
                              load_keys(config, "replay"))
         try:
             service.start_epoch(service.epoch + 1 if wal is not None else _volatile_epoch(), clock())
-            if wal is not None:
-                wal.compact(service, clock())  # the start is in a snapshot; a torn tail of the last run is gone
-            log.info("replay service listening on %s (epoch %d, %s)", config.replay.endpoint, service.epoch,
-                     f"log in {wal.directory}" if wal is not None else "not durable")
-            _serve(config, service, socket, clock, wal, metrics, stop)
+            if wal is None or start_log(wal, service, clock, stop):
+                log.info("replay service listening on %s (epoch %d, %s)", config.replay.endpoint, service.epoch,
+                         f"log in {wal.directory}" if wal is not None else "not durable")
+                _serve(config, service, socket, clock, wal, metrics, stop)
         finally:
             socket.close(linger=0)
     finally:
@@ -87,11 +89,62 @@ def _serve(config: Config, service: ReplayService, socket: zmq.Socket, clock: Ca
         if wal is not None:
             if service.tick_changed:
                 wal.append(Ticked(now))
-            wal.commit()
+            if not hold_until_written(wal.commit, stop, clock):
+                return  # stopped while the disk refused the round: its replies were never durable, never sent
         for identity, reply in replies:
             send(socket, reply, identity)
         if wal is not None and wal.due():
-            wal.compact(service, clock())
+            compact(wal, service, clock())
+
+
+def start_log(wal: ReplayLog, service: ReplayService, clock: Callable[[], float], stop: threading.Event) -> bool:
+    """The start's epoch (`service.start_epoch` done) made durable before anything is served: a `Started` entry in
+    the recovered log's last segment, then a snapshot (best effort); a fresh log's first snapshot must be written.
+    False: `stop` came while the disk refused."""
+    if not wal.opened():
+        return hold_until_written(lambda: wal.compact(service, clock()), stop, clock)
+    wal.append(Started(service.epoch, clock()))
+    if not hold_until_written(wal.commit, stop, clock):
+        return False
+    compact(wal, service, clock())  # the start is in a snapshot; a torn tail of the last run is gone
+    return True
+
+
+def compact(wal: ReplayLog, service: ReplayService, now: float) -> None:
+    """A snapshot and a new segment; one the disk refused is not fatal: the log goes on in its segment."""
+    try:
+        wal.compact(service, now)
+    except WalWriteError as exc:
+        log.error("%s; the log goes on in segment %d (compaction tried again after %d more entries)", exc,
+                  wal.segment, max(1, wal.compact_every // 4))
+
+
+def hold_until_written(write: Callable[[], object], stop: threading.Event, clock: Callable[[], float] | None = None
+                       ) -> bool:
+    """Run `write` (a commit of the round's inputs, or a fresh log's first snapshot) until the disk takes it: True,
+    or False once `stop` is set first. While the disk refuses (ENOSPC, EIO: `WalWriteError` names the file and the
+    errno) the replay holds: it takes no input and sends no reply, so nothing is acknowledged that is not durable,
+    and its peers send again (docs/architecture.md, "A durable replay"). A `ServiceClock` skips the time held."""
+    held_since = reminded = None
+    while True:
+        try:
+            write()
+        except WalWriteError as exc:
+            now = time.monotonic()
+            if reminded is None or now - reminded >= REMIND_S:
+                log.error("%s: the replay holds (takes no input, acknowledges nothing) and tries again every %.0f s "
+                          "until the disk takes it", exc, RETRY_S)
+                held_since, reminded = held_since or now, now
+            if stop.wait(RETRY_S):
+                log.error("stopped while holding: the inputs not written were never acknowledged")
+                return False
+            continue
+        if held_since is not None:
+            held = time.monotonic() - held_since
+            if isinstance(clock, ServiceClock):
+                clock.skip(held)
+            log.warning("the replay's log was written after %.1f s held: the replay goes on", held)
+        return True
 
 
 def open_log(config: Config, service: ReplayService) -> tuple[ReplayLog | None, Callable[[], float]]:
@@ -111,8 +164,22 @@ def open_log(config: Config, service: ReplayService) -> tuple[ReplayLog | None, 
             raise
         finally:
             service_log.disabled = service_log_disabled
-    started = time.monotonic()
-    return wal, lambda: base + (time.monotonic() - started)
+    return wal, ServiceClock(base)
+
+
+class ServiceClock:
+    """The service clock: monotonic seconds that go on from `base` (the last logged input's). Time the replay spent
+    holding (`hold_until_written`) does not count, as the time it was down does not: its peers could not reach it,
+    so their leases and the learner's batches must not expire for it."""
+
+    def __init__(self, base: float = 0.0) -> None:
+        self.base, self.started = base, time.monotonic()
+
+    def __call__(self) -> float:
+        return self.base + (time.monotonic() - self.started)
+
+    def skip(self, seconds: float) -> None:
+        self.started += seconds
 
 
 def _volatile_epoch() -> int:
@@ -131,6 +198,8 @@ def apply_entry(service: ReplayService, entry: Entry) -> None:
             service.reject_frame(entry.identity, entry.detail)
         case Ticked():
             service.tick(entry.now)
+        case Started():
+            service.start_epoch(entry.epoch, entry.now)
 
 
 def _receive_one(

@@ -171,25 +171,50 @@ class WeightsFollower:
                 self._loading = self.engine.submit(self._load, notice.version, notice.path)
 
     def _catch_up(self, latest: Path) -> None:
+        """Load the version latest.json names before the first engine call (a torn latest.json: the newest
+        weights file beside it)."""
         if not latest.exists():
             return
         try:
             record = json.loads(latest.read_text())
             version, path = int(record["version"]), str(record["path"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring unreadable %s: %s", latest, exc)
-            return
+            files = published_files(latest.parent, None)
+            log.warning("ignoring unreadable %s: %s%s", latest, exc, f"; trying {files[0][1]}" if files else "")
+            if not files:
+                return
+            version, path = files[0][0], str(files[0][1])
         self._loading = self.engine.submit(self._load, version, path)
         self._loading.result()  # before the first engine call
 
     def _load(self, version: int, path: str) -> None:
-        """On the engine's thread."""
-        if version == self.engine.version:
+        """On the engine's thread. A file that does not load (pruned by keep_weights, torn, or failing its checksum
+        after a node crash) is skipped with a warning naming it, for the newest older published file that loads:
+        the engine never takes weights that failed their check, and the version it tags tokens with is the one it
+        loaded. Never below the engine's own version unless the announced one is (a learner that resumed)."""
+        floor = self.engine.version if version > self.engine.version else -1
+        older = published_files(Path(path).parent, version) if path.endswith(".safetensors") else []
+        for candidate, file in [(version, Path(path)), *older]:
+            if candidate <= floor or candidate == self.engine.version:
+                return
+            try:
+                self.engine.engine.update_weights(candidate, str(file))
+            except (OSError, RuntimeError) as exc:  # async_rl.model.WeightsError is a RuntimeError
+                log.warning("could not load policy version %d from %s: %s", candidate, file, exc)
+                continue
+            if candidate != version:
+                log.warning("loaded policy version %d from %s in place of version %d", candidate, file, version)
             return
-        try:
-            self.engine.engine.update_weights(version, path)
-        except (OSError, RuntimeError) as exc:  # e.g. pruned by keep_weights before we read it; a newer one follows
-            log.warning("could not load policy version %d from %s: %s", version, path, exc)
+
+
+def published_files(weights_dir: Path, below: int | None) -> list[tuple[int, Path]]:
+    """The learner's published weight files `v<N>.safetensors` in `weights_dir` (N < `below` when given), newest
+    first."""
+    found = []
+    for file in weights_dir.glob("v*.safetensors") if weights_dir.is_dir() else []:
+        if file.stem[1:].isdigit() and (below is None or int(file.stem[1:]) < below):
+            found.append((int(file.stem[1:]), file))
+    return sorted(found, reverse=True)
 
 
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:

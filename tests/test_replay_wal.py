@@ -4,6 +4,8 @@ with SIGKILL and started again loses no acknowledged record."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 import re
@@ -11,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,11 +34,20 @@ from test_replay import (
 
 from async_rl.config import Config, config_to_dict
 from async_rl.errors import ConfigError
-from async_rl.protocol import Ack, Batch, BatchAck, Error, Heartbeat, LeaseGrant, encode
+from async_rl.protocol import Ack, Batch, BatchAck, Error, EvalReport, Heartbeat, LeaseGrant, encode
 from learner.replay_client import ReplayClient
-from replay.server import apply_entry, handle_safely
+from replay.server import apply_entry, handle_safely, start_log
 from replay.service import ReplayService
-from replay.wal import LogFormatError, Received, ReplayLog, Ticked, Undecodable, WalError, comparable
+from replay.wal import (
+    LogFormatError,
+    Received,
+    ReplayLog,
+    Ticked,
+    Undecodable,
+    WalError,
+    WalWriteError,
+    comparable,
+)
 from rollout.link import ReplayLink
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +62,7 @@ class Logged:
         self.wal = ReplayLog(directory, fsync=False, compact_every=compact_every)
         self.wal.recover(self.service, apply_entry)
         self.service.start_epoch(self.service.epoch + 1, 0.0)
-        self.wal.compact(self.service, 0.0)
+        assert start_log(self.wal, self.service, lambda: 0.0, threading.Event())
 
     def handle(self, identity: bytes, message, now: float) -> list:
         self.wal.append(Received(identity, now, encode(message)))
@@ -252,7 +264,10 @@ def test_compaction_bounds_the_log_over_a_long_run_and_the_state_rebuilds(tmp_pa
     logged.wal.close()
     service, wal = rebuilt(config, tmp_path / "replay")
     assert comparable(service) == expected
-    assert len(list((tmp_path / "replay").glob("*"))) == 3, "one snapshot, one segment, the lock"
+    names = sorted(p.name for p in (tmp_path / "replay").glob("*"))
+    n = wal.segment
+    assert names == ["lock", f"snapshot-{n - 1:08d}.msgpack", f"snapshot-{n:08d}.msgpack", f"wal-{n - 1:08d}.log",
+                     f"wal-{n:08d}.log"], "two snapshots, their segments (the previous ones for a fallback), the lock"
     wal.close()
 
 
@@ -438,3 +453,190 @@ def test_resume_of_a_run_whose_log_is_from_before_the_split_says_so_and_starts_n
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     assert f"async-rl train: {run_dir / 'replay' / 'snapshot-00000002.msgpack'}: {OLD_FORMAT}" in resumed.stderr
     assert "Traceback" not in resumed.stderr and not (run_dir / "logs").exists(), "no role was started"
+
+
+# --- a full disk, a corrupt snapshot (docs/architecture.md, "A durable replay") ----------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 2 MiB tmpfs: a real filesystem that fills (mounting needs root; skipped, saying so, where not allowed)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write a file until the disk is full; returns it (unlink it to free the space)."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def big_report(worker: Worker, size: int = 2000) -> EvalReport:
+    """A message larger than a page: its entry needs a new page of the log file, so a full disk refuses it."""
+    return EvalReport(worker_id=worker.worker_id, msg_id=next(worker.msg_ids), policy_version=0,
+                      metrics={f"metric_{i}": float(i) for i in range(size)})
+
+
+def test_a_full_disk_refuses_a_commit_whole_and_it_goes_in_once_space_is_back(small_disk: Path):
+    config = make_config()
+    logged = Logged(config, small_disk / "replay")
+    worker = Worker()
+    grant = only(logged.handle(WORKER, worker.lease(), 0.0), WORKER)
+    for record in stage_records(worker, grant)[:3]:
+        logged.handle(WORKER, record, 1.0)
+    segment = small_disk / "replay" / f"wal-{logged.wal.segment:08d}.log"
+    durable = segment.stat().st_size
+    filler = fill(small_disk)
+
+    report = big_report(worker)
+    logged.wal.append(Received(WORKER, 2.0, encode(report)))
+    handle_safely(logged.service, WORKER, report, 2.0)
+    with pytest.raises(WalWriteError, match=rf"{re.escape(str(segment))}: could not write 1 entries .*ENOSPC"):
+        logged.wal.commit()
+    assert segment.stat().st_size == durable, "nothing of the refused write stays in the log"
+    with pytest.raises(WalWriteError):
+        logged.wal.commit()  # still full: refused again, still whole
+    filler.unlink()
+    assert logged.wal.commit(), "the same entries, written once space came back"
+    logged.handle(WORKER, stage_records(worker, grant)[3], 3.0)
+    expected = comparable(logged.service)
+    logged.wal.close()
+    service, wal = rebuilt(config, small_disk / "replay")
+    assert comparable(service) == expected and wal.dropped_bytes == 0
+    assert service.state.outcomes.latest_eval["metric_1999"] == 1999.0
+    wal.close()
+
+
+def test_a_snapshot_the_full_disk_refused_leaves_the_log_going_on_in_its_segment(small_disk: Path):
+    config = make_config(**SCRIPT_CONFIG)
+    logged = Logged(config, small_disk / "replay")
+    scripted_run(logged)
+    directory = small_disk / "replay"
+    before = sorted(p.name for p in directory.iterdir())
+    filler = fill(small_disk)
+    segment = logged.wal.segment
+    refused = rf"snapshot-{segment + 1:08d}.msgpack: could not write a snapshot .*ENOSPC"
+    with pytest.raises(WalWriteError, match=refused):
+        logged.wal.compact(logged.service, 62.0)
+    assert sorted(p.name for p in directory.iterdir()) == before, "no temporary, no new segment left behind"
+    assert logged.wal.segment == segment and not logged.wal.due()
+    filler.unlink()
+    worker = Worker("worker-2")
+    only(logged.handle(b"worker-2", worker.lease(), 63.0), b"worker-2")  # into the segment that goes on
+    expected = comparable(logged.service)
+    logged.wal.close()
+    service, wal = rebuilt(config, directory)
+    assert comparable(service) == expected
+    wal.close()
+
+
+def test_a_replay_whose_disk_fills_holds_its_acks_and_resumes_when_space_comes_back(small_disk: Path, tmp_path,
+                                                                                     caplog):
+    """A real replay loop and socket: at ENOSPC it logs the file and the errno, sends no ack for what it could not
+    write, does not die, and acks it once the disk takes it; the log then holds everything acknowledged."""
+    from async_rl.transport import connect_dealer, receive, send
+    from replay import server
+
+    config = make_config(run={"dir": str(small_disk), "name": "run"},
+                         replay={"endpoint": f"ipc://{tmp_path}/replay.ipc", "lease_timeout_s": 2.0})
+    service, stop = ReplayService(config), threading.Event()
+    thread = threading.Thread(target=server.run, args=(config, stop, service), daemon=True)
+    thread.start()
+    context = zmq.Context()
+    dealer = connect_dealer(context, config.replay.endpoint, "worker-0")
+    worker = Worker()
+
+    def reply(timeout_s: float):
+        if not dealer.poll(int(timeout_s * 1000)):
+            return None
+        return receive(dealer)[1]
+
+    try:
+        send(dealer, worker.lease())
+        assert isinstance(reply(10.0), LeaseGrant)
+        filler = fill(small_disk)
+        report = big_report(worker)
+        with caplog.at_level(logging.ERROR, logger="async_rl.replay"):
+            send(dealer, report)
+            assert reply(3.0) is None, "no ack for an input the disk did not take"
+            assert thread.is_alive(), "the replay holds, it does not die"
+            held = [r.getMessage() for r in caplog.records if "the replay holds" in r.getMessage()]
+            assert held and "ENOSPC" in held[0] and str(config.run_dir / "replay" / "wal-") in held[0], held
+        filler.unlink()
+        assert reply(10.0) == Ack(msg_id=report.msg_id), "acked once the disk took it"
+        time.sleep(0.5)  # a few rounds of timers after the hold
+    finally:
+        stop.set()
+        thread.join(timeout=20)
+        dealer.close(linger=0)
+        context.term()
+    assert not thread.is_alive()
+    assert service.counters.trajectories_abandoned == 0, "the time held does not count against the lease (2 s)"
+    expected = comparable(service)
+    rebuilt_service, wal = rebuilt(config, config.run_dir / "replay")
+    assert comparable(rebuilt_service) == expected, "everything acknowledged is in the log"
+    assert rebuilt_service.state.outcomes.latest_eval["metric_1999"] == 1999.0
+    wal.close()
+
+
+def corrupt(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "torn" else
+                     data[:-10] + bytes([data[-10] ^ 0x01]) + data[-9:])
+
+
+@pytest.mark.parametrize("how", ["torn", "flipped"])
+def test_a_corrupt_snapshot_falls_back_to_the_one_before_and_its_segments(tmp_path: Path, caplog, how: str):
+    config = make_config(**SCRIPT_CONFIG)
+    directory = tmp_path / "replay"
+    logged = Logged(config, directory)
+    worker = Worker()
+    grant = only(logged.handle(WORKER, worker.lease(), 0.0), WORKER)
+    records = stage_records(worker, grant)
+    for record in records[:4]:
+        logged.handle(WORKER, record, 1.0)
+    logged.wal.close()
+    logged = Logged(config, directory)  # a restart: its epoch in segment 1, then snapshot 2
+    for record in records[4:]:
+        logged.handle(WORKER, record, 2.0)
+    after = only(logged.handle(b"worker-1", Worker("worker-1").lease(), 2.0), b"worker-1")
+    assert after.group_id.startswith("e2.")
+    expected = comparable(logged.service)
+    logged.wal.close()
+
+    newest = directory / "snapshot-00000002.msgpack"
+    corrupt(newest, how)
+    with caplog.at_level(logging.WARNING, logger="async_rl.replay.wal"):
+        service, wal = rebuilt(config, directory)
+    assert comparable(service) == expected, "snapshot 1 + segments 1 and 2 are what snapshot 2 held, and more"
+    assert any("corrupt snapshot" in r.getMessage() and "falling back to snapshot 1" in r.getMessage()
+               for r in caplog.records)
+    assert not newest.exists() and (directory / "snapshot-00000002.msgpack.corrupt").exists()
+    wal.close()
+    restarted = Logged(config, directory)  # and it starts again from there
+    assert restarted.service.epoch == 3
+    restarted.wal.close()
+
+
+def test_a_corrupt_snapshot_with_nothing_to_fall_back_to_says_what_to_do(tmp_path: Path):
+    config = make_config()
+    Logged(config, tmp_path / "replay").wal.close()
+    corrupt(tmp_path / "replay" / "snapshot-00000001.msgpack", "flipped")
+    with pytest.raises(WalError, match=r"snapshot-00000001.msgpack: corrupt snapshot .* no older snapshot to fall "
+                                       r"back to: restore .* from a backup, or move it away"):
+        rebuilt(config, tmp_path / "replay")

@@ -1,0 +1,287 @@
+"""The learner's checkpoints and published weights, and every role's metrics file, on a disk that fills or
+corrupts them (docs/architecture.md, "Resume after a crash"): a write the disk refuses names its file and leaves the
+previous one in use; a checkpoint or weights file torn or changed after a node crash is caught by its checksum, and
+the learner's resume and the rollout worker fall back to the newest one that passes. A real 2 MiB..64 MiB tmpfs
+fills (mounting needs root)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from test_learner import LearnerRun
+from test_learner import make_config as learner_config
+from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
+from test_rollout import make_config as worker_config
+
+from async_rl.config import load_config
+from async_rl.model import WeightsError, load_model, read_weights, save_weights
+from async_rl.telemetry import RoleMetrics
+from learner.checkpoint import CheckpointError
+from learner.engine import build_engine, load_checkpoint, save_checkpoint
+from learner.publisher import WeightPublisher
+from rollout.engines.thread import EngineThread
+from rollout.engines.torch_engine import TorchEngine
+from rollout.prepare import prepare_model_dir
+from rollout.worker import WeightsFollower
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, request):
+    """A tmpfs of `request.param` (default 2m), unmounted after the test; skipped, saying why, where mount fails."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    size = getattr(request, "param", "2m")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write a file until the disk is full; returns it (unlink it to free the space)."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def damage(path: Path, how: str) -> None:
+    """What a node crash or a bad disk does to a file: its tail torn off, or one byte in its middle changed."""
+    data = path.read_bytes()
+    middle = len(data) // 2
+    changed = data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1 :]
+    path.write_bytes(data[:middle] if how == "torn" else changed)
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"layer.weight": torch.randn(64, 64, generator=generator),
+            "layer.bias": torch.randn(64, generator=generator)}
+
+
+# --- weights files -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["torn", "flipped"])
+def test_a_weights_file_torn_or_changed_after_it_was_written_is_refused_by_name(tmp_path: Path, how: str):
+    path = tmp_path / "v3.safetensors"
+    save_weights(weights(3), path)
+    assert all(torch.equal(read_weights(path)[k], v) for k, v in weights(3).items())
+    damage(path, how)
+    with pytest.raises(WeightsError, match=rf"{path}: "):
+        read_weights(path)
+
+
+def test_a_publish_the_full_disk_refuses_names_the_file_and_leaves_the_previous_version_published(
+        small_disk: Path, caplog):
+    context = zmq.Context()
+    weights_out = WeightPublisher(context, "tcp://127.0.0.1:*", small_disk / "weights", keep=3)
+    try:
+        assert weights_out.publish(weights(1), 1)
+        filler = fill(small_disk)
+        with caplog.at_level(logging.ERROR, logger="async_rl.learner"):
+            assert not weights_out.publish(weights(2), 2), "refused: not published, and the learner goes on"
+        error = next(r.getMessage() for r in caplog.records if "weights v2 not published" in r.getMessage())
+        assert str(small_disk / "weights" / "v2.safetensors") in error and "No space left" in error, error
+        assert sorted(p.name for p in (small_disk / "weights").iterdir()) == ["latest.json", "v1.safetensors"]
+        assert json.loads((small_disk / "weights" / "latest.json").read_text())["version"] == 1
+        assert weights_out.latest.version == 1
+        filler.unlink()
+        assert weights_out.publish(weights(3), 3), "space came back: the next publish goes through"
+        assert json.loads((small_disk / "weights" / "latest.json").read_text())["version"] == 3
+    finally:
+        weights_out.close()
+        context.term()
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory) -> tuple[Path, dict[int, Path]]:
+    """The tiny model and three published versions of it (v3, v4, v5), as a learner writes them."""
+    run = tmp_path_factory.mktemp("run")
+    model_dir = prepare_model_dir(load_config(None, [f"run.dir={run}", "run.seed=1"]))
+    base = load_model(model_dir).state_dict()
+    files = {}
+    for version in (3, 4, 5):
+        torch.manual_seed(version)
+        files[version] = run / "weights" / f"v{version}.safetensors"
+        save_weights({k: v + 0.1 * torch.randn_like(v) for k, v in base.items()}, files[version])
+    return model_dir, files
+
+
+@pytest.mark.parametrize("how", ["torn", "flipped"])
+def test_a_worker_told_of_a_damaged_weights_file_loads_the_newest_one_that_passes(model_files, tmp_path: Path,
+                                                                                  how: str, caplog):
+    model_dir, published = model_files
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    files = {v: weights_dir / p.name for v, p in published.items()}
+    for version, file in files.items():
+        file.write_bytes(published[version].read_bytes())
+    damage(files[5], how)
+    engine = EngineThread(TorchEngine(model_dir, seed=0))
+    context = zmq.Context()
+    socket = context.socket(zmq.SUB)
+    try:
+        follower = WeightsFollower(socket, engine, tmp_path)  # no latest.json: stays at v0
+        with caplog.at_level(logging.WARNING, logger="async_rl.rollout"):
+            follower.engine.submit(follower._load, 5, str(files[5])).result()  # what a notice of v5 does
+        assert engine.version == 4, "v5 failed its check: the newest older file that passes"
+        loaded = engine.engine.model.state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in read_weights(files[4]).items())
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"could not load policy version 5 from {files[5]}" in m for m in messages), messages
+        assert any("loaded policy version 4" in m and "in place of version 5" in m for m in messages), messages
+        damage(files[4], how)
+        follower.engine.submit(follower._load, 5, str(files[5])).result()
+        assert engine.version == 4, "never below the version loaded: v4 stays, not v3"
+    finally:
+        socket.close(linger=0)
+        context.term()
+        engine.close()
+
+
+def test_a_late_worker_whose_latest_weights_are_damaged_starts_from_the_version_before(
+        tmp_path, zmq_context, publisher, caplog):  # noqa: F811 - fixtures
+    replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
+    config = worker_config(tmp_path, replay, publisher)
+    model = load_model(prepare_model_dir(config))
+    weights_dir = config.run_dir / "weights"
+    for version in (4, 5):
+        save_weights(model.state_dict(), weights_dir / f"v{version}.safetensors")
+    (weights_dir / "latest.json").write_text(json.dumps({"version": 5, "path": str(weights_dir / "v5.safetensors")}))
+    damage(weights_dir / "v5.safetensors", "flipped")
+    with caplog.at_level(logging.WARNING, logger="async_rl.rollout"), running_worker(config):
+        replay.serve_until(lambda: len(replay.records()) >= 1)
+    assert replay.records()[0].versions().tolist() == [4], "not garbage, not a refusal to start: v4"
+    assert any(str(weights_dir / "v5.safetensors") in r.getMessage() for r in caplog.records)
+
+
+# --- learner checkpoints ---------------------------------------------------------------------------------------
+
+
+def module_weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def step_weights(engine, seed: int) -> None:
+    """Move the weights as a step would (a different state to checkpoint)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in engine.module.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+
+
+@pytest.mark.parametrize("how", ["torn", "flipped"])
+def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path: Path, how: str, caplog):
+    config = learner_config(tmp_path)
+    prepare_model_dir(config)
+    directory = tmp_path / "ck"
+    engine, _ = build_engine(config)
+    try:
+        assert save_checkpoint(engine, directory, 2, keep=2)
+        at_v2 = module_weights(engine)
+        step_weights(engine, 1)
+        assert save_checkpoint(engine, directory, 4, keep=2)
+        assert (directory / "latest").read_text() == "v4" and (directory / "v4" / "manifest.json").exists()
+        step_weights(engine, 2)
+        damage(directory / "v4" / "mp_rank_00_model_states.pt", how)
+        with caplog.at_level(logging.WARNING, logger="async_rl.learner"):
+            # v4 may have been reported to the replay, which rolls back only to it: v2's state goes on as v4
+            assert load_checkpoint(engine, directory) == 4
+        assert all(torch.equal(v, module_weights(engine)[k]) for k, v in at_v2.items()), "v2's weights, exactly"
+        warning = next(r.getMessage() for r in caplog.records if "resuming from checkpoint v2" in r.getMessage())
+        assert str(directory / "v4") in warning and "mp_rank_00_model_states.pt" in warning, warning
+        assert "as version 4: the updates of versions 3..4 are lost" in warning, warning
+        assert sorted(p.name for p in directory.iterdir()) == ["latest", "v2", "v4.corrupt"], "set aside"
+
+        (directory / "latest").write_text("v")  # a torn `latest` too: the newest checkpoint that passes
+        assert load_checkpoint(engine, directory) == 4
+        damage(directory / "v2" / "mp_rank_00_model_states.pt", how)
+        with pytest.raises(CheckpointError, match=r"no checkpoint in .*ck can be resumed from: .*latest: names no "
+                                                  r"checkpoint .*v2: mp_rank_00_model_states.pt .* Restore the "
+                                                  r"directory from a backup, or move it away"):
+            load_checkpoint(engine, directory)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("small_disk", ["64m"], indirect=True)
+def test_a_checkpoint_the_full_disk_refuses_names_its_directory_and_the_previous_one_resumes(
+        small_disk: Path, tmp_path: Path, caplog):
+    config = learner_config(tmp_path)
+    prepare_model_dir(config)
+    directory = small_disk / "checkpoints"
+    engine, _ = build_engine(config)
+    try:
+        assert save_checkpoint(engine, directory, 2, keep=2)
+        at_v2 = module_weights(engine)
+        step_weights(engine, 1)
+        filler = fill(small_disk)
+        with caplog.at_level(logging.ERROR, logger="async_rl.learner"):
+            assert not save_checkpoint(engine, directory, 4, keep=2), "refused: not a checkpoint, not a crash"
+        error = next(r.getMessage() for r in caplog.records if "checkpoint v4 could not be written" in r.getMessage())
+        assert str(directory / "v4") in error, error
+        assert sorted(p.name for p in directory.iterdir()) == ["latest", "v2"], "no half-written v4 left"
+        assert (directory / "latest").read_text() == "v2"
+        filler.unlink()
+        assert load_checkpoint(engine, directory) == 2
+        assert all(torch.equal(v, module_weights(engine)[k]) for k, v in at_v2.items())
+        step_weights(engine, 2)
+        assert save_checkpoint(engine, directory, 6, keep=2), "space came back: the next one is written"
+        assert load_checkpoint(engine, directory) == 6
+    finally:
+        engine.destroy()
+
+
+def test_a_learner_resumed_past_a_damaged_checkpoint_goes_on_at_its_version_from_the_one_before(tmp_path: Path):
+    """The trainer's side: v4 (the newest checkpoint, reported to the replay) damaged, the learner restarts with v2's
+    weights, optimizer and RNG as version 4, the one version the replay rolls back to; it publishes them as v4."""
+    keep = {"checkpoint_every": 2, "keep_checkpoints": 2, "keep_weights": 10}
+    first = LearnerRun(learner_config(tmp_path, learner=keep)).start().finish()
+    checkpoints, published = first.run_dir / "checkpoints", first.run_dir / "weights"
+    assert (checkpoints / "latest").read_text() == "v4" and first.replay.requests[-1].checkpoint == 2
+    damage(checkpoints / "v4" / "mp_rank_00_model_states.pt", "flipped")
+    resumed = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 6})).start().finish()
+    request = resumed.replay.requests[0]
+    assert (request.policy_version, request.checkpoint) == (4, 4)
+    assert request.session > first.replay.requests[0].session
+    assert [ack.policy_version for ack in resumed.replay.acks] == [5, 6], "versions go on without a gap"
+    v2, v4 = read_weights(published / "v2.safetensors"), read_weights(published / "v4.safetensors")
+    assert v2.keys() == v4.keys() and all(torch.equal(v2[k], v4[k]) for k in v2), "v4 now holds v2's weights"
+    assert (checkpoints / "v4.corrupt").is_dir() and (checkpoints / "latest").read_text() == "v6"
+
+
+def test_a_metrics_line_the_full_disk_refuses_is_dropped_whole_and_named_not_fatal(small_disk: Path, caplog):
+    config = load_config(None, [f"run.dir={small_disk}", "run.name=r"])
+    metrics = RoleMetrics(config, "replay")
+    try:
+        metrics.write({"n": 0})
+        filler = fill(small_disk)
+        with caplog.at_level(logging.ERROR, logger="async_rl.telemetry"):
+            for n in range(1, 400):  # ~40 KB: more than the page the file has
+                metrics.write({"n": n, "pad": "x" * 100})
+        assert metrics.dropped > 0
+        error = next(r.getMessage() for r in caplog.records if "a metrics line was dropped" in r.getMessage())
+        assert str(metrics.path) in error and "No space left" in error, error
+        filler.unlink()
+        metrics.write({"n": "after"})
+    finally:
+        metrics.close()
+    lines = [json.loads(line) for line in metrics.path.read_text().splitlines()]  # every line whole
+    assert lines[0] == {"n": 0} and lines[-1] == {"n": "after"} and len(lines) == 401 - metrics.dropped
