@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow  # ~10 s on 2 idle cores, 26 s measured at load average 5.6
+pytestmark = [pytest.mark.slow,  # ~10 s on 2 idle cores, 26 s measured at load average 5.6
+              pytest.mark.xdist_group("cluster_sim")]  # one run of the script for the whole file
 
 
 def load_module():

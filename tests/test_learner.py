@@ -49,6 +49,9 @@ from learner.replay_client import ReplayClient
 from learner.trainer import StopRequest, run, stop_reason
 from rollout.prepare import prepare_model_dir
 
+# Under xdist one worker runs the whole file: its tests share one module-scoped training run (`trained`).
+pytestmark = pytest.mark.xdist_group("learner")
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}  # in-process runs set them
 

@@ -17,6 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl import hf_io
 
+# Under xdist one worker runs the whole file: its export tests share one module-scoped training run (`run_dir`).
+pytestmark = pytest.mark.xdist_group("models_io")
+
 ASYNC_RL = shutil.which("async-rl") or pytest.fail("the async-rl command is not on PATH (pip install -e '.[test]')")
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",

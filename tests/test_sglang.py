@@ -32,7 +32,8 @@ from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
 from rollout.prepare import prepare_model_dir
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow,
+              pytest.mark.xdist_group("sglang")]  # one pool of SGLang servers for the whole file
 
 LOGPROB_TOL = 1e-4
 EOS = 1  # the tiny model's <eos> (async_rl.model.SPECIALS)
