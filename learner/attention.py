@@ -1,0 +1,115 @@
+"""Which attention kernel the learner's model runs packed rows through (`learner.attention`), chosen for the device.
+
+A packed row lays several sequences end to end with position ids restarting at 0 (learner/batch.py). Every choice
+keeps attention within each sequence; they differ in what the kernel is given:
+
+  dense   transformers' `sdpa`: from the position ids it builds a block-diagonal causal mask, one dense
+          row x row boolean matrix per micro-batch, and sdpa computes every block of it (cost: a row's length
+          squared, the masked-out blocks included).
+  varlen  torch's fused sdpa kernel (flash on CPU and GPU) run with is_causal on each sequence alone, sequences of
+          one length batched in one call; cost: the sum of the sequences' lengths squared, no mask.
+          Registered with transformers as the attention implementation `sdpa_varlen`: the packed-sequence
+          boundaries come from the position ids (as transformers' flash-attention path takes them), a padding
+          mask's edges from the 2-D attention mask (a right-padded row: its sequence, then its padding).
+  flash   transformers' `flash_attention_2`: flash-attention's own varlen kernel (cu_seqlens from the position
+          ids); needs a GPU and the flash_attn package.
+  flex    transformers' `flex_attention`: a compiled FlexAttention kernel with a BlockMask (document mask from
+          the position ids) that skips the masked-out blocks; GPU only, since torch has no FlexAttention backward
+          on CPU ("FlexAttention does not support backward on CPU").
+
+auto: flash on a GPU with flash_attn installed, else varlen. Measured in benchmarks/attention.py
+(docs/results.md, "Packed attention").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from async_rl.errors import ConfigError
+
+VARLEN = "sdpa_varlen"  # the name under which transformers knows the varlen choice
+IMPLEMENTATIONS = {"dense": "sdpa", "varlen": VARLEN, "flash": "flash_attention_2", "flex": "flex_attention"}
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def select_attention(setting: str, device: str, flash_installed: bool) -> str:
+    """learner.attention resolved to transformers' attn_implementation name on `device` ("cpu" or "cuda"). The
+    caller passes flash_attn_installed(); tests pass the answer of a machine they are not on."""
+    if setting == "auto":
+        return IMPLEMENTATIONS["flash" if device == "cuda" and flash_installed else "varlen"]
+    if setting not in IMPLEMENTATIONS:
+        raise ConfigError(f"learner.attention: expected auto, {', '.join(IMPLEMENTATIONS)}; got {setting!r}")
+    if setting in ("flash", "flex") and device != "cuda":
+        raise ConfigError(f"learner.attention: {setting} needs a GPU; this learner runs on {device} "
+                          "(set auto, varlen or dense)")
+    if setting == "flash" and not flash_installed:
+        raise ConfigError("learner.attention: flash needs the flash_attn package, which is not installed "
+                          "(pip install flash-attn, or set auto, varlen or flex)")
+    return IMPLEMENTATIONS[setting]
+
+
+def use_attention(model: torch.nn.Module, implementation: str) -> None:
+    """Make `model` (a transformers model) attend through `implementation`, a value of IMPLEMENTATIONS."""
+    if implementation == VARLEN:
+        AttentionInterface.register(VARLEN, sdpa_varlen_forward)
+        AttentionMaskInterface.register(VARLEN, flash_attention_mask)  # None, or the 2-D mask when there is padding
+    model.set_attn_implementation(implementation)
+
+
+def sequence_bounds(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: int,
+                    length: int) -> list[int]:
+    """Start offsets of the sequences in the flattened (rows x length) layout, and its end: a sequence starts at
+    every row's first slot, wherever the position id is 0 (packed rows; a row's padding tail restarts at 0 too) and
+    wherever a padding mask turns on or off."""
+    starts = position_ids.expand(rows, length) == 0
+    starts[:, 0] = True
+    if attention_mask is not None:
+        mask = attention_mask[:, -length:].bool()
+        starts[:, 1:] |= mask[:, 1:] != mask[:, :-1]
+    return [*starts.reshape(-1).nonzero().view(-1).tolist(), rows * length]
+
+
+def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        position_ids: torch.Tensor | None = None, **_: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (query B x H x T x D, key and value B x H_kv x T x D; returns
+    B x T x H x D): causal attention within each sequence, torch's sdpa on the sequences of each length at once."""
+    rows, heads, length, dim = query.shape
+    if position_ids is None:
+        raise ValueError("sdpa_varlen: the model passed no position ids to its attention")
+    bounds = sequence_bounds(position_ids, attention_mask, rows, length)
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        by_length.setdefault(end - start, []).append(start)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # B x H x T x D -> H x (B·T) x D
+        return t.transpose(0, 1).reshape(t.shape[1], rows * length, dim)
+
+    q, k, v = flat(query), flat(key), flat(value)
+    pieces, order = [], []
+    for size, starts in by_length.items():
+        index = torch.tensor(starts, device=query.device)[:, None] + torch.arange(size, device=query.device)
+        q_s, k_s, v_s = (_sequences(t, index) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0, enable_gqa=True)
+        pieces.append(out.transpose(0, 1).reshape(heads, index.numel(), dim))
+        order.append(index.reshape(-1))
+    inverse = torch.empty(rows * length, dtype=torch.long, device=query.device)
+    gathered = torch.cat(order)
+    inverse[gathered] = torch.arange(len(gathered), device=query.device)
+    out = torch.cat(pieces, dim=1)[:, inverse]  # H x (B·T) x D in the row layout
+    return out.reshape(heads, rows, length, dim).permute(1, 2, 0, 3), None
+
+
+def _sequences(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """H x (B·T) x D, and n sequences' slots (n x length) -> the sequences as a batch, n x H x length x D."""
+    count, length = index.shape
+    return t[:, index.reshape(-1)].reshape(t.shape[0], count, length, t.shape[-1]).transpose(0, 1)
