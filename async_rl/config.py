@@ -220,7 +220,8 @@ class LearnerConfig(_Section):
     pack_row_tokens: PosInt | None = 64
     # The kernel packed rows attend through (learner/attention.py): dense, sdpa with a block-diagonal mask; varlen,
     # torch's sdpa on each sequence alone; flash, flash-attention's varlen kernel (GPU, flash_attn installed);
-    # flex, FlexAttention with a document BlockMask (GPU). auto: flash where it can run, else varlen.
+    # flex, FlexAttention with a document BlockMask (GPU). auto: flash where it can run, else varlen for packed rows
+    # over 64 tokens, dense for shorter or unpacked rows (docs/results.md, "Packed attention").
     attention: Literal["auto", "dense", "varlen", "flash", "flex"] = "auto"
     activation_checkpointing: bool = False  # recompute activations in backward (HF gradient checkpointing)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)

@@ -7,7 +7,7 @@ keeps attention within each sequence; they differ in what the kernel is given:
           row x row boolean matrix per micro-batch, and sdpa computes every block of it (cost: a row's length
           squared, the masked-out blocks included).
   varlen  torch's fused sdpa kernel (flash on CPU and GPU) run with is_causal on each sequence alone, sequences of
-          one length batched in one call; cost: the sum of the sequences' lengths squared, no mask.
+          about one length batched in one call; cost: about the sum of the sequences' lengths squared, no mask.
           Registered with transformers as the attention implementation `sdpa_varlen`: the packed-sequence
           boundaries come from the position ids (as transformers' flash-attention path takes them), a padding
           mask's edges from the 2-D attention mask (a right-padded row: its sequence, then its padding).
@@ -17,34 +17,43 @@ keeps attention within each sequence; they differ in what the kernel is given:
           the position ids) that skips the masked-out blocks; GPU only, since torch has no FlexAttention backward
           on CPU ("FlexAttention does not support backward on CPU").
 
-auto: flash on a GPU with flash_attn installed, else varlen. Measured in benchmarks/attention.py
-(docs/results.md, "Packed attention").
+auto: flash on a GPU with flash_attn installed; else varlen for packed rows longer than 64 tokens, and dense for
+shorter rows (the default learner.pack_row_tokens, 64) and unpacked ones, where the mask is cheap. Measured in
+benchmarks/attention.py (docs/results.md, "Packed attention").
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from async_rl.config import LearnerConfig
 from async_rl.errors import ConfigError
 
 VARLEN = "sdpa_varlen"  # the name under which transformers knows the varlen choice
 IMPLEMENTATIONS = {"dense": "sdpa", "varlen": VARLEN, "flash": "flash_attention_2", "flex": "flex_attention"}
+# auto keeps the dense mask for packed rows this short and for unpadded layouts: there a row's mask costs less than
+# varlen's gathering (benchmarks/attention.py at 64-token rows: varlen 0.89x dense on short sequences, 1.07x at 128)
+SHORT_ROW_TOKENS = 64
 
 
 def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def select_attention(setting: str, device: str, flash_installed: bool) -> str:
-    """learner.attention resolved to transformers' attn_implementation name on `device` ("cpu" or "cuda"). The
-    caller passes flash_attn_installed(); tests pass the answer of a machine they are not on."""
+def select_attention(setting: str, device: str, flash_installed: bool, row_tokens: int | None = None) -> str:
+    """learner.attention resolved to transformers' attn_implementation name on `device` ("cpu" or "cuda") for packed
+    rows of `row_tokens` (None: unpacked, one padded item per row). The caller passes flash_attn_installed(); tests
+    pass the answer of a machine they are not on."""
     if setting == "auto":
-        return IMPLEMENTATIONS["flash" if device == "cuda" and flash_installed else "varlen"]
+        if device == "cuda" and flash_installed:
+            return IMPLEMENTATIONS["flash"]
+        return IMPLEMENTATIONS["varlen" if row_tokens is not None and row_tokens > SHORT_ROW_TOKENS else "dense"]
     if setting not in IMPLEMENTATIONS:
         raise ConfigError(f"learner.attention: expected auto, {', '.join(IMPLEMENTATIONS)}; got {setting!r}")
     if setting in ("flash", "flex") and device != "cuda":
@@ -54,6 +63,11 @@ def select_attention(setting: str, device: str, flash_installed: bool) -> str:
         raise ConfigError("learner.attention: flash needs the flash_attn package, which is not installed "
                           "(pip install flash-attn, or set auto, varlen or flex)")
     return IMPLEMENTATIONS[setting]
+
+
+def row_tokens(learner: LearnerConfig) -> int | None:
+    """The packed row length the learner plans (learner/pack.py), None when it does not pack."""
+    return (learner.pack_row_tokens or learner.micro_batch_tokens) if learner.packing else None
 
 
 def use_attention(model: torch.nn.Module, implementation: str) -> None:
@@ -77,31 +91,45 @@ def sequence_bounds(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return [*starts.reshape(-1).nonzero().view(-1).tolist(), rows * length]
 
 
+def bucket(length: int) -> int:
+    """The window a sequence of `length` tokens is computed in: the next power of sqrt(2) (at most 2x its
+    attention, and a dozen windows up to 4,096 tokens: one sdpa call each)."""
+    return int(math.ceil(2 ** (math.ceil(2 * math.log2(max(length, 1))) / 2)))
+
+
 def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         position_ids: torch.Tensor | None = None, **_: object) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (query B x H x T x D, key and value B x H_kv x T x D; returns
-    B x T x H x D): causal attention within each sequence, torch's sdpa on the sequences of each length at once."""
+    B x T x H x D): causal attention within each sequence, torch's sdpa on the sequences of one window at once.
+
+    A sequence is computed in a window of bucket(length) slots from its first token on: the slots past its end
+    (the next sequence's, or zeros) come after every one of its tokens, so causal attention never lets its tokens
+    see them, and their own outputs are dropped. Exact, with no mask, in a dozen calls instead of one per length."""
     rows, heads, length, dim = query.shape
     if position_ids is None:
         raise ValueError("sdpa_varlen: the model passed no position ids to its attention")
     bounds = sequence_bounds(position_ids, attention_mask, rows, length)
-    by_length: dict[int, list[int]] = {}
+    by_window: dict[int, list[tuple[int, int]]] = {}
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        by_length.setdefault(end - start, []).append(start)
+        by_window.setdefault(bucket(end - start), []).append((start, end - start))
+    widest = max(by_window)
 
-    def flat(t: torch.Tensor) -> torch.Tensor:  # B x H x T x D -> H x (B·T) x D
-        return t.transpose(0, 1).reshape(t.shape[1], rows * length, dim)
+    def flat(t: torch.Tensor) -> torch.Tensor:  # B x H x T x D -> H x (B·T + widest) x D, zeros after the end
+        return F.pad(t.transpose(0, 1).reshape(t.shape[1], rows * length, dim), (0, 0, 0, widest))
 
     q, k, v = flat(query), flat(key), flat(value)
     pieces, order = [], []
-    for size, starts in by_length.items():
-        index = torch.tensor(starts, device=query.device)[:, None] + torch.arange(size, device=query.device)
+    for window, sequences in by_window.items():
+        starts, sizes = torch.tensor(sequences, device=query.device).T
+        offsets = torch.arange(window, device=query.device)
+        index = starts[:, None] + offsets
         q_s, k_s, v_s = (_sequences(t, index) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scaling,
                                              dropout_p=dropout if module.training else 0.0, enable_gqa=True)
-        pieces.append(out.transpose(0, 1).reshape(heads, index.numel(), dim))
-        order.append(index.reshape(-1))
+        real = (offsets < sizes[:, None]).reshape(-1)  # the sequences' own slots
+        pieces.append(out.transpose(0, 1).reshape(heads, index.numel(), dim)[:, real])
+        order.append(index.reshape(-1)[real])
     inverse = torch.empty(rows * length, dtype=torch.long, device=query.device)
     gathered = torch.cat(order)
     inverse[gathered] = torch.arange(len(gathered), device=query.device)

@@ -30,7 +30,7 @@ from async_rl.config import Config, LearnerConfig
 from async_rl.errors import AsyncRLError, ConfigError
 from async_rl.model import load_model, resolve_device, wait_for_model_dir
 from learner import lora
-from learner.attention import flash_attn_installed, select_attention, use_attention
+from learner.attention import flash_attn_installed, row_tokens, select_attention, use_attention
 
 log = logging.getLogger("async_rl.learner")
 
@@ -176,7 +176,7 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     torch.manual_seed(config.run.seed)
     torch.set_num_threads(config.run.threads_per_process)
     model = load_model(wait_for_model_dir(config))
-    attention = select_attention(config.learner.attention, device, flash_attn_installed())
+    attention = select_attention(config.learner.attention, device, flash_attn_installed(), row_tokens(config.learner))
     use_attention(model, attention)
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     if config.learner.activation_checkpointing:

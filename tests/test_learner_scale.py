@@ -19,7 +19,7 @@ from async_rl.errors import ConfigError
 from async_rl.loss import policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model
 from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
-from learner.attention import select_attention, use_attention
+from learner.attention import row_tokens, select_attention, use_attention
 from learner.batch import collate, collate_rows
 from learner.engine import (
     backend_for,
@@ -134,13 +134,21 @@ def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per, attent
 
 
 def test_attention_selection_and_its_errors():
-    """auto: flash-attention's varlen kernel on a GPU that has flash_attn, else torch's sdpa per sequence; choices
-    that cannot run on the machine are named."""
-    assert select_attention("auto", "cpu", flash_installed=True) == "sdpa_varlen"
-    assert select_attention("auto", "cuda", flash_installed=False) == "sdpa_varlen"
+    """auto: flash-attention's varlen kernel on a GPU that has flash_attn; else torch's sdpa per sequence for packed
+    rows longer than 64 tokens, the dense mask for shorter or unpacked rows; choices that cannot run are named."""
+    assert select_attention("auto", "cpu", flash_installed=True, row_tokens=4096) == "sdpa_varlen"
+    assert select_attention("auto", "cuda", flash_installed=False, row_tokens=128) == "sdpa_varlen"
+    assert select_attention("auto", "cpu", False, row_tokens=64) == "sdpa"
+    assert select_attention("auto", "cpu", False, row_tokens=None) == "sdpa"
+    assert select_attention("auto", "cuda", flash_installed=True, row_tokens=64) == "flash_attention_2"
     assert select_attention("auto", "cuda", flash_installed=True) == "flash_attention_2"
-    assert select_attention("dense", "cpu", False) == "sdpa"
+    assert select_attention("dense", "cpu", False, 4096) == "sdpa"
+    assert select_attention("varlen", "cpu", False, 64) == "sdpa_varlen"
     assert select_attention("flex", "cuda", False) == "flex_attention"
+    learner = make_config(Path("/unused")).learner  # pack_row_tokens null here: a row is a micro-batch
+    assert row_tokens(learner) == learner.micro_batch_tokens == 4096
+    assert row_tokens(make_config(Path("/unused"), learner={"pack_row_tokens": 64}).learner) == 64
+    assert row_tokens(make_config(Path("/unused"), learner={"packing": False}).learner) is None
     with pytest.raises(ConfigError, match="learner.attention: flex needs a GPU"):
         select_attention("flex", "cpu", False)
     with pytest.raises(ConfigError, match="learner.attention: flash needs the flash_attn package"):
