@@ -40,6 +40,7 @@ IMPLEMENTATIONS = {"dense": "sdpa", "varlen": VARLEN, "flash": "flash_attention_
 # auto keeps the dense mask for packed rows this short and for unpadded layouts: there a row's mask costs less than
 # varlen's gathering (benchmarks/attention.py at 64-token rows: varlen 0.89x dense on short sequences, 1.07x at 128)
 SHORT_ROW_TOKENS = 64
+WINDOWED_BELOW = 256  # sequences shorter than this share windows of similar length (bucket)
 
 
 def flash_attn_installed() -> bool:
@@ -92,8 +93,11 @@ def sequence_bounds(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
 
 
 def bucket(length: int) -> int:
-    """The window a sequence of `length` tokens is computed in: the next power of sqrt(2) (at most 2x its
-    attention, and a dozen windows up to 4,096 tokens: one sdpa call each)."""
+    """The window a sequence of `length` tokens is computed in: a short one's (under WINDOWED_BELOW tokens) is the
+    next power of sqrt(2), at most 2x its attention, so that a row of many short sequences takes a dozen sdpa calls;
+    a longer one is computed at its own length (its call's overhead is small beside its work)."""
+    if length >= WINDOWED_BELOW:
+        return length
     return int(math.ceil(2 ** (math.ceil(2 * math.log2(max(length, 1))) / 2)))
 
 
@@ -105,7 +109,8 @@ def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
 
     A sequence is computed in a window of bucket(length) slots from its first token on: the slots past its end
     (the next sequence's, or zeros) come after every one of its tokens, so causal attention never lets its tokens
-    see them, and their own outputs are dropped. Exact, with no mask, in a dozen calls instead of one per length."""
+    see them, and their own outputs are dropped. Exact, with no mask; short sequences of many lengths share a few
+    calls."""
     rows, heads, length, dim = query.shape
     if position_ids is None:
         raise ValueError("sdpa_varlen: the model passed no position ids to its attention")
