@@ -37,8 +37,9 @@ from async_rl.errors import ConfigError
 
 VARLEN = "sdpa_varlen"  # the name under which transformers knows the varlen choice
 IMPLEMENTATIONS = {"dense": "sdpa", "varlen": VARLEN, "flash": "flash_attention_2", "flex": "flex_attention"}
-# auto keeps the dense mask for packed rows this short and for unpadded layouts: there a row's mask costs less than
-# varlen's gathering (benchmarks/attention.py at 64-token rows: varlen 0.89x dense on short sequences, 1.07x at 128)
+# auto keeps the dense mask for packed rows this short and for unpacked layouts: there a row's mask costs less than
+# varlen's gathering (benchmarks/attention.py, the default tiny model: varlen 0.86x dense at 64-token rows of short
+# sequences, about even at 128, 3-4x at 4,096; docs/results.md, "Packed attention")
 SHORT_ROW_TOKENS = 64
 WINDOWED_BELOW = 256  # sequences shorter than this share windows of similar length (bucket)
 
