@@ -219,10 +219,15 @@ class LearnerConfig(_Section):
     micro_batch_tokens: PosInt = 4096
     # Sequences laid end to end in rows of at most pack_row_tokens, attention kept per sequence through position
     # ids; false: one right-padded sequence per row. null row length: micro_batch_tokens (one row per micro-batch,
-    # what flash-attention's varlen kernel wants); on CPU/sdpa attention costs a row's length squared, so shorter:
+    # what the varlen kernels want); with learner.attention dense a row costs its length squared, so shorter:
     # 64 keeps the default run's padding at ~5% at about the unpacked learner's speed (docs/benchmarks.md).
     packing: bool = True
     pack_row_tokens: PosInt | None = 64
+    # The kernel packed rows attend through (learner/attention.py): dense, sdpa with a block-diagonal mask; varlen,
+    # torch's sdpa on each sequence alone; flash, flash-attention's varlen kernel (GPU, flash_attn installed);
+    # flex, FlexAttention with a document BlockMask (GPU). auto: flash where it can run, else varlen for packed rows
+    # over 64 tokens, dense for shorter or unpacked rows (docs/results.md, "Packed attention").
+    attention: Literal["auto", "dense", "varlen", "flash", "flex"] = "auto"
     activation_checkpointing: bool = False  # recompute activations in backward (HF gradient checkpointing)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 

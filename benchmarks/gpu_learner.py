@@ -89,6 +89,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     from async_rl.loss import policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
     from async_rl.protocol import MASK, unpack
+    from learner.attention import use_attention
     from learner.engine import build_engine
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from rollout.prepare import prepare_model_dir
@@ -130,7 +131,9 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
           + (f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a"), flush=True)
 
     micro = [[batch.to(device) for batch, _ in rank_micro_batches(items, 0, 1, config)] for items in data]
+    attention = engine.module.config._attn_implementation  # learner.attention resolved (learner/attention.py)
     bare = load_model(model_dir).to(device).train()
+    use_attention(bare, attention)  # the learner's attention kernel: the same work
     optimizer = torch.optim.AdamW(bare.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay,
                                   fused=True)
     dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
@@ -171,7 +174,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     ours_s = statistics.median(wall["ours"])
     result = {
         "device": torch.cuda.get_device_name() if cuda else str(device), "torch": torch.__version__,
-        "parameters": parameters, "precision": "bf16" if engine.bfloat16_enabled() else "fp32",
+        "parameters": parameters, "precision": "bf16" if engine.bfloat16_enabled() else "fp32", "attention": attention,
         "zero_stage": config.learner.zero_stage, "activation_checkpointing": config.learner.activation_checkpointing,
         "batches": batches, "items_per_batch": items_per_batch, "tokens_per_batch": tokens / batches,
         "trained_tokens_per_batch": trained / batches,
@@ -214,7 +217,8 @@ def main() -> int:
                      rounds=args.rounds or (2 if quick else 3))
     result.update(quick=quick, overrides=args.set, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(f"{result['device']}: {result['parameters'] / 1e6:.0f}M parameters, {result['precision']}, "
-          f"ZeRO-{result['zero_stage']}; {result['tokens_per_batch']:.0f} tokens per batch "
+          f"ZeRO-{result['zero_stage']}, attention {result['attention']}; "
+          f"{result['tokens_per_batch']:.0f} tokens per batch "
           f"({result['micro_batches_per_batch']:.1f} micro-batches, padding {result['padding_frac']:.1%})")
     print(f"  ours       {result['ours_tokens_per_s']:>10,.0f} tokens/s   {result['ours_s_per_step']:.3f} s/step")
     print(f"  bare       {result['bare_tokens_per_s']:>10,.0f} tokens/s   ours/bare {result['ratio']:.3f}")
@@ -225,7 +229,8 @@ def main() -> int:
               + (f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a (unknown card)"))
     name = "gpu_learner" + ("-quick" if quick else "") + ("-set" if args.set else "")
     (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("device", "parameters", "precision", "ours_tokens_per_s", "ratio",
+    print(json.dumps({k: result[k] for k in ("device", "parameters", "precision", "attention", "ours_tokens_per_s",
+                                             "ratio",
                                              "same_math_ratio", "peak_gib", "mfu", "padding_frac")}))
     return 0
 

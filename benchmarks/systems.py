@@ -160,6 +160,7 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
 
     from async_rl.loss import policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
+    from learner.attention import use_attention
     from learner.batch import collate
     from learner.engine import build_engine
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
@@ -179,9 +180,12 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     model_dir = prepare_model_dir(config)  # the learner waits for the rollout side to build it
     engine, reference = build_engine(config)
     padded_engine, _ = build_engine(padded_config)
+    attention = engine.module.config._attn_implementation  # learner.attention resolved (learner/attention.py)
+
     def bare_copy(fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """A fresh copy of the model and its AdamW (torch's default step on CPU, or the learner's fused one)."""
         model = load_model(model_dir).train()
+        use_attention(model, attention)  # the learner's attention kernel: the same work
         return model, torch.optim.AdamW(model.parameters(), lr=config.learner.lr,
                                         weight_decay=config.learner.weight_decay, fused=fused)
 
@@ -239,7 +243,7 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
             wall[name].append(time.perf_counter() - started)
     ours_s, bare_s, padded_s = (statistics.median(cpu[name]) for name in ("ours", "bare", "padded"))
     return {
-        "rounds_cpu_s": cpu, "rounds_wall_s": wall, "batches": len(batches),
+        "rounds_cpu_s": cpu, "rounds_wall_s": wall, "batches": len(batches), "attention": attention,
         "items_per_batch": statistics.mean(len(b) for b in batches),
         "real_tokens_per_batch": real / len(batches), "packed_tokens_per_batch": packed_slots / len(batches),
         "padded_tokens_per_batch": padded_slots / len(batches),
@@ -418,7 +422,8 @@ def report(transport: dict | None, learner: dict | None, replay: dict | None, du
     if learner:
         target = TARGETS["learner"]
         table.add_row(f"learner ({learner['items_per_batch']:.0f} items, {learner['real_tokens_per_batch']:.0f} "
-                      f"tokens in {learner['packed_tokens_per_batch']:.0f} packed slots/batch)",
+                      f"tokens in {learner['packed_tokens_per_batch']:.0f} packed slots/batch, attention "
+                      f"{learner['attention']})",
                       f"{learner['ours_tokens_per_s']:,.0f} tok/s", f"{learner['bare_tokens_per_s']:,.0f} tok/s",
                       f"{learner['ratio']:.2f}", f">= {target}", met(learner["ratio"], target))
         table.add_row("learner, wall clock (shared cores)", "", "", f"{learner['wall_ratio']:.2f}", "", "")
@@ -496,7 +501,8 @@ def main() -> int:
         headline.update(learner_ratio=learner["ratio"], learner_wall_ratio=learner["wall_ratio"],
                         learner_fused_ratio=learner["fused_ratio"], learner_same_math_ratio=learner["same_math_ratio"],
                         padding_frac=learner["padding_frac"], padding_frac_unpacked=learner["padding_frac_unpacked"],
-                        packed_vs_padded_ratio=learner["packed_vs_padded_ratio"])
+                        packed_vs_padded_ratio=learner["packed_vs_padded_ratio"],
+                        learner_attention=learner["attention"], learner_tokens_per_s=learner["ours_tokens_per_s"])
     if replay:
         headline.update(replay_scale_ratio=replay["ratio"], bytes_per_token=replay["bytes_per_token"],
                         guard_lease_ratio={count: g["ratio"] for count, g in replay["guard"].items()},

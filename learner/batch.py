@@ -4,8 +4,9 @@ The log-prob of token t comes from the logits at t−1, so every per-token array
 with `async_rl.loss.token_logprobs` (shape B × (T−1)).
 
 A packed row lays several items end to end with position ids restarting at 0 for each (learner/pack.py plans
-which). The model gets those position ids and no attention mask; transformers then keeps attention within each
-sequence (flash-attention's varlen kernel on a GPU, a block-diagonal causal mask with sdpa/eager). The logit at an
+which). The model gets those position ids and no attention mask; the kernel learner.attention names keeps
+attention within each sequence (learner/attention.py: per-sequence sdpa, flash-attention's varlen kernel,
+FlexAttention's document mask, or sdpa with a block-diagonal causal mask). The logit at an
 item's last token predicts the next item's first token: the loss mask is 0 there, as it is for an item's first
 token in the padded layout.
 """

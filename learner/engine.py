@@ -30,6 +30,7 @@ from async_rl.config import Config, LearnerConfig
 from async_rl.errors import ConfigError
 from async_rl.model import load_model, resolve_device, wait_for_model_dir
 from learner import checkpoint, lora
+from learner.attention import flash_attn_installed, row_tokens, select_attention, use_attention
 from learner.checkpoint import CheckpointError
 
 log = logging.getLogger("async_rl.learner")
@@ -172,6 +173,8 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     torch.manual_seed(config.run.seed)
     torch.set_num_threads(config.run.threads_per_process)
     model = load_model(wait_for_model_dir(config))
+    attention = select_attention(config.learner.attention, device, flash_attn_installed(), row_tokens(config.learner))
+    use_attention(model, attention)
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     if config.learner.activation_checkpointing:
         model.config.use_cache = False
@@ -202,9 +205,9 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
         # A world of one has nothing to average; DeepSpeed would still flatten every gradient and all-reduce it.
         engine.enable_backward_allreduce = False
     log.info(
-        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %s, %d parameters%s%s",
+        "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %s, attention %s, %d parameters%s%s",
         config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device),
-        type(optimizer).__name__, parameters,
+        type(optimizer).__name__, attention, parameters,
         ", activation checkpointing" if config.learner.activation_checkpointing else "",
         f", LoRA rank {learner.lora.rank}: {sum(p.numel() for p in lora.trainable(model))} trained" if adapted else "",
     )

@@ -114,6 +114,19 @@ def test_inflight_quick():
     assert result["speedup_vs_16"]["64"] > 1.5
 
 
+def test_attention_quick():
+    """Packed attention's benchmark: each learner.attention choice that trains here (dense and varlen on CPU) runs
+    forward + backward on packed rows of both length mixes, its loss checked against dense's, tokens/s and the
+    speed-up over dense reported side by side."""
+    result = run_benchmark("attention.py", timeout_s=300)
+    assert {"dense", "varlen"} <= set(result["implementations"])
+    for mix in ("short", "agent"):
+        assert result["speedup"][mix]["dense"] == 1.0
+        assert all(result["tokens_per_s"][mix][name] > 0 for name in result["implementations"])
+        assert result["speedup"][mix]["varlen"] > 0
+    assert result["sequences_per_row"]["short"] > result["sequences_per_row"]["agent"] >= 1
+
+
 @pytest.mark.slow
 def test_hunt_quick():
     """Slow: a real `async-rl train env.name=hunt` run, then two `async-rl evaluate` runs (seeing and blind)."""

@@ -19,6 +19,7 @@ from async_rl.errors import ConfigError
 from async_rl.loss import policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model
 from async_rl.protocol import ADVANTAGE, LOGPROB, MASK, TOKEN, TrainItem, pack
+from learner.attention import row_tokens, select_attention, use_attention
 from learner.batch import collate, collate_rows
 from learner.engine import (
     backend_for,
@@ -89,27 +90,71 @@ def setup(tmp_path_factory):
     return config, random_items(config)
 
 
+# learner.attention choices that run on this machine in fp32 (flash-attention has no fp32 kernel; FlexAttention
+# has no backward on CPU).
+ATTENTION_HERE = ["dense", "varlen"] + (["flex"] if torch.cuda.is_available() else [])
+
+
+def model_attending(config: Config, attention: str) -> torch.nn.Module:
+    model = load_model(prepare_model_dir(config))
+    use_attention(model, select_attention(attention, "cuda" if attention == "flex" else "cpu", False))
+    return model.to("cuda") if attention == "flex" else model
+
+
+def on_model_device(batch, model: torch.nn.Module):  # noqa: ANN001, ANN201 - TrainBatch
+    return batch.to(next(model.parameters()).device)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_HERE)
 @pytest.mark.parametrize("entropy_per", ["step", "credit"])
-def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per):
-    """One packed row of all items (position ids, no attention mask) against one right-padded row per item; with
-    the entropy bonus on every trained token (step) or weighted by each token's |advantage| (credit)."""
+def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per, attention):
+    """One packed row of all items (position ids, no attention mask) through each attention implementation that
+    runs here against one right-padded row per item through sdpa (today's dense path); with the entropy bonus on
+    every trained token (step) or weighted by each token's |advantage| (credit). The padded batch through the same
+    implementation (its padding mask instead of position ids) gives the same too."""
     base, items = setup
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "entropy_per": entropy_per})
-    padded, packed = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
+    padded, packed = load_model(prepare_model_dir(config)), model_attending(config, attention)
+    padded_here = model_attending(config, attention)
     padded_batch = collate(items)
     packed_batch = collate_rows(items, [list(range(len(items)))], packed=True)
     assert packed_batch.tokens.shape == (1, sum(len(i.token_ids()) for i in items))
     loss_padded, logp_padded = loss_and_grads(padded, padded_batch, config)
-    loss_packed, logp_packed = loss_and_grads(packed, packed_batch, config)
-    assert loss_packed == pytest.approx(loss_padded, rel=1e-5, abs=1e-6)
-    # every trained token's log-prob is the same, so attention stayed within each sequence
-    on_padded, on_packed = padded_batch.loss_mask.bool(), packed_batch.loss_mask.bool()
-    assert int(on_padded.sum()) == int(on_packed.sum()) > 0
-    torch.testing.assert_close(logp_packed[on_packed], logp_padded[on_padded], rtol=1e-5, atol=1e-5)
-    g_padded, g_packed = grads(padded), grads(packed)
-    assert g_padded.keys() == g_packed.keys()
-    for name, g in g_padded.items():
-        torch.testing.assert_close(g_packed[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    for model, batch in ((packed, packed_batch), (padded_here, padded_batch)):
+        loss, logp = loss_and_grads(model, on_model_device(batch, model), config)
+        assert loss == pytest.approx(loss_padded, rel=1e-5, abs=1e-6)
+        # every trained token's log-prob is the same, so attention stayed within each sequence
+        on_padded, on_here = padded_batch.loss_mask.bool(), batch.loss_mask.bool()
+        assert int(on_padded.sum()) == int(on_here.sum()) > 0
+        torch.testing.assert_close(logp.cpu()[on_here], logp_padded[on_padded], rtol=1e-5, atol=1e-5)
+        g_padded, g_here = grads(padded), grads(model)
+        assert g_padded.keys() == g_here.keys()
+        for name, g in g_padded.items():
+            torch.testing.assert_close(g_here[name].cpu(), g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_attention_selection_and_its_errors():
+    """auto: flash-attention's varlen kernel on a GPU that has flash_attn; else torch's sdpa per sequence for packed
+    rows longer than 64 tokens, the dense mask for shorter or unpacked rows; choices that cannot run are named."""
+    assert select_attention("auto", "cpu", flash_installed=True, row_tokens=4096) == "sdpa_varlen"
+    assert select_attention("auto", "cuda", flash_installed=False, row_tokens=128) == "sdpa_varlen"
+    assert select_attention("auto", "cpu", False, row_tokens=64) == "sdpa"
+    assert select_attention("auto", "cpu", False, row_tokens=None) == "sdpa"
+    assert select_attention("auto", "cuda", flash_installed=True, row_tokens=64) == "flash_attention_2"
+    assert select_attention("auto", "cuda", flash_installed=True) == "flash_attention_2"
+    assert select_attention("dense", "cpu", False, 4096) == "sdpa"
+    assert select_attention("varlen", "cpu", False, 64) == "sdpa_varlen"
+    assert select_attention("flex", "cuda", False) == "flex_attention"
+    learner = make_config(Path("/unused")).learner  # pack_row_tokens null here: a row is a micro-batch
+    assert row_tokens(learner) == learner.micro_batch_tokens == 4096
+    assert row_tokens(make_config(Path("/unused"), learner={"pack_row_tokens": 64}).learner) == 64
+    assert row_tokens(make_config(Path("/unused"), learner={"packing": False}).learner) is None
+    with pytest.raises(ConfigError, match="learner.attention: flex needs a GPU"):
+        select_attention("flex", "cpu", False)
+    with pytest.raises(ConfigError, match="learner.attention: flash needs the flash_attn package"):
+        select_attention("flash", "cuda", False)
+    with pytest.raises(ConfigError, match="learner.attention"):
+        make_config(Path("/unused"), learner={"attention": "eager"})
 
 
 @pytest.mark.parametrize("aggregation,entropy_per", [("token-mean", "step"), ("seq-mean-token-sum", "step"),

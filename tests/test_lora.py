@@ -24,6 +24,7 @@ from async_rl.errors import ConfigError
 from async_rl.loss import policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model, load_weights, save_weights
 from learner import lora
+from learner.attention import use_attention
 from learner.batch import collate
 from learner.engine import CheckpointError, build_engine, full_state_dict, load_checkpoint, save_checkpoint
 from rollout.prepare import prepare_model_dir
@@ -196,7 +197,9 @@ def test_the_kl_reference_is_the_base_model_with_the_adapter_off(tmp_path, items
     try:
         assert isinstance(reference, lora.AdapterOff) and reference.model is engine.module, "no second copy"
         randomize_adapters(engine)
-        base = logits(load_model(prepare_model_dir(config)), batch)
+        base_model = load_model(prepare_model_dir(config))
+        use_attention(base_model, engine.module.config._attn_implementation)  # the learner's kernel (bit-exact)
+        base = logits(base_model, batch)
         torch.testing.assert_close(logits(reference, batch), base, rtol=0, atol=0)
         assert engine.module.training, "the engine is back in training mode"
         assert not torch.allclose(logits(engine.module, batch), base, atol=1e-3), "the adapter is on again"
