@@ -1,5 +1,6 @@
 """Fixtures shared by test files: the real pretrained model, imported once per test run (it takes 40-90 s here),
-also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock)."""
+also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock); a small
+disk that fills."""
 
 import shutil
 import subprocess
@@ -34,3 +35,20 @@ def smollm2(tmp_path_factory, request) -> Path:
             out.parent.mkdir(exist_ok=True)
             _import_smollm2(out)
     return out
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, request):
+    """A real filesystem that fills: a tmpfs of `request.param` (default 2m; parametrize it indirectly for another
+    size), unmounted after the test; skipped, saying why, where mounting is not allowed (it needs root)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    size = getattr(request, "param", "2m")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

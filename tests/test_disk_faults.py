@@ -6,15 +6,14 @@ fills (mounting needs root)."""
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
+from disk_helpers import fill
 from test_learner import LearnerRun
 from test_learner import make_config as learner_config
 from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
@@ -30,35 +29,6 @@ from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine
 from rollout.prepare import prepare_model_dir
 from rollout.worker import WeightsFollower
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path, request):
-    """A tmpfs of `request.param` (default 2m), unmounted after the test; skipped, saying why, where mount fails."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    size = getattr(request, "param", "2m")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(disk: Path) -> Path:
-    """Write a file until the disk is full; returns it (unlink it to free the space)."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for chunk in (1 << 20, 1 << 12, 1):
-            try:
-                while True:
-                    f.write(b"\0" * chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-    return filler
 
 
 def damage(path: Path, how: str) -> None:

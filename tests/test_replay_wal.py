@@ -4,7 +4,6 @@ with SIGKILL and started again loses no acknowledged record."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ import msgspec
 import pytest
 import yaml
 import zmq
+from disk_helpers import fill
 from test_replay import (
     LEARNER,
     WORKER,
@@ -456,34 +456,6 @@ def test_resume_of_a_run_whose_log_is_from_before_the_split_says_so_and_starts_n
 
 
 # --- a full disk, a corrupt snapshot (docs/architecture.md, "A durable replay") ----------------------------------
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 2 MiB tmpfs: a real filesystem that fills (mounting needs root; skipped, saying so, where not allowed)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(disk: Path) -> Path:
-    """Write a file until the disk is full; returns it (unlink it to free the space)."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for chunk in (1 << 16, 1 << 12, 1):
-            try:
-                while True:
-                    f.write(b"\0" * chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-    return filler
 
 
 def big_report(worker: Worker, size: int = 2000) -> EvalReport:
