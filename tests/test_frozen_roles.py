@@ -75,11 +75,18 @@ def test_a_rollout_worker_frozen_past_its_lease_is_refused_nothing_and_recovers(
     try:
         wait_for_versions(run_dir, 3, launcher)
         worker = pid_of(run_dir, "rollout-0")
-        os.kill(worker, signal.SIGSTOP)
-        try:
-            assert wait_for_log(run_dir / "logs" / "replay.log", "worker rollout-0 silent", 60), "no lease expiry"
-        finally:
-            os.kill(worker, signal.SIGCONT)
+        # Only a worker that holds leases is given up; frozen while it held none (waiting on admission, between
+        # groups: more likely on a loaded machine), it is thawed and frozen again, as the learner's test does.
+        for _ in range(10):
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                expired = wait_for_log(run_dir / "logs" / "replay.log", "worker rollout-0 silent", 8)
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            if expired or launcher.poll() is not None:
+                break
+            time.sleep(0.3)
+        assert expired, "the worker never held a lease while frozen"
         lines_at_thaw = len(role_lines(run_dir, "rollout-0"))
     finally:
         _, err = finish(launcher)
