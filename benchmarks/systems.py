@@ -352,9 +352,10 @@ def measure_durability(groups: int, rounds: int, round_sizes: tuple[int, ...]) -
     one write + fsync per `round_size` messages, as the socket loop does per poll round), alternating."""
     import shutil
 
+    from replay.log_format import Received
     from replay.server import handle_safely
     from replay.service import ReplayService
-    from replay.wal import Received, ReplayLog
+    from replay.wal import ReplayLog
 
     config = base_config("wal", ["algo.groups_per_step=100000000"])
     recorder = RecordingDriver(ReplayService(config), config, seed=0)

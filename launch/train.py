@@ -23,7 +23,7 @@ from launch.dashboard import Dashboard
 from launch.preflight import preflight
 from launch.rundir import create_run_dir, fresh_run_dir
 from launch.supervise import Child, Supervisor
-from replay.wal import check_format
+from replay.log_format import check_format
 from rollout.prepare import load_env, prepare_model_dir
 
 log = logging.getLogger("launch.train")

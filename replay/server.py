@@ -16,9 +16,10 @@ from async_rl.protocol import AnyMessage, Error, decode, encode
 from async_rl.security import load_keys
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
+from replay.log_format import Entry, Received, Refused, Started, Ticked, Undecodable
 from replay.service import ReplayService, Reply
 from replay.telemetry import metrics_line
-from replay.wal import Entry, Received, Refused, ReplayLog, Started, Ticked, Undecodable, WalWriteError
+from replay.wal import ReplayLog, WalWriteError
 
 log = logging.getLogger("async_rl.replay")
 

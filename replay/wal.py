@@ -40,21 +40,15 @@ from typing import Any
 
 import msgspec
 
-from replay.log_format import (  # noqa: F401 - the log's names, imported from here by the server and tests
+from replay.log_format import (
     FORMAT,
     SEGMENT,
     SNAPSHOT,
     CorruptSnapshot,
     Entry,
     LogFormatError,
-    Received,
-    Refused,
     Snapshot,
-    Started,
-    Ticked,
-    Undecodable,
     WalError,
-    check_format,
     entry_decoder,
     entry_encoder,
     format_decoder,

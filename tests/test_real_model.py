@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.protocol import Outcome, StageRecord, decode
-from replay.wal import Entry, Received, read_frames
+from replay.log_format import Entry, Received, read_frames
 
 REPO = Path(__file__).resolve().parent.parent
 ASYNC_RL = shutil.which("async-rl") or pytest.fail("the async-rl command is not on PATH (pip install -e '.[test]')")

@@ -36,18 +36,10 @@ from async_rl.config import Config, config_to_dict
 from async_rl.errors import ConfigError
 from async_rl.protocol import Ack, Batch, BatchAck, Error, EvalReport, Heartbeat, LeaseGrant, encode
 from learner.replay_client import ReplayClient
+from replay.log_format import LogFormatError, Received, Ticked, Undecodable, WalError
 from replay.server import apply_entry, handle_safely, start_log
 from replay.service import ReplayService
-from replay.wal import (
-    LogFormatError,
-    Received,
-    ReplayLog,
-    Ticked,
-    Undecodable,
-    WalError,
-    WalWriteError,
-    comparable,
-)
+from replay.wal import ReplayLog, WalWriteError, comparable
 from rollout.link import ReplayLink
 
 REPO = Path(__file__).resolve().parent.parent
