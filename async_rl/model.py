@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from async_rl.config import Config, configured_model_path
+from async_rl.durable import fsync_path
 from async_rl.errors import AsyncRLError, ConfigError
 
 log = logging.getLogger("async_rl.model")
@@ -146,21 +147,13 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     try:
         save_file(tensors, str(tmp), metadata={CRC_KEY: f"{tensors_crc(tensors):08x}"})
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except (OSError, SafetensorError) as exc:
         tmp.unlink(missing_ok=True)
         free = shutil.disk_usage(path.parent).free
         raise WeightsError(f"{path}: could not write the weights: {exc} ({free} bytes free there)") from None
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def tensors_crc(tensors: dict[str, torch.Tensor]) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from async_rl.durable import write_atomically
 from async_rl.errors import AsyncRLError
 
 log = logging.getLogger("async_rl.learner")
@@ -46,26 +47,6 @@ def _crc32(path: Path, sync: bool) -> tuple[int, int]:
         if sync:
             os.fsync(f.fileno())
     return size, crc
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """`path` holds `text` or what it held before, even across a crash: a temporary, fsynced, renamed, the directory
-    fsynced. OSError when the disk refuses (the temporary is removed)."""
-    staging = path.with_name(path.name + ".tmp")
-    try:
-        with open(staging, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staging, path)
-    except OSError:
-        staging.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def commit(directory: Path, version: int) -> None:

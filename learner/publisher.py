@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 import zmq
 
+from async_rl.durable import write_atomically
 from async_rl.model import WeightsError, save_weights
 from async_rl.protocol import WeightsPublished
 from async_rl.ratelimit import RateLimitedLog
@@ -62,17 +62,11 @@ class WeightPublisher:
         return WeightsPublished(version=version, path=str(path))
 
     def _record(self, notice: WeightsPublished) -> None:
-        """Point latest.json at the new weights (a temporary, fsynced, renamed), then announce them."""
+        """Point latest.json at the new weights (atomically: async_rl/durable.py), then announce them."""
         latest = self.weights_dir / "latest.json"
-        staging = latest.with_suffix(".json.tmp")
         try:
-            with open(staging, "w") as f:
-                f.write(json.dumps({"version": notice.version, "path": notice.path}))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(staging, latest)
+            write_atomically(latest, json.dumps({"version": notice.version, "path": notice.path}))
         except OSError as exc:
-            staging.unlink(missing_ok=True)
             raise WeightsError(f"{latest}: could not point it at v{notice.version}: {exc}") from None
         self.latest = notice
         self._announce()

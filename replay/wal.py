@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from async_rl.durable import fsync_path
 from replay.log_format import (
     FORMAT,
     SEGMENT,
@@ -306,11 +307,7 @@ class ReplayLog:
 
     def _sync_directory(self) -> None:
         if self.fsync:
-            fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(self.directory)
 
     def close(self) -> None:
         if self._fd is not None:

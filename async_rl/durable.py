@@ -1,0 +1,32 @@
+"""Files that survive a crash of the node: fsync a file or a directory, and write a small file atomically (a
+temporary, fsynced, renamed, its directory fsynced), so that a reader finds the old content or the new, never half."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so that a rename in it survives a power cut)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`path` holds `text` or what it held before, even across a crash. OSError when the disk refuses (the
+    temporary, `<name>.tmp`, is removed)."""
+    staging = path.with_name(path.name + ".tmp")
+    try:
+        with open(staging, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staging, path)
+    except OSError:
+        staging.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
