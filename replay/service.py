@@ -345,24 +345,23 @@ class ReplayService:
 
     def _abandon_worker(self, worker_id: str, reason: str, now: float) -> None:
         for group_id in self.leases.held(worker_id):
-            group = self.groups[group_id]
-            for i in group.unfinished_members():
-                self._abandon(group, i, reason)
-            self.leases.end(group)
-            self.advance(group, now)
+            self._abandon_unfinished(self.groups[group_id], reason, now)
 
-    def _give_up(self, group: Group, now: float) -> None:
-        """replay.max_open_groups: the group idle longest has its unfinished trajectories abandoned, as for an
-        expired lease; it finalizes over the finished ones, and late records of its worker are acked, not stored."""
-        unfinished = group.unfinished_members()
-        log.warning("%d groups wait for outcomes (replay.max_open_groups): giving up group %s of worker %s, idle "
-                    "%.1f s (%d unfinished trajectories abandoned)", self.config.replay.max_open_groups,
-                    group.group_id, group.worker_id, now - group.touched, len(unfinished))
-        self.counters.groups_given_up += 1
-        for i in unfinished:
-            self._abandon(group, i, "given up at replay.max_open_groups")
+    def _abandon_unfinished(self, group: Group, reason: str, now: float) -> None:
+        """A leased group's unfinished trajectories abandoned and its lease ended: it finalizes over the finished
+        ones, and late records of its worker are acked, not stored."""
+        for i in group.unfinished_members():
+            self._abandon(group, i, reason)
         self.leases.end(group)
         self.advance(group, now)
+
+    def _give_up(self, group: Group, now: float) -> None:
+        """replay.max_open_groups: the group idle longest is given up, as for an expired lease."""
+        log.warning("%d groups wait for outcomes (replay.max_open_groups): giving up group %s of worker %s, idle "
+                    "%.1f s (%d unfinished trajectories abandoned)", self.config.replay.max_open_groups,
+                    group.group_id, group.worker_id, now - group.touched, len(group.unfinished_members()))
+        self.counters.groups_given_up += 1
+        self._abandon_unfinished(group, "given up at replay.max_open_groups", now)
 
     def _eval_report(self, report: EvalReport) -> Ack:
         self.state.outcomes.latest_eval = {**report.metrics, "eval_version": float(report.policy_version)}
