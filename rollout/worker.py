@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from async_rl.config import Config
+from async_rl.hf_io import published_versions
 from async_rl.model import load_tokenizer
 from async_rl.protocol import (
     LOGPROB,
@@ -208,13 +209,10 @@ class WeightsFollower:
 
 
 def published_files(weights_dir: Path, below: int | None) -> list[tuple[int, Path]]:
-    """The learner's published weight files `v<N>.safetensors` in `weights_dir` (N < `below` when given), newest
-    first."""
-    found = []
-    for file in weights_dir.glob("v*.safetensors") if weights_dir.is_dir() else []:
-        if file.stem[1:].isdigit() and (below is None or int(file.stem[1:]) < below):
-            found.append((int(file.stem[1:]), file))
-    return sorted(found, reverse=True)
+    """The learner's published weight files `v<N>.safetensors` in `weights_dir` (async_rl/hf_io.py
+    `published_versions`, without SGLang's `hf-v<N>/` directories), N < `below` when given, newest first."""
+    return sorted(((version, file) for version, file in published_versions(weights_dir).items()
+                   if file.parent == weights_dir and (below is None or version < below)), reverse=True)
 
 
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:
