@@ -68,19 +68,25 @@ def test_a_rollout_worker_frozen_past_its_lease_is_refused_nothing_and_recovers(
     """SIGSTOP rollout-0 until the replay gives up its leases, then SIGCONT: the groups it held were finalized over
     their finished members; what it sends late for them is acked as a duplicate and stored nowhere; it goes on to
     new leases; the run reaches its budget with every invariant."""
-    # The other worker goes on meanwhile: the run must outlast the freeze (v5 to v24 took 3 s here).
-    versions = 80
+    # The other worker goes on meanwhile: the run must outlast the freezes (v0 to v80 took 9 s beside other tests).
+    versions = 200
     launcher, run_dir = start(tmp_path, "replay.lease_timeout_s=2", "rollout.heartbeat_s=0.5",
                               "rollout.max_inflight=8", max_versions=versions)
     try:
         wait_for_versions(run_dir, 3, launcher)
         worker = pid_of(run_dir, "rollout-0")
-        # Only a worker that holds leases is given up; frozen while it held none (waiting on admission, between
-        # groups: more likely on a loaded machine), it is thawed and frozen again, as the learner's test does.
+        # Only a worker that holds leases is given up. It is frozen once it has trajectories in flight (on a loaded
+        # machine it can still be starting when the run reaches v3), and frozen again if it held none at that
+        # moment (waiting on admission, between groups), as the learner's test does.
+        deadline = time.monotonic() + 120
+        lines = run_dir / "metrics" / "rollout-0.jsonl"
+        while not (lines.exists() and any(line.get("in_flight") for line in role_lines(run_dir, "rollout-0"))):
+            assert launcher.poll() is None and time.monotonic() < deadline, "rollout-0 never had work in flight"
+            time.sleep(0.05)
         for _ in range(10):
             os.kill(worker, signal.SIGSTOP)
             try:
-                expired = wait_for_log(run_dir / "logs" / "replay.log", "worker rollout-0 silent", 8)
+                expired = wait_for_log(run_dir / "logs" / "replay.log", "worker rollout-0 silent", 5)
             finally:
                 os.kill(worker, signal.SIGCONT)
             if expired or launcher.poll() is not None:
