@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -115,32 +116,64 @@ def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     rows, heads, length, dim = query.shape
     if position_ids is None:
         raise ValueError("sdpa_varlen: the model passed no position ids to its attention")
+    plan = _plan(position_ids, attention_mask, rows, length)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # B x H x T x D -> H x (B·T + widest) x D, zeros after the end
+        return F.pad(t.transpose(0, 1).reshape(t.shape[1], rows * length, dim), (0, 0, 0, plan.widest))
+
+    q, k, v = flat(query), flat(key), flat(value)
+    pieces = []
+    for index, real in plan.windows:
+        q_s, k_s, v_s = (_sequences(t, index) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0, enable_gqa=True)
+        pieces.append(out.transpose(0, 1).reshape(heads, index.numel(), dim)[:, real])
+    out = torch.cat(pieces, dim=1)[:, plan.inverse]  # H x (B·T) x D in the row layout
+    return out.reshape(heads, rows, length, dim).permute(1, 2, 0, 3), None
+
+
+@dataclass
+class _Plan:
+    """Where the sequences of one layout are: per window, their slots (n x window) and which of those are their
+    own; the order that puts the outputs back in the row layout; the widest window."""
+
+    windows: list[tuple[torch.Tensor, torch.Tensor]]
+    inverse: torch.Tensor
+    widest: int
+
+
+# The last layout's plan: every layer of one forward (and its backward's recompute) gets the same position ids and
+# mask tensors, so their sequence boundaries (a host sync on a GPU) and gather indices are computed once, not once
+# a layer. Keyed by the tensors themselves (held here, so no other tensor can take their id) and their versions.
+_last: tuple[tuple[torch.Tensor, torch.Tensor | None, tuple], _Plan] | None = None
+
+
+def _plan(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: int, length: int) -> _Plan:
+    global _last
+    versions = (position_ids._version, None if attention_mask is None else attention_mask._version, rows, length)
+    if _last is not None:
+        (last_ids, last_mask, last_versions), plan = _last
+        if last_ids is position_ids and last_mask is attention_mask and last_versions == versions:
+            return plan
+    device = position_ids.device
     bounds = sequence_bounds(position_ids, attention_mask, rows, length)
     by_window: dict[int, list[tuple[int, int]]] = {}
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         by_window.setdefault(bucket(end - start), []).append((start, end - start))
-    widest = max(by_window)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:  # B x H x T x D -> H x (B·T + widest) x D, zeros after the end
-        return F.pad(t.transpose(0, 1).reshape(t.shape[1], rows * length, dim), (0, 0, 0, widest))
-
-    q, k, v = flat(query), flat(key), flat(value)
-    pieces, order = [], []
+    windows, order = [], []
     for window, sequences in by_window.items():
-        starts, sizes = torch.tensor(sequences, device=query.device).T
-        offsets = torch.arange(window, device=query.device)
+        starts, sizes = torch.tensor(sequences, device=device).T
+        offsets = torch.arange(window, device=device)
         index = starts[:, None] + offsets
-        q_s, k_s, v_s = (_sequences(t, index) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scaling,
-                                             dropout_p=dropout if module.training else 0.0, enable_gqa=True)
         real = (offsets < sizes[:, None]).reshape(-1)  # the sequences' own slots
-        pieces.append(out.transpose(0, 1).reshape(heads, index.numel(), dim)[:, real])
+        windows.append((index, real))
         order.append(index.reshape(-1)[real])
-    inverse = torch.empty(rows * length, dtype=torch.long, device=query.device)
+    inverse = torch.empty(rows * length, dtype=torch.long, device=device)
     gathered = torch.cat(order)
-    inverse[gathered] = torch.arange(len(gathered), device=query.device)
-    out = torch.cat(pieces, dim=1)[:, inverse]  # H x (B·T) x D in the row layout
-    return out.reshape(heads, rows, length, dim).permute(1, 2, 0, 3), None
+    inverse[gathered] = torch.arange(len(gathered), device=device)
+    plan = _Plan(windows, inverse, max(by_window))
+    _last = ((position_ids, attention_mask, versions), plan)
+    return plan
 
 
 def _sequences(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
