@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -122,6 +124,18 @@ def wait_for_checkpoint(run_dir: Path, version: int, launcher: subprocess.Popen,
     pytest.fail(f"no checkpoint v{version} within {timeout_s} s")
 
 
+@contextmanager
+def killed_on_failure(launcher: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """A failed test must not leave a run behind: a launcher still running when the block ends (an assertion or a
+    timeout inside it) is killed, and its children follow it."""
+    try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
 def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str,
                      at_checkpoint: int | None = None) -> tuple[subprocess.CompletedProcess, Path, int]:
     """`async-rl train` with `role` SIGKILLed after a random number of versions, or the moment a checkpoint at or
@@ -132,17 +146,13 @@ def train_with_fault(tmp_path: Path, role: str, seed: int, *overrides: str,
     args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *FAULT_RUN,
             f"run.max_versions={MAX_VERSIONS}", f"run.seed={seed}", *overrides]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with killed_on_failure(launcher):
         if at_checkpoint is None:
             wait_for_versions(run_dir, kill_after, launcher)
         else:
             kill_after = wait_for_checkpoint(run_dir, at_checkpoint, launcher)
         os.kill(json.loads((run_dir / "processes.json").read_text())[role], signal.SIGKILL)
         out, err = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:  # a failed test must not leave a run behind (its children follow it)
-            launcher.kill()
-            launcher.wait()
     return subprocess.CompletedProcess(args, launcher.returncode, out, err), run_dir, kill_after
 
 

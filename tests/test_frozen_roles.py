@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_faults import FAULT_RUN, check_run, wait_for_versions
+from test_faults import FAULT_RUN, check_run, killed_on_failure, wait_for_versions
 
 from async_rl.config import load_config
 from async_rl.protocol import LOGPROB, TOKEN, Heartbeat, LeaseGrant, LeaseRequest, StageRecord, pack
@@ -36,12 +36,8 @@ def start(tmp_path: Path, *overrides: str, max_versions: int = MAX_VERSIONS) -> 
 
 
 def finish(launcher: subprocess.Popen) -> tuple[str, str]:
-    try:
+    with killed_on_failure(launcher):
         out, err = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:  # a failed test must not leave a run behind (its children follow it)
-            launcher.kill()
-            launcher.wait()
     assert launcher.returncode == 0, err[-3000:]
     return out, err
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_faults import killed_on_failure
 
 pytestmark = pytest.mark.slow
 
@@ -97,14 +98,10 @@ def _wait_for(path: Path, timeout: float = 120) -> None:
 def test_ctrl_c_stops_every_child_cleanly(tmp_path):
     args = [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t", *SHORT_RUN]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with killed_on_failure(launcher):
         _wait_for(tmp_path / "t" / "metrics.jsonl")
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=90)
-    finally:
-        if launcher.poll() is None:  # a failed test must not leave a run behind (its children follow it)
-            launcher.kill()
-            launcher.wait()
     assert launcher.returncode == 130, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["versions"] >= 1
     assert_children_gone(tmp_path / "t")
