@@ -109,11 +109,11 @@ def resumable(directory: Path) -> Resume | None:
     may have been told of N, and can roll back only to it (docs/architecture.md, "Resume after a crash"). The
     weights, optimizer and RNG are the older checkpoint's: the updates of the versions between are lost, and their
     items stay trained once (nothing is trained twice, versions stay continuous)."""
-    tags = _versions(directory, TAG)
+    tags = versions(directory)
     exists, named = latest(directory)
     if not exists and not tags:
         return None
-    written = _versions(directory, WRITTEN, lambda p: (p / MANIFEST).exists())  # manifests: each was complete once
+    written = versions(directory, WRITTEN, lambda p: (p / MANIFEST).exists())  # manifests: each was complete once
     order = sorted({v for v in tags if named is None or v <= named or v in written} | ({named} - {None}),
                    reverse=True)
     reasons = [f"{directory / LATEST}: names no checkpoint (torn or changed)"] if exists and named is None else []
@@ -137,7 +137,7 @@ def resumable(directory: Path) -> Resume | None:
                           "directory from a backup, or move it away to start this learner again from v0")
 
 
-def _versions(directory: Path, pattern: re.Pattern, keep: Callable[[Path], bool] = Path.is_dir) -> list[int]:
+def versions(directory: Path, pattern: re.Pattern = TAG, keep: Callable[[Path], bool] = Path.is_dir) -> list[int]:
     """The versions of the entries of `directory` whose names match `pattern` and that `keep`, newest first."""
     if not directory.is_dir():
         return []

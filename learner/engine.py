@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -272,10 +271,8 @@ def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version:
         return False
     log.info("checkpoint v%d written to %s", version, directory)
     if keep is not None and rank() == 0:
-        tags = sorted((p for p in directory.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name)),
-                      key=lambda p: int(p.name[1:]))
-        for old in tags[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in checkpoint.versions(directory)[keep:]:  # newest first
+            shutil.rmtree(directory / f"v{old}", ignore_errors=True)
     return True
 
 
