@@ -57,6 +57,7 @@ from rollout.episode import Episode, Sink
 from rollout.plugin_calls import (
     DEFAULT_JUDGE_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
+    ElasticPool,
     PluginPool,
     call_limits,
     start_daemon_call,
@@ -119,6 +120,7 @@ class EpisodeRunner:
         self.step_timeout_s = step_timeout_s
         self.judge_timeout_s = judge_timeout_s
         self.pool = PluginPool(max_inflight, name="env-step")
+        self.judge_pool = ElasticPool(name="env-judge")
         self.episodes: list[Episode] = []  # every episode not yet done
         self.steps: dict[Future, Episode] = {}  # reset and step calls under way
         self.judges: dict[Future, Episode] = {}
@@ -380,11 +382,12 @@ class EpisodeRunner:
         return text
 
     def _judge(self, episode: Episode) -> None:
-        """The judge on a daemon thread of its own: a slow one holds up nothing, a hung one not the exit either."""
+        """The judge on a daemon thread of the judge pool: a slow one holds up nothing, a hung one keeps its thread
+        (the pool starts another) and holds up neither the worker nor its exit."""
         episode.phase = "judge"
         episode.since = time.monotonic()
         assert episode.env is not None
-        self.judges[start_daemon_call(checked_judge, self.env_name, episode.env, name="env-judge")] = episode
+        self.judges[self.judge_pool.submit(checked_judge, self.env_name, episode.env)] = episode
 
     def _collect_judges(self) -> None:
         for future in [f for f in self.judges if f.done()]:

@@ -38,18 +38,26 @@ def call_limits(rollout: Any, factory: Any) -> tuple[float, float]:
     return pick("step_timeout_s", DEFAULT_STEP_TIMEOUT_S), pick("judge_timeout_s", DEFAULT_JUDGE_TIMEOUT_S)
 
 
-def timed_call(future: Future, fn: Callable[..., Any], args: tuple) -> None:
-    """Run `fn(*args)` into `future`, with the call's own duration as `future.elapsed_s`."""
+def timed_call(future: Future, fn: Callable[..., Any], args: tuple,
+               finished: Callable[[], None] | None = None) -> None:
+    """Run `fn(*args)` into `future`, with the call's own duration as `future.elapsed_s`; `finished` is called
+    after `fn` returns and before the future is done (a pool marks its thread free there)."""
     if not future.set_running_or_notify_cancel():
+        if finished is not None:
+            finished()
         return
     started = time.monotonic()
     try:
         result = fn(*args)
     except BaseException as exc:
         future.elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
+        if finished is not None:
+            finished()
         future.set_exception(exc)
     else:
         future.elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
+        if finished is not None:
+            finished()
         future.set_result(result)
 
 
@@ -100,8 +108,55 @@ class PluginPool:
             timed_call(*item)
 
 
+class ElasticPool:
+    """Daemon threads started when a call finds none idle, kept while calls keep coming and ended after `idle_s`
+    without one (judges: slow, many at once, not counted in the in-flight budget; starting a thread per judge cost
+    a quarter of the worker's loop on the instant trap judge)."""
+
+    def __init__(self, name: str, idle_s: float = 30.0) -> None:
+        self.name = name
+        self.idle_s = idle_s
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a call that no queued call has claimed
+        self._numbers = itertools.count()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._calls.put((future, fn, args))
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._work, name=f"{self.name}-{next(self._numbers)}", daemon=True).start()
+        return future
+
+    def threads(self) -> int:
+        return sum(t.name.startswith(f"{self.name}-") for t in threading.enumerate())
+
+    def _work(self) -> None:
+        while True:
+            try:
+                item = self._calls.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if not self._calls.empty():
+                        continue  # a call came as the wait ended: it counted on this thread
+                    self._idle -= 1
+                    return
+            if item is None:
+                return
+            timed_call(*item, finished=self._free)
+
+    def _free(self) -> None:
+        """This thread's call returned: it counts as idle before its caller sees the result (so a caller that
+        submits again at once finds it)."""
+        with self._lock:
+            self._idle += 1
+
+
 def start_daemon_call(fn: Callable[..., Any], *args: Any, name: str) -> Future:
-    """One call on a daemon thread of its own (judges: slow, many at once, not counted in the in-flight budget)."""
+    """One call on a daemon thread of its own (a call that may hang, e.g. the close of an env whose call hung)."""
     future: Future = Future()
     threading.Thread(target=timed_call, args=(future, fn, args), name=name, daemon=True).start()
     return future

@@ -50,6 +50,9 @@ def tool_messages(results: list[ToolResult]) -> list[dict[str, Any]]:
         messages.append(message)
     return messages
 
+CACHED_TEXTS = 4096  # distinct texts kept
+CACHED_TEXT_CHARS = 4096  # longer texts (files, test logs) are rarely repeated: not kept
+
 
 class Prompter:
     """Text to tokens for the context: plain for a plain tokenizer, the chat template's turns when it has one."""
@@ -57,6 +60,7 @@ class Prompter:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self._encoded: dict[tuple[str, bool], tuple[int, ...]] = {}  # text -> tokens, the oldest dropped first
 
     def first(self, text: str, tools: list[dict] | None = None) -> list[int]:
         """The first observation; with `tools` (non-empty), their specs through the template or as plain text."""
@@ -70,7 +74,7 @@ class Prompter:
             return self._template(messages)
         if tools:
             text = tools_text(tools) + text
-        return list(self.tokenizer(text)["input_ids"])  # special tokens (BOS) only here
+        return self._encode(text, special=True)  # special tokens (BOS) only here
 
     def next(self, observation: str | list[ToolResult]) -> list[int]:
         """The observation after an action: a user turn (str) or tool messages (a list of ToolResult), with the
@@ -79,7 +83,7 @@ class Prompter:
             return []
         if not self.chat:
             text = observation if isinstance(observation, str) else results_text(observation)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self._encode(text)
         if isinstance(observation, str):
             turn = [{"role": "user", "content": observation}]
         else:
@@ -114,7 +118,20 @@ class Prompter:
         return self._tokens(text)
 
     def _tokens(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._encode(text)
+
+    def _encode(self, text: str, special: bool = False) -> list[int]:
+        """The tokenizer's ids for `text`, from a bounded cache (environments repeat their observations: the
+        tokenizer call was a fifth of the worker loop's time on the trap task)."""
+        key = (text, special)
+        ids = self._encoded.get(key)
+        if ids is None:
+            ids = tuple(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+            if len(text) <= CACHED_TEXT_CHARS:
+                if len(self._encoded) >= CACHED_TEXTS:
+                    del self._encoded[next(iter(self._encoded))]
+                self._encoded[key] = ids
+        return list(ids)
 
 
 def blinded(observation: str | list[ToolResult] | None, blind: str) -> str | list[ToolResult]:

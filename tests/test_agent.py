@@ -69,3 +69,46 @@ def test_the_kernel_imports_no_environment():
         text = path.read_text()
         for needle in ("rollout.envs.trap", "rollout.envs.hunt", "TrapEnv", "async_rl.vocab", "stage_word"):
             assert needle not in text, f"{path.name} mentions {needle}"
+
+
+def test_the_judge_pool_reuses_idle_threads_and_runs_slow_calls_side_by_side():
+    import threading
+    import time
+
+    from rollout.plugin_calls import ElasticPool
+
+    pool = ElasticPool(name="test-judge-reuse", idle_s=0.5)
+    for n in range(50):  # one after the other: one thread does them all
+        assert pool.submit(lambda x: x * 2, n).result(timeout=5) == n * 2
+    assert pool.threads() == 1
+    gate = threading.Event()
+    slow = [pool.submit(gate.wait, 5) for _ in range(8)]  # eight at once: eight threads, none waits for another
+    time.sleep(0.2)
+    assert pool.threads() == 8 and not any(f.done() for f in slow)
+    hung = pool.submit(time.sleep, 3)  # a call that does not return soon holds its thread, not the next call
+    assert pool.submit(lambda: "next").result(timeout=2) == "next"
+    gate.set()
+    assert all(f.result(timeout=5) for f in slow)
+    assert all(f.elapsed_s >= 0.2 for f in slow)
+    deadline = time.monotonic() + 5
+    while pool.threads() > 1 and time.monotonic() < deadline:  # idle threads end after idle_s; the hung one stays
+        time.sleep(0.05)
+    assert pool.threads() == 1 and not hung.done()
+
+
+def test_the_prompters_token_cache_returns_what_the_tokenizer_does_and_stays_bounded(monkeypatch):
+    from rollout import prompting
+
+    monkeypatch.setattr(prompting, "CACHED_TEXTS", 4)
+    tokenizer = byte_tokenizer()
+    prompter = Prompter(tokenizer)
+    texts = [f"Tool: {n}\n" for n in range(10)] * 2
+    for text in texts:
+        ids = prompter.next(text)
+        assert ids == list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(0)  # a caller's list is its own: the cache is not changed through it
+    assert prompter.next("Tool: 9\n") == list(tokenizer("Tool: 9\n", add_special_tokens=False)["input_ids"])
+    assert len(prompter._encoded) == 4
+    first = prompter.first("Task: x\n")  # the first observation keeps its special tokens, cached apart
+    assert first == list(tokenizer("Task: x\n")["input_ids"])
+    assert prompter.next("Task: x\n") == list(tokenizer("Task: x\n", add_special_tokens=False)["input_ids"])

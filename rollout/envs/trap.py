@@ -89,7 +89,6 @@ class TrapEnv:
         self.failed = False
         self.done = False
         self.latency_factor = 1.0  # this trajectory's step_latency_s multiplier (step_latency_sigma)
-        self._rng = random.Random()  # only the latency is drawn here: the task and its code stay deterministic
 
     def reset(self, task: Task) -> str:
         task_id = int(task.data["task"])
@@ -98,7 +97,9 @@ class TrapEnv:
         self.retries_left = self.settings.retries
         self.trapped = self.failed = self.done = False
         sigma = self.settings.step_latency_sigma
-        self.latency_factor = math.exp(sigma * self._rng.gauss(0.0, 1.0) - sigma**2 / 2) if sigma > 0 else 1.0
+        # Only the latency is random (the process's generator: a Random() per env read os.urandom each time); the
+        # task and its code stay deterministic.
+        self.latency_factor = math.exp(sigma * random.gauss(0.0, 1.0) - sigma**2 / 2) if sigma > 0 else 1.0
         return f"{task_word(task_id)} {stage_word(0)}"
 
     def step(self, action: str) -> StepResult:
@@ -107,7 +108,8 @@ class TrapEnv:
             raise RuntimeError("TrapEnv.step called before reset(task)")
         if self.done:
             raise RuntimeError("TrapEnv.step called after the episode ended; call reset(task) first")
-        time.sleep(self.settings.step_latency_s * self.latency_factor)
+        if self.settings.step_latency_s > 0:
+            time.sleep(self.settings.step_latency_s * self.latency_factor)
         choice = self._symbols.get(action.strip())  # anything but exactly one known symbol is a miss
         if choice is not None and choice == self.task.code[self.stage]:
             return self._advance()
