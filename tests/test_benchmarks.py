@@ -435,3 +435,12 @@ def test_engine_cache_quick():
     assert set(result["episode_s"]) == {"re-prefill", "cache"}
     # turns 2-3 feed only their 24 new tokens of contexts of 88-136: most prompt tokens come from the cache
     assert result["reuse_frac"] > 0.5
+
+
+@pytest.mark.slow
+def test_quick_start_quick():
+    """The README's `async-rl train` through the script that times it: one short run, its summary line read."""
+    result = run_benchmark("quick_start.py", 300)
+    (run,) = result["runs"]
+    assert run["versions"] == 3 and run["stop_reason"] == "max_versions" and run["env_steps"] > 0
+    assert 0 < run["first_version_s"] < run["wall_s"] == result["wall_s_median"]

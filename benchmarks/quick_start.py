@@ -1,0 +1,77 @@
+"""The quick start's time: the README's first training command, `async-rl train`, run several times one after the
+other, each timed from the command to its exit (the summary line is its last output).
+
+Each run is the packaged default config untouched but for `run.dir` (its run directory under benchmarks/out/, so
+that `runs/` is left alone). Reported: the median and range of the wall time, and per run the figures of its
+summary line (`final_success_rate`, `eval_success_rate`, versions, env steps) and the seconds from the command to
+the learner's first version (start-up: every role imports torch; the learner DeepSpeed too). Run it on an idle
+machine: the figure is a wall time.
+
+    python benchmarks/quick_start.py              # 3 runs (docs/results.md, "The quick start")
+    python benchmarks/quick_start.py --quick      # 1 run of 3 versions (the script runs end to end)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from common import OUT_DIR, emit, machine, markdown_table, print_table  # noqa: E402
+
+
+def command() -> list[str]:
+    """`async-rl train` as the README prints it: the installed console script (else the module it runs)."""
+    script = shutil.which("async-rl")
+    return [script, "train"] if script else [sys.executable, "-m", "launch.cli", "train"]
+
+
+def one_run(out: Path, n: int, overrides: list[str], timeout_s: float) -> dict:
+    run_dir = out / f"run-{n}"
+    shutil.rmtree(out / f"run-{n}", ignore_errors=True)
+    args = [*command(), f"run.dir={out}", f"run.name=run-{n}", *overrides]
+    started = time.time()
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    wall_s = time.time() - started
+    if done.returncode != 0:
+        raise SystemExit(f"run {n} failed (exit {done.returncode}); its log: {run_dir / 'logs'}\n{done.stderr[-2000:]}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    first = json.loads((run_dir / "metrics.jsonl").open().readline())
+    return {"wall_s": round(wall_s, 1), "first_version_s": round(first["wall_s"], 1), **{
+        k: summary.get(k) for k in ("final_success_rate", "eval_success_rate", "versions", "env_steps", "stop_reason")}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one run of 3 versions, no evaluation")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    args = parser.parse_args()
+    quick = ["run.max_versions=3", "run.target_success=null", "run.eval_samples_per_task=0"]
+    runs, overrides = (1, quick) if args.quick else (args.runs, [])
+    out = OUT_DIR / "quick_start"
+    results = [one_run(out, n, overrides, args.timeout_s) for n in range(1, runs + 1)]
+    walls = [r["wall_s"] for r in results]
+    columns = ["run", "wall s", "first version s", "final success", "eval success", "versions", "env steps"]
+    rows = [[str(n), f"{r['wall_s']:.1f}", f"{r['first_version_s']:.1f}", f"{r['final_success_rate']:.2f}",
+             f"{r['eval_success_rate'] or 0:.2f}", str(r["versions"]), f"{r['env_steps']:,}"]
+            for n, r in enumerate(results, 1)]
+    cmd = "python benchmarks/quick_start.py" + (" --quick" if args.quick else "")
+    print_table(f"async-rl train, {runs} run(s): median {statistics.median(walls):.1f} s "
+                f"({min(walls):.1f}–{max(walls):.1f})", columns, rows)
+    print(markdown_table(columns, rows, cmd))
+    emit({"runs": results, "wall_s_median": statistics.median(walls), "wall_s_min": min(walls),
+          "wall_s_max": max(walls), "machine": machine()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
