@@ -1,7 +1,10 @@
-"""`async-rl train`, the flow of a local run: check what can be refused, create the run directory and the model
-directory, start the replay, the learner and the rollout workers as separate OS processes (launch/supervise.py)
-with the live display (launch/dashboard.py) until the learner stops, then evaluate the final weights. The last
-stdout line is one JSON object with the run's result.
+"""`async-rl train`, the flow of a local run: check what can be refused, create the run directory, start the replay,
+the learner and the rollout workers as separate OS processes (launch/supervise.py; a rollout worker builds the tiny
+model's directory, the learner waits for it) with the live display (launch/dashboard.py) until the learner stops,
+then evaluate the final weights. The last stdout line is one JSON object with the run's result.
+
+The launcher itself imports no torch before the roles start (that import took ~4 s of the quick start's critical
+path): the evaluation's code is imported on a thread once the learner has trained its first version.
 
 Ctrl-C (or SIGTERM) reaches the launcher alone, which then stops the learner first (it writes the summary) and the
 others after it. A role that dies is started again within `run.max_restarts`; a role that cannot be is reported
@@ -14,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 
 from rich.console import Console
@@ -24,7 +28,7 @@ from launch.preflight import preflight
 from launch.rundir import create_run_dir, fresh_run_dir
 from launch.supervise import Child, Supervisor
 from replay.log_format import check_format
-from rollout.prepare import load_env, prepare_model_dir
+from rollout.envs.base import load_factory
 
 log = logging.getLogger("launch.train")
 
@@ -36,17 +40,19 @@ def train(config: Config, resume: bool = False) -> int:
     preflight(config, resume)
     if resume and config.replay.durable:
         check_format(config.run_dir / "replay")  # a log this build cannot read: refused before any role starts
-    factory = load_env(config)  # a bad env.name or env.kwargs stops here, before the run directory exists
+    load_factory(config.env.name, config.env.kwargs)  # a bad env.name or env.kwargs stops here, before the run dir
     if not resume:
         config = fresh_run_dir(config)
     config_path = create_run_dir(config, resume)
-    prepare_model_dir(config, factory)  # once, before the roles race for it (its tokenizer depends on the env)
     env = dict(os.environ, ASYNC_RL_RUN_START=str(time.time()), OMP_NUM_THREADS=str(config.run.threads_per_process))
     console = Console(stderr=True)
     console.print(f"[bold]async-rl[/] {'resuming' if resume else 'run dir'} [cyan]{config.run_dir}[/] (logs in "
                   f"{config.run_dir / 'logs'})")
     supervisor = Supervisor(config, config_path, env, console)
-    failed, interrupted = _supervise(supervisor, config, console)
+    preload = threading.Thread(target=_import_evaluation, name="import-evaluation", daemon=True)
+    failed, interrupted = _supervise(supervisor, config, console, preload)
+    if preload.is_alive():
+        preload.join()  # not left importing into an interpreter that is shutting down
     if failed is not None:
         console.print(supervisor.failure(failed), soft_wrap=True)  # unwrapped: the command must copy-paste
         return 1
@@ -63,9 +69,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _supervise(supervisor: Supervisor, config: Config, console: Console) -> tuple[Child | None, bool]:
+def _import_evaluation() -> None:
+    import rollout.evaluate  # noqa: F401 - torch, transformers and the engine, for the final evaluation
+
+
+def _supervise(supervisor: Supervisor, config: Config, console: Console,
+               preload: threading.Thread) -> tuple[Child | None, bool]:
     """Until the learner finishes, a role fails for good (returned), or Ctrl-C / SIGTERM (True); then every
-    process is stopped."""
+    process is stopped. `preload` starts once the learner has trained a version (the roles' own imports done)."""
     # SIGINT explicitly too: a shell without job control starts background commands with SIGINT ignored, and
     # Python then never installs its KeyboardInterrupt handler, so `kill -INT` would be ignored.
     previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -74,6 +85,9 @@ def _supervise(supervisor: Supervisor, config: Config, console: Console) -> tupl
             while True:
                 time.sleep(0.5)
                 dashboard.update(supervisor.children)
+                if preload.ident is None and config.run.eval_samples_per_task > 0 and (
+                        config.run_dir / "metrics.jsonl").exists():
+                    preload.start()
                 if supervisor.learner_finished():
                     return None, False
                 failed = supervisor.restart_dead()
@@ -102,9 +116,9 @@ def _result(config: Config, learner: Child, console: Console) -> dict | None:
 
 def _evaluate(config: Config, console: Console) -> dict:
     """The final weights on every task (the windowed training metric is noisy), as `async-rl evaluate` does, in this
-    process: it has torch and the model code loaded already. A new `async-rl evaluate` process took 19 s to import
-    them and exit around a 0.6 s evaluation (the 2-core machine at load 12, 2026-11-27). The evaluation's log goes
-    to logs/evaluate.log; a failure leaves the run's result without it."""
+    process, which imported torch and the model code during the run. A new `async-rl evaluate` process took 19 s to
+    import them and exit around a 0.6 s evaluation (the 2-core machine at load 12, 2026-11-27). The evaluation's log
+    goes to logs/evaluate.log; a failure leaves the run's result without it."""
     from rollout.evaluate import evaluate
 
     console.print("evaluating the final weights on every task ...")
