@@ -1,8 +1,8 @@
 """What every rollout-side entry point does first: load the configured environment and the model directory for it.
 
 The tiny default model's tokenizer depends on the environment (word-level over its declared vocabulary, else
-byte-level), so the rollout side builds the model directory; the launcher does it once before the roles start,
-and the learner waits for it (async_rl.model.wait_for_model_dir).
+byte-level), so the rollout side builds the model directory (atomically: several workers may race for it, the
+copies are identical) and the learner waits for it (async_rl.model.wait_for_model_dir).
 """
 
 from __future__ import annotations
