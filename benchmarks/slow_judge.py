@@ -15,7 +15,7 @@ versions a second, a 2 s judge makes every correction ~20 versions late, and the
 credit) is dropped; `credit_dropped` is reported per run.
 
     python benchmarks/slow_judge.py            # 2 variants x 2 seeds, outcome delay 2 s; ~20 min on 2 cores
-    python benchmarks/slow_judge.py --quick    # 1 seed, a 1.5k env-step budget, no target: it completes (~1 min)
+    python benchmarks/slow_judge.py --quick    # 1 seed, a 3k env-step budget, no target: it completes (~1 min)
 """
 
 from __future__ import annotations
@@ -50,17 +50,17 @@ VARIANTS = {
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, 1.5k env steps, no target")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 3k env steps, no target")
     parser.add_argument("--seeds", type=int, default=None, help="seeds (default 2, quick 1)")
     parser.add_argument("--outcome-delay", type=float, default=2.0, help="env.outcome_delay_s (default 2.0)")
     parser.add_argument("--step-latency", type=float, default=0.01, help="env.step_latency_s (default 0.01)")
-    parser.add_argument("--budget", type=int, default=None, help="env steps per run (default 500,000, quick 1,500)")
+    parser.add_argument("--budget", type=int, default=None, help="env steps per run (default 500,000, quick 3,000)")
     parser.add_argument("--max-correction-staleness", type=int, default=256,
                         help="algo.max_correction_staleness (default 256; the config's 16 drops most corrections "
                              "when the judge is slow and immediate items keep the learner stepping)")
     args = parser.parse_args()
     seeds = args.seeds or (1 if args.quick else 2)
-    budget = args.budget or (1_500 if args.quick else 500_000)
+    budget = args.budget or (3_000 if args.quick else 500_000)
     target, window = 0.8, 2048
     out_dir = OUT_DIR / ("slow_judge-quick" if args.quick else "slow_judge")
     info = machine()

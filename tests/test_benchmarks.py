@@ -30,7 +30,8 @@ def run_benchmark(script: str, timeout_s: float, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_ablation_quick():
-    """Slow: one real `async-rl train` per variant (1k env steps each, ~10 s of startup each), one after another."""
+    """Slow: one real `async-rl train` per variant the quick form runs (the three checked here; 3k env steps each,
+    most of each run's ~25 CPU-s its processes' start-up), one after another."""
     result = run_benchmark("ablation.py", timeout_s=420)
     variants = {"outcome-only", "immediate-only", "immediate+correction"}
     assert variants <= result["steps_to_target"].keys()
@@ -73,7 +74,7 @@ def test_trap_dynamics_quick():
 
 @pytest.mark.slow
 def test_slow_judge_quick():
-    """Slow: two real `async-rl train` runs (1.5k env steps each) whose outcomes each wait for a 2 s judge."""
+    """Slow: two real `async-rl train` runs (3k env steps each) whose outcomes each wait for a 2 s judge."""
     result = run_benchmark("slow_judge.py", timeout_s=400)
     assert result["outcome_delay_s"] == 2.0 and result["target"] is None
     assert all(versions[0] >= 1 for versions in result["versions"].values())  # both arms trained within the budget
