@@ -19,7 +19,7 @@ latency and D = that latency x learner versions per second (the outcome's delay 
 `d_from_updates`), the learner's `correction_bound_needed` and `ledger_residual_max`, and the tool calls and
 unparsed calls counted on the rollout lines; `delta_ratio` = delta(immediate+correction) / delta(outcome-only+step).
 
-    python benchmarks/real_model.py --quick    # LoRA rank 8, 1 version of 1 group per arm, 1 task x 2 samples; ~2 min
+    python benchmarks/real_model.py --quick    # LoRA rank 8, 1 version of 1 group of 2 per arm, 1 task x 2 samples
     python benchmarks/real_model.py --minutes 60 --judge-delay-s 120    # full fine-tune, 12 tasks x 4 samples
     python benchmarks/real_model.py --minutes 60 --judge-delay-s 120 --lora-rank 8
 """
@@ -78,9 +78,12 @@ SETTINGS = [
     "algo.entropy_coef=0.0", "algo.groups_per_step=2", "learner.checkpoint_every=0", "learner.keep_weights=2",
     "replay.batch_ack_timeout_s=600",  # steps of 60-150 s here: at the default 120 s slow steps' batches were requeued
 ]
-# --quick proves the script end to end, not learning: a version is one group of 4 (half the learner step's tokens),
-# with 4 trajectories in flight.
-QUICK_SETTINGS = ["algo.groups_per_step=1", "learner.min_batch_items=4", "rollout.max_inflight=4"]
+# --quick proves the script end to end, not learning: a version is one group of 2 (a quarter of the learner step's
+# tokens), and admission at staleness 0 (`algo.max_staleness=0`) starts no group past the one that version trains, so
+# the learner's step does not share the 2 cores with the rollout of groups that the run never trains (two arms side
+# by side are four such processes).
+QUICK_SETTINGS = ["algo.groups_per_step=1", "rollout.group_size=2", "learner.min_batch_items=2",
+                  "rollout.max_inflight=2", "algo.max_staleness=0"]
 ARMS = {
     "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
@@ -214,7 +217,8 @@ def measure(run: RunResult, peak_mib: float, base: dict[str, Any], final: dict[s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="the suite's form: LoRA rank 8, 1 version of 1 group per arm, 1 eval task x 2 samples")
+                        help="the suite's form: LoRA rank 8, 1 version of 1 group of 2 per arm, 1 eval task x 2 "
+                             "samples")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
                         help="model directory (default benchmarks/out/smollm2; imported when it has no config.json)")
     parser.add_argument("--minutes", type=float, default=None, help="run.max_wall_s of each arm (default 60, quick 4)")

@@ -20,6 +20,10 @@ faster than a batch of actions takes). `throughput_ratio` = useful tokens/s part
 
     python benchmarks/sglang_interrupt.py            # updates every 1 s and every 3 s, 45 s per row (~4 min)
     python benchmarks/sglang_interrupt.py --quick    # the same rows, 5 s each (~1 min)
+
+`--url URL --model-dir DIR` measures a server already running on the model in DIR (the suite passes the one its
+SGLang tests share, tests/sglang_server.py, started the same way) instead of starting one; it is left running, and
+the second checkpoint is DIR's model perturbed.
 """
 
 from __future__ import annotations
@@ -157,7 +161,14 @@ def main() -> int:
     parser.add_argument("--update-every", default="1,3", help="seconds between aborting updates; a list is a row each")
     parser.add_argument("--batch", type=int, default=16, help="prompts per generate call")
     parser.add_argument("--tokens", type=int, default=200, help="new tokens per action (max_new_tokens)")
+    parser.add_argument("--url", default=None,
+                        help="a running SGLang server to measure instead of starting one (left running); needs "
+                             "--model-dir")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="with --url: the model directory that server was started on")
     args = parser.parse_args()
+    if (args.url is None) != (args.model_dir is None):
+        parser.error("--url and --model-dir go together: a running server and the model it was started on")
     repeats = args.repeats or 1
     seconds = args.seconds or (5.0 if args.quick else 45.0)
     intervals = [float(x) for x in args.update_every.split(",")]
@@ -165,14 +176,14 @@ def main() -> int:
     out = OUT_DIR / "sglang_interrupt"
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
-    model_dir = ensure_model_dir(load_config(None, [f"run.dir={out}", "run.name=base"]))
+    model_dir = args.model_dir or ensure_model_dir(load_config(None, [f"run.dir={out}", "run.name=base"]))
     model_b = load_model(model_dir)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for parameter in model_b.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     path_b = write_hf_dir({k: v.detach().clone() for k, v in model_b.state_dict().items()}, model_dir, out / "hf-b")
-    url, pgid = start_server(model_dir, out)
+    url, pgid = (args.url, None) if args.url else start_server(model_dir, out)
     results: dict[tuple[float, str], list[dict]] = {(e, n): [] for e in intervals for n in ("partial", "discard")}
     try:
         for repeat in range(repeats):
@@ -182,7 +193,8 @@ def main() -> int:
                 print(f"repeat {repeat + 1}/{repeats} update every {every_s:g} s {name}: {json.dumps(run)}",
                       file=sys.stderr, flush=True)
     finally:
-        os.killpg(pgid, signal.SIGTERM)
+        if pgid is not None:
+            os.killpg(pgid, signal.SIGTERM)
     columns = ["update every", "variant", "updates", "actions (batches given up)", "preempted rows",
                "tokens wasted (% of generated)", "useful tokens/s", "staleness mean / max", "mixed-version actions"]
     rows, headline = [], {}

@@ -1,13 +1,17 @@
 """Fixtures shared by test files: the real pretrained model, imported once per test run (it takes 40-90 s here),
 also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock); a small
-disk that fills."""
+disk that fills; the session's pool of two real SGLang servers (tests/sglang_server.py), shared by the tests of the
+xdist group "sglang" (test_sglang.py and the sglang_interrupt benchmark's quick form): a server start costs 30-45 s
+of these 2 cores."""
 
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from sglang_server import Pool, build_venv
 
 
 def _import_smollm2(out: Path) -> None:
@@ -52,3 +56,32 @@ def small_disk(tmp_path: Path, request):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory) -> Pool:
+    """Two real SGLang servers on the tiny model's version-0 directory, started once per worker process (mark the
+    tests that use them `xdist_group("sglang")` so that one worker starts them); skipped only if the server venv
+    cannot be built."""
+    from async_rl.config import load_config
+    from rollout.prepare import prepare_model_dir
+
+    venv, reason = build_venv()
+    if venv is None:
+        pytest.skip(f"no SGLang server environment: {reason}")
+    root = tmp_path_factory.mktemp("sglang")
+    model_dir = prepare_model_dir(load_config(None, [f"run.dir={root}", "run.name=base"]))
+    servers = Pool(venv, model_dir, root)
+    yield servers
+    stops = [threading.Thread(target=server.stop) for server in servers.servers]
+    for stop in stops:
+        stop.start()
+    for stop in stops:
+        stop.join()
+
+
+@pytest.fixture
+def servers(pool: Pool) -> Pool:
+    """The pool, both servers alive (a killed one started again) and at version 0."""
+    pool.reset()
+    return pool

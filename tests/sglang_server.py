@@ -1,4 +1,5 @@
-"""Real SGLang servers for tests: build (or reuse) the isolated venv, start servers, stop them by process group.
+"""Real SGLang servers for tests: build (or reuse) the isolated venv, start servers, stop them by process group;
+the pool of two that the session shares (tests/conftest.py's `pool` fixture).
 
 The server runs in its own venv (scripts/build_sglang_env.sh, cached under ~/.cache/async-rl) with that venv's
 python; nothing of it is imported into the test process, which only speaks HTTP to it.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,3 +98,32 @@ def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path) 
             server.stop()
         raise RuntimeError("SGLang server(s) did not start:\n" + "\n".join(errors))
     return servers
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Pool:
+    """The session's servers; a test that kills one gets it back at the next `reset`."""
+
+    def __init__(self, venv: Path, model_dir: Path, log_dir: Path) -> None:
+        self.venv, self.model_dir, self.log_dir = venv, model_dir, log_dir
+        self.servers = start_servers(venv, model_dir, [free_port(), free_port()], log_dir)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def restart_dead(self) -> None:
+        for index, server in enumerate(self.servers):
+            if not server.alive():
+                server.stop(signal.SIGKILL)
+                self.servers[index] = start_servers(self.venv, self.model_dir, [server.port], self.log_dir)[0]
+
+    def reset(self) -> None:
+        self.restart_dead()
+        for server in self.servers:
+            server.load(self.model_dir, 0)

@@ -30,7 +30,8 @@ def run_benchmark(script: str, timeout_s: float, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_ablation_quick():
-    """Slow: one real `async-rl train` per variant (3k env steps each, ~10 s of startup each), one after another."""
+    """Slow: one real `async-rl train` per variant the quick form runs (the three checked here; 3k env steps each,
+    most of each run's ~25 CPU-s its processes' start-up), one after another."""
     result = run_benchmark("ablation.py", timeout_s=420)
     variants = {"outcome-only", "immediate-only", "immediate+correction"}
     assert variants <= result["steps_to_target"].keys()
@@ -86,8 +87,9 @@ def test_slow_judge_quick():
 @pytest.mark.slow
 def test_real_model_quick(smollm2):
     """SmolLM2-135M-Instruct trained through real processes on the tasks env, both arms side by side (LoRA, 1 version
-    of one group each), evaluated before and after on the same eval task. Slow: a 135M-parameter model on the CPU
-    (a learner step on a group of 4 takes ~15 s here) and five processes that each load it."""
+    of one group of 2 each, no group started past it), evaluated before and after on the same eval task. Slow: a
+    135M-parameter model on the CPU (a learner step on a group of 2 takes 11-14 s here, generating an eval's 2
+    samples ~15 s) and five processes that each load it."""
     result = run_benchmark("real_model.py", 900, "--model", str(smollm2))
     assert result["vocab_size"] == 49152 and result["lora_rank"] == 8
     assert 0.0 <= result["base_eval"]["eval_success_rate"] <= 1.0
@@ -138,9 +140,12 @@ def test_hunt_quick():
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_sglang_interrupt_quick():
-    """Slow: a real SGLang server started (~20 s), then four 5 s rows of generation under aborting updates."""
-    result = run_benchmark("sglang_interrupt.py", timeout_s=400)
+@pytest.mark.xdist_group("sglang")  # on the worker that holds the SGLang tests' pool (tests/conftest.py)
+def test_sglang_interrupt_quick(servers):
+    """Slow: four 5 s rows of generation under aborting updates, on a real SGLang server: the pool's first and its
+    tiny model (a start of its own, as the script does without --url, costs 30-45 s more of these 2 cores; the pool
+    is started the same way, by scripts/start_sglang_server.py)."""
+    result = run_benchmark("sglang_interrupt.py", 400, "--url", servers.urls[0], "--model-dir", str(servers.model_dir))
     assert set(result["variants"]) == {"partial@1s", "discard@1s", "partial@3s", "discard@3s"}
     for every in ("1s", "3s"):
         partial, discard = result["variants"][f"partial@{every}"], result["variants"][f"discard@{every}"]

@@ -137,7 +137,10 @@ def test_a_user_tool_env_written_outside_the_project_trains_the_real_model_with_
     run_dir = workdir / "runs" / "smollm2"
     command = docs_command("docs/environments.md", "PYTHONPATH=. async-rl train --config configs/smollm2.yaml "
                                                    "env.name=add_env:factory")
-    result = train(workdir, command, run_dir, "learner.lora.rank=8", "learner.lr=0.0001")
+    # The test's budget beyond BUDGET: one version of one group (the recipe's is two), and no group started past it
+    # (`algo.max_staleness=0`): groups the run never trains would share the 2 cores with the learner's step.
+    result = train(workdir, command, run_dir, "learner.lora.rank=8", "learner.lr=0.0001", "algo.groups_per_step=1",
+                   "learner.min_batch_items=4", "algo.max_staleness=0")
     assert result["versions"] >= 1, result
 
     tokenizer = AutoTokenizer.from_pretrained(workdir / "models" / "smollm2")

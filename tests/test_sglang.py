@@ -1,8 +1,9 @@
 """The SGLang engine and both weight-sync paths against REAL SGLang servers (CPU, the tiny model).
 
-Two servers are started once per session (about 15-25 s) on the version-0 model directory and shared; each test
-resets them to version 0 first. The server venv is built by scripts/build_sglang_env.sh when missing (1-2 min);
-the tests skip only if that build fails.
+Two servers are started once per session (tests/conftest.py's `pool`: 30-45 s on these 2 cores) on the version-0
+model directory and shared; each test resets them to version 0 first, starting a killed one again (30-45 s more), so
+the two tests that kill a server come last in the file (one restart between them, none after). The server venv is
+built by scripts/build_sglang_env.sh when missing (1-2 min); the tests skip only if that build fails.
 
 Log-prob tolerance: SGLang (float32, torch_native attention) and the learner's transformers forward agree to
 about 5e-6 on this model; the tests allow LOGPROB_TOL.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,15 +22,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from sglang_server import build_venv, start_servers
+from sglang_server import free_port
 
-from async_rl.config import SGLangConfig, load_config
+from async_rl.config import SGLangConfig
 from async_rl.loss import token_logprobs
 from async_rl.model import load_model
 from learner.sglang_sync import DistributedWeightSync, write_hf_dir
 from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
-from rollout.prepare import prepare_model_dir
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow,
               pytest.mark.xdist_group("sglang")]  # one pool of SGLang servers for the whole file
@@ -38,57 +37,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow,
 LOGPROB_TOL = 1e-4
 EOS = 1  # the tiny model's <eos> (async_rl.model.SPECIALS)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 12, 13, 14, 15, 16, 17, 18], [1, 20, 21], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Pool:
-    """The session's servers; a test that kills one gets it back with `restart`."""
-
-    def __init__(self, venv: Path, model_dir: Path, log_dir: Path) -> None:
-        self.venv, self.model_dir, self.log_dir = venv, model_dir, log_dir
-        self.servers = start_servers(venv, model_dir, [free_port(), free_port()], log_dir)
-
-    @property
-    def urls(self) -> list[str]:
-        return [s.url for s in self.servers]
-
-    def restart_dead(self) -> None:
-        for index, server in enumerate(self.servers):
-            if not server.alive():
-                server.stop(signal.SIGKILL)
-                self.servers[index] = start_servers(self.venv, self.model_dir, [server.port], self.log_dir)[0]
-
-    def reset(self) -> None:
-        self.restart_dead()
-        for server in self.servers:
-            server.load(self.model_dir, 0)
-
-
-@pytest.fixture(scope="session")
-def pool(tmp_path_factory):
-    venv, reason = build_venv()
-    if venv is None:
-        pytest.skip(f"no SGLang server environment: {reason}")
-    root = tmp_path_factory.mktemp("sglang")
-    model_dir = prepare_model_dir(load_config(None, [f"run.dir={root}", "run.name=base"]))
-    servers = Pool(venv, model_dir, root)
-    yield servers
-    stops = [threading.Thread(target=server.stop) for server in servers.servers]
-    for stop in stops:
-        stop.start()
-    for stop in stops:
-        stop.join()
-
-
-@pytest.fixture
-def servers(pool):
-    pool.reset()
-    return pool
 
 
 def engine_for(urls: list[str], **overrides) -> SGLangEngine:
@@ -327,34 +275,6 @@ def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprob
     engine.close()
 
 
-def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
-    engine = engine_for(servers.urls)
-    victim = servers.servers[1]
-    sent = threading.Event()
-
-    def on_request(request) -> None:  # noqa: ANN001 - httpx.Request
-        if request.url.port == victim.port and request.url.path == "/generate":
-            sent.set()
-
-    # Killed 50 ms after its /generate left (a fixed 0.3 s after the call raced the server on an idle machine: its
-    # 20 rows were sometimes done before the kill, and nothing was retried); 200 tokens take it far longer.
-    engine.http.event_hooks = {"request": [on_request], "response": []}
-    result = {}
-    generating = threading.Thread(target=lambda: result.setdefault(
-        "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
-    generating.start()
-    assert sent.wait(30), "the engine sent nothing to the second server"
-    time.sleep(0.05)
-    victim.stop(signal.SIGKILL)
-    generating.join(60)
-    assert [len(g.token_ids) for g in result["g"]] == [200] * len(PROMPTS) * 8
-    assert engine.stages_retried > 0
-    assert [s.alive for s in engine.servers] == [True, False]
-    engine.close()
-    with pytest.raises(EngineUnavailable, match="no SGLang server left"):
-        engine_for(servers.urls[1:], unavailable_timeout_s=1.0)
-
-
 def test_a_waiting_engine_stops_promptly_when_told(servers):
     """Waiting for a server (none answers) ends at once when the stop event is set; a generate blocked on a paused
     server ends at once on close(). Both raise EngineStopped, not EngineUnavailable."""
@@ -435,31 +355,6 @@ def test_train_with_sglang_servers_and_distributed_sync(servers, tmp_path):
     # are too rare this early to assert on: one run had a single success in 60 versions (success_rate 1/64
     # once), another none at all with the same stage-reward climb.
     assert sum(reward[-10:]) / 10 >= sum(reward[:5]) / 5 + 0.02
-
-
-def test_a_server_killed_mid_run_loses_no_stage(servers, tmp_path):
-    """Slow: a real `async-rl train` run of 14 versions through two SGLang servers, one killed after the 4th
-    (the run's final evaluation is skipped: not what this test checks)."""
-    run = train(tmp_path, servers, "run.max_versions=14", "run.eval_samples_per_task=0")
-    run_dir = tmp_path / "t"
-    deadline = time.monotonic() + 180
-    while len(metrics(run_dir)) < 4:
-        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() else ""
-        time.sleep(0.2)
-    servers.servers[1].stop(signal.SIGKILL)
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err[-3000:]
-    lines = metrics(run_dir)
-    assert_invariants(lines, max_staleness=2)
-    assert len(lines) == 14
-    rollout_logs = "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
-    assert f"SGLang server {servers.urls[1]} lost" in rollout_logs
-    assert "records unacked" in rollout_logs and "0 records unacked" in rollout_logs
-    assert "rejected" not in rollout_logs
-    # Every stage record streamed was acked and none was refused; replay counts a (member, stage) once.
-    assert rollout_logs.count("(0 records unacked") == 2
-    replay_log = (run_dir / "logs" / "replay.log").read_text()
-    assert "rejected message" not in replay_log and "bad_messages=0" in replay_log
 
 
 def test_train_through_aborting_weight_updates_loses_nothing(servers, tmp_path):
@@ -555,3 +450,56 @@ def test_the_coding_environment_runs_through_real_sglang_servers(servers, tmp_pa
     assert replay["trajectories_finished"] > 0 and replay["groups_closed"] > 0 and replay["env_errors"] == 0
     result = json.loads(out.strip().splitlines()[-1])
     assert result["eval_tasks"] == 1 and result["eval_abandoned"] == 0 and "eval_hidden_fraction" in result
+
+
+def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
+    engine = engine_for(servers.urls)
+    victim = servers.servers[1]
+    sent = threading.Event()
+
+    def on_request(request) -> None:  # noqa: ANN001 - httpx.Request
+        if request.url.port == victim.port and request.url.path == "/generate":
+            sent.set()
+
+    # Killed 50 ms after its /generate left (a fixed 0.3 s after the call raced the server on an idle machine: its
+    # 20 rows were sometimes done before the kill, and nothing was retried); 200 tokens take it far longer.
+    engine.http.event_hooks = {"request": [on_request], "response": []}
+    result = {}
+    generating = threading.Thread(target=lambda: result.setdefault(
+        "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
+    generating.start()
+    assert sent.wait(30), "the engine sent nothing to the second server"
+    time.sleep(0.05)
+    victim.stop(signal.SIGKILL)
+    generating.join(60)
+    assert [len(g.token_ids) for g in result["g"]] == [200] * len(PROMPTS) * 8
+    assert engine.stages_retried > 0
+    assert [s.alive for s in engine.servers] == [True, False]
+    engine.close()
+    with pytest.raises(EngineUnavailable, match="no SGLang server left"):
+        engine_for(servers.urls[1:], unavailable_timeout_s=1.0)
+
+
+def test_a_server_killed_mid_run_loses_no_stage(servers, tmp_path):
+    """Slow: a real `async-rl train` run of 14 versions through two SGLang servers, one killed after the 4th
+    (the run's final evaluation is skipped: not what this test checks)."""
+    run = train(tmp_path, servers, "run.max_versions=14", "run.eval_samples_per_task=0")
+    run_dir = tmp_path / "t"
+    deadline = time.monotonic() + 180
+    while len(metrics(run_dir)) < 4:
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() else ""
+        time.sleep(0.2)
+    servers.servers[1].stop(signal.SIGKILL)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    lines = metrics(run_dir)
+    assert_invariants(lines, max_staleness=2)
+    assert len(lines) == 14
+    rollout_logs = "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
+    assert f"SGLang server {servers.urls[1]} lost" in rollout_logs
+    assert "records unacked" in rollout_logs and "0 records unacked" in rollout_logs
+    assert "rejected" not in rollout_logs
+    # Every stage record streamed was acked and none was refused; replay counts a (member, stage) once.
+    assert rollout_logs.count("(0 records unacked") == 2
+    replay_log = (run_dir / "logs" / "replay.log").read_text()
+    assert "rejected message" not in replay_log and "bad_messages=0" in replay_log
