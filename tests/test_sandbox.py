@@ -9,10 +9,12 @@ execution still passes.
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -67,7 +69,26 @@ def _cmdlines() -> dict[int, str]:
     return out
 
 
+def _claimed(uid: int) -> bool:
+    """Whether an execution holds `uid` now (its flock in the machine-wide slot directory: rollout/sandbox/parent.py).
+    Another test running sandboxed code beside this one (pytest-xdist) holds its own uids, and their processes are
+    not strays."""
+    path = os.path.join(tempfile.gettempdir(), "async-rl-sandbox-uids", str(uid))
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if it was taken
+    return False
+
+
 def _sandbox_uid_processes() -> list[int]:
+    """Live processes of a sandbox uid that no execution holds."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -80,7 +101,7 @@ def _sandbox_uid_processes() -> list[int]:
         if "\nState:\tZ" in status:
             continue
         uids = [int(x) for x in status.split("\nUid:")[1].split("\n")[0].split()]
-        if any(u in UIDS for u in uids):
+        if any(u in UIDS and not _claimed(u) for u in uids):
             found.append(int(pid))
     return found
 
