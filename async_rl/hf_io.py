@@ -251,7 +251,8 @@ def published_versions(weights_dir: Path) -> dict[int, Path]:
 
 def run_model_dir(run_dir: Path) -> Path:
     """The base model directory of the run in `run_dir`: its config's model.path, or <run_dir>/model."""
-    from async_rl.config import configured_model_path, load_run_config
+    from async_rl.config import configured_model_path
+    from async_rl.config_load import load_run_config
 
     try:
         config = load_run_config(run_dir)

@@ -20,7 +20,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from async_rl.config import Config, config_to_dict
+from async_rl.config import Config
+from async_rl.config_load import config_to_dict
 from async_rl.protocol import ReplayStats
 from async_rl.ratelimit import RateLimitedLog
 

@@ -88,7 +88,7 @@ def measure(overrides: list[str], row_tokens: int, rows: int, rounds: int) -> di
     import torch
     import torch.nn.functional as F
 
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from async_rl.model import build_tiny_model
     from learner.attention import select_attention, use_attention
 

@@ -65,7 +65,8 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from async_rl.config import Config, load_config  # noqa: E402
+from async_rl.config import Config  # noqa: E402
+from async_rl.config_load import load_config  # noqa: E402
 from async_rl.protocol import (  # noqa: E402
     LOGPROB,
     TOKEN,

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from common import OUT_DIR, emit, machine, markdown_table, print_table  # noqa: E402
 
-from async_rl.config import load_config  # noqa: E402
+from async_rl.config_load import load_config  # noqa: E402
 from rollout.engines import SamplingParams  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.prepare import prepare_model_dir  # noqa: E402

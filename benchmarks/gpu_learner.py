@@ -85,7 +85,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     import torch
     import torch.nn.functional as F
 
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from async_rl.loss import policy_loss, token_logprobs_and_entropy
     from async_rl.model import load_model
     from async_rl.protocol import MASK, unpack

@@ -93,7 +93,7 @@ def arm(args: argparse.Namespace) -> dict:
     """One arm in this process: build, warm up, time, measure."""
     import peft  # noqa: F401 - imported before the baseline RSS in both arms, so they subtract the same
 
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from learner.engine import build_engine
     from learner.step import train_on_items
     from rollout.prepare import prepare_model_dir

@@ -62,7 +62,8 @@ from pathlib import Path  # noqa: E402
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
-from async_rl.config import Config, load_config  # noqa: E402
+from async_rl.config import Config  # noqa: E402
+from async_rl.config_load import load_config  # noqa: E402
 from async_rl.protocol import LOGPROB, TOKEN, LeaseRequest, StageRecord, encode, pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -35,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_rl.config import load_config  # noqa: E402
+from async_rl.config_load import load_config  # noqa: E402
 from async_rl.ledger import GroupLedger  # noqa: E402
 from async_rl.loss import policy_loss, token_logprobs_and_entropy  # noqa: E402
 from async_rl.model import build_tiny_model, word_tokenizer  # noqa: E402

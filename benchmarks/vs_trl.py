@@ -60,7 +60,7 @@ def overrides(seed: int, run_dir: Path, model_dir: Path, max_wall_s: float) -> l
 
 def build_model(seed: int) -> Path:
     """One model directory per seed, shared by both systems (async-rl gets it as model.path)."""
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from rollout.prepare import prepare_model_dir
 
     config = load_config(None, TASK + [f"run.seed={seed}", f"run.dir={OUT}", f"run.name=model-seed{seed}"])
@@ -143,7 +143,7 @@ def trl_child(seed: int, model_dir: Path, max_wall_s: float, result_path: Path) 
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from async_rl.model import load_model, load_tokenizer
     from rollout.envs.base import Task
     from rollout.envs.trap import factory as trap_factory

@@ -10,7 +10,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from async_rl.config import Config, load_config, load_run_config
+from async_rl.config import Config
+from async_rl.config_load import load_config, load_run_config
 from async_rl.errors import AsyncRLError, ConfigError
 
 ROLES = {
@@ -111,7 +112,7 @@ def load_command_config(args: argparse.Namespace) -> Config:
 def print_config(config: Config) -> int:
     import yaml
 
-    from async_rl.config import config_to_dict
+    from async_rl.config_load import config_to_dict
 
     print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
     return 0

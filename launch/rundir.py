@@ -9,7 +9,8 @@ from pathlib import Path
 
 import msgspec
 
-from async_rl.config import Config, dump_config
+from async_rl.config import Config
+from async_rl.config_load import dump_config
 from async_rl.errors import ConfigError
 
 log = logging.getLogger("launch.rundir")

@@ -35,7 +35,7 @@ log = logging.getLogger("launch.train")
 
 def train(config: Config, resume: bool = False) -> int:
     """Run every role until the learner stops; returns the exit code. `resume`: `config` is a run's own
-    (async_rl.config.load_run_config): its directory is reused (logs and metrics.jsonl appended) and the learner
+    (async_rl.config_load.load_run_config): its directory is reused (logs and metrics.jsonl appended) and the learner
     resumes from its latest checkpoint there."""
     preflight(config, resume)
     if resume and config.replay.durable:

@@ -63,7 +63,7 @@ def pool(tmp_path_factory) -> Pool:
     """Two real SGLang servers on the tiny model's version-0 directory, started once per worker process (mark the
     tests that use them `xdist_group("sglang")` so that one worker starts them); skipped only if the server venv
     cannot be built."""
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from rollout.prepare import prepare_model_dir
 
     venv, reason = build_venv()

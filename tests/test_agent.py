@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.model import byte_tokenizer
 from rollout.agent import Prompter, sampling_params
 from rollout.envs.base import Task

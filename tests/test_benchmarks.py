@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

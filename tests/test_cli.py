@@ -112,7 +112,7 @@ def test_every_documented_async_rl_command_parses_and_its_config_loads(where, co
     import shlex
     from pathlib import Path
 
-    from async_rl.config import load_config
+    from async_rl.config_load import load_config
     from async_rl.errors import ConfigError
 
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the docs' paths (configs/...) are the repo's

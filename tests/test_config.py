@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rl.config import Config, config_from_dict, config_to_dict, dump_config, load_config
+from async_rl.config import Config
+from async_rl.config_load import config_from_dict, config_to_dict, dump_config, load_config
 from async_rl.errors import ConfigError
 
 
@@ -37,7 +38,7 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 def test_the_local_config_is_the_structs_defaults_key_by_key():
     """configs/local.yaml is the defaults as a commented file, not a second source: every key it sets equals the
     structs' default, so loading it gives the defaults exactly (a wheel, which runs the structs, runs the same)."""
-    from async_rl.config import PACKAGED
+    from async_rl.config_load import PACKAGED
 
     written = _flat(yaml.safe_load((PACKAGED / "local.yaml").read_text()))
     defaults = _flat(config_to_dict(Config()))
@@ -49,7 +50,7 @@ def test_the_local_config_is_the_structs_defaults_key_by_key():
 
 
 def test_a_packaged_config_is_named_and_a_missing_file_is_named_in_the_error(tmp_path, monkeypatch):
-    from async_rl.config import packaged_config_names
+    from async_rl.config_load import packaged_config_names
 
     assert packaged_config_names() == ["cluster", "local", "smollm2"]
     repo = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.security import ROLE_FILES
 from launch.cli import main as async_rl
 

@@ -19,7 +19,7 @@ from test_learner import make_config as learner_config
 from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
 from test_rollout import make_config as worker_config
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.model import WeightsError, load_model, read_weights, save_weights
 from async_rl.telemetry import RoleMetrics
 from learner.checkpoint import CheckpointError

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import msgspec
 
-from async_rl.config import Config, _yaml, config_to_dict, load_config
+from async_rl.config import Config
+from async_rl.config_load import _yaml, config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]

@@ -2,7 +2,7 @@
 
 import json
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from rollout.evaluate import evaluate
 from rollout.prepare import prepare_model_dir
 

@@ -20,7 +20,7 @@ import pytest
 import zmq
 from test_faults import FAULT_RUN, check_run, killed_on_failure, wait_for_versions
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.protocol import LOGPROB, TOKEN, Heartbeat, LeaseGrant, LeaseRequest, StageRecord, pack
 from async_rl.transport import connect_dealer, poll, receive, send
 

@@ -23,7 +23,8 @@ import torch
 import zmq
 from learner_helpers import rank_share, train_on_batch
 
-from async_rl.config import Config, config_from_dict
+from async_rl.config import Config
+from async_rl.config_load import config_from_dict
 from async_rl.loss import aggregate, token_logprobs
 from async_rl.model import load_model, load_tokenizer, load_weights
 from async_rl.protocol import (
@@ -242,7 +243,7 @@ class LearnerRun:
         return json_lines(self.run_dir / "metrics.jsonl")
 
 
-LEARNER_SCRIPT = "import sys; from async_rl.config import load_config; from learner.trainer import run; " \
+LEARNER_SCRIPT = "import sys; from async_rl.config_load import load_config; from learner.trainer import run; " \
                  "run(load_config(None, sys.argv[1:]))"
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from learner_helpers import activation_checkpointing_on
 
-from async_rl.config import Config, config_from_dict
+from async_rl.config import Config
+from async_rl.config_load import config_from_dict
 from async_rl.errors import ConfigError
 from async_rl.loss import policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model

@@ -19,7 +19,8 @@ from deepspeed.utils import safe_get_full_grad
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from async_rl.config import Config, config_from_dict, load_config
+from async_rl.config import Config
+from async_rl.config_load import config_from_dict, load_config
 from async_rl.errors import ConfigError
 from async_rl.loss import policy_loss, token_logprobs_and_entropy
 from async_rl.model import load_model, load_weights, save_weights

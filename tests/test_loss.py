@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from async_rl.config import AlgoConfig, load_config
+from async_rl.config import AlgoConfig
+from async_rl.config_load import load_config
 from async_rl.loss import (
     aggregate,
     importance_weights,

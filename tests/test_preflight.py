@@ -60,7 +60,7 @@ def test_an_unwritable_run_dir_is_reported_at_once_and_creates_nothing(tmp_path)
 
 def test_the_writability_probe_names_the_path_when_the_filesystem_refuses(tmp_path, monkeypatch):
     """The same refusal in-process, for hosts where the tests run as root (which may write anywhere)."""
-    from async_rl.config import config_from_dict
+    from async_rl.config_load import config_from_dict
     from async_rl.errors import ConfigError
     from launch import preflight
 
@@ -91,7 +91,7 @@ def test_cuda_without_a_gpu_is_refused_at_once_and_creates_nothing(tmp_path, key
 def test_rollout_device_is_the_torch_engines_alone(tmp_path):
     """rollout.device sets where the built-in engine runs; an SGLang run's servers have their own GPUs, so the
     setting is not checked there."""
-    from async_rl.config import config_from_dict
+    from async_rl.config_load import config_from_dict
     from async_rl.errors import ConfigError
     from launch import preflight
 

@@ -20,7 +20,8 @@ import pytest
 import zmq
 
 from async_rl.advantages import final_credit, immediate_advantages
-from async_rl.config import Config, config_from_dict
+from async_rl.config import Config
+from async_rl.config_load import config_from_dict
 from async_rl.protocol import (
     LOGPROB,
     PROTOCOL_VERSION,
@@ -664,7 +665,7 @@ def test_sigterm_stops_a_replay_process(tmp_path: Path):
     endpoint = f"ipc://{tmp_path}/replay.ipc"
     code = (
         "import logging; logging.basicConfig(level='INFO');"
-        "from async_rl.config import config_from_dict; from replay.server import run;"
+        "from async_rl.config_load import config_from_dict; from replay.server import run;"
         f"run(config_from_dict({{'replay': {{'endpoint': '{endpoint}'}}, 'run': {{'dir': '{tmp_path}'}},"
         " 'wandb': {'mode': 'disabled'}}))"
     )

@@ -32,7 +32,8 @@ from test_replay import (
     stage_records,
 )
 
-from async_rl.config import Config, config_to_dict
+from async_rl.config import Config
+from async_rl.config_load import config_to_dict
 from async_rl.errors import ConfigError
 from async_rl.protocol import Ack, Batch, BatchAck, Error, EvalReport, Heartbeat, LeaseGrant, encode
 from learner.replay_client import ReplayClient
@@ -264,7 +265,7 @@ def test_compaction_bounds_the_log_over_a_long_run_and_the_state_rebuilds(tmp_pa
 
 
 def test_the_log_settings_are_validated_by_their_dotted_key():
-    from async_rl.config import config_from_dict
+    from async_rl.config_load import config_from_dict
     from async_rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"replay.compact_every: expected int >= 1, got 0"):

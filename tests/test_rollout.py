@@ -20,7 +20,8 @@ import pytest
 import torch
 import zmq
 
-from async_rl.config import Config, load_config
+from async_rl.config import Config
+from async_rl.config_load import load_config
 from async_rl.loss import token_logprobs
 from async_rl.model import load_model, load_tokenizer, save_weights
 from async_rl.protocol import (
@@ -378,7 +379,7 @@ def test_the_worker_stops_promptly_on_the_stop_event_despite_a_slow_judge(tmp_pa
 def test_sigterm_stops_a_worker_process_cleanly(tmp_path, zmq_context, publisher):
     replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     overrides = worker_overrides(tmp_path, replay, publisher, "env.kwargs.outcome_delay_s=60")
-    code = "import sys; from async_rl.config import load_config; from rollout.worker import run; "
+    code = "import sys; from async_rl.config_load import load_config; from rollout.worker import run; "
     code += "run(load_config(None, sys.argv[1:]), 0)"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     process = subprocess.Popen([sys.executable, "-c", code, *overrides], env=env, cwd=tmp_path)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from async_rl.config import SGLangConfig, config_from_dict
+from async_rl.config import SGLangConfig
+from async_rl.config_load import config_from_dict
 from async_rl.errors import ConfigError
 from async_rl.protocol import (
     BatchAck,

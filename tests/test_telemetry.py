@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 from wandb.proto import wandb_internal_pb2
 
-from async_rl.config import config_from_dict
+from async_rl.config_load import config_from_dict
 from launch.dashboard import _table
 from launch.supervise import Child
 
@@ -131,7 +131,7 @@ def test_without_a_target_the_display_shows_progress_to_the_nearest_budget(tmp_p
 
 ROLE_SCRIPT = """
 import sys, time
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.telemetry import RoleMetrics
 metrics = RoleMetrics(load_config(None, [f"run.dir={sys.argv[1]}", "run.name=r", "wandb.mode=offline"]), "replay")
 metrics.write({"x": 1.0}, step=int(sys.argv[2]))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from async_rl import Action, Judgement, StepResult, Task, ToolCall, ToolResult
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.hf_io import TOOLS_TEMPLATE
 from async_rl.model import byte_tokenizer, ensure_model_dir, load_tokenizer
 from rollout.agent import EpisodeRunner, Prompter

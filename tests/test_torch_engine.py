@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from async_rl.config import load_config
+from async_rl.config_load import load_config
 from async_rl.loss import token_logprobs
 from async_rl.model import load_model, save_weights
 from rollout.engines import SamplingParams

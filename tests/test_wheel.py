@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rl.config import config_to_dict, load_config
+from async_rl.config_load import config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ["pyproject.toml", "README.md", "async_rl", "rollout", "replay", "learner"]  # what the Dockerfile copies

@@ -27,7 +27,7 @@ import msgspec
 import pytest
 import zmq
 
-from async_rl.config import config_from_dict
+from async_rl.config_load import config_from_dict
 from async_rl.protocol import (
     LOGPROB,
     TOKEN,

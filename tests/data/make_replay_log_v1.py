@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from test_replay import WORKER, Worker, make_config, only_reply, outcome_messages, stage_records  # noqa: E402
 
-from async_rl.config import config_to_dict  # noqa: E402
+from async_rl.config_load import config_to_dict  # noqa: E402
 from async_rl.protocol import encode  # noqa: E402
 from replay.service import ReplayService, apply_entry, handle_safely  # noqa: E402
 from replay.wal import Received, ReplayLog  # noqa: E402
