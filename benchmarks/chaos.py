@@ -18,9 +18,10 @@ drawn from random.Random(--seed): its kind from a shuffled deck of the six, its 
   disk       the replay's or the learner's volume filled to ENOSPC for 2-10 s, then freed
   torn       SIGKILL of the replay or the learner, then, before its restart, the last bytes of the replay's log or
              of the newest checkpoint torn (tear_log, tear_checkpoint)
-A fault whose target is down or under another fault goes to another role, or is skipped. When the window ends
-every fault is healed and the learner is restarted (SIGTERM, then the same command) with run.max_versions set 10
-above its version: the run's budget, which it must reach. Then every role is stopped and benchmarks/chaos_check.py
+A fault whose target is down, or under a fault it has not recovered from (no learner version since its heal), goes
+to another role, or waits up to 10 s for one, or is skipped. When the window ends every fault is healed and the
+learner is restarted (SIGTERM, then the same command) with run.max_versions set 10 above its version: the run's
+budget, which it must reach. Then every role is stopped and benchmarks/chaos_check.py
 checks the history. One JSON summary is printed (and written to OUT/summary.json): the faults by kind, restarts,
 recovery times (heal, thaw or restart to the learner's next version), records acknowledged, trained and lost, the
 worst ledger residual, the checker's verdict, the seed and the command. Exit code 0 when the checker passed.
@@ -241,9 +242,11 @@ class Soak:
                     fault.recovery_s = round(self.now() - fault.healed_at, 3)
 
     def busy(self) -> set[str]:
+        """The roles down, or with a fault not yet recovered from (on, or healed with no learner version since): a
+        role is hit again only once the run went on after its last fault (a learner killed again before its restart
+        has trained would soak nothing but its start-up)."""
         down = {name for name, pod in self.pods.items() if not pod.running()}
-        return down | {fault.target for _, fault in self.active} | {
-            f.target for f in self.faults if f.kind in ("kill", "torn") and f.healed_at is None}
+        return down | {fault.target for fault in self.faults if fault.recovery_s is None}
 
     def inject(self, fault: Fault) -> None:
         from chaos_pods import tear_checkpoint, tear_log
