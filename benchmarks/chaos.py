@@ -372,24 +372,29 @@ def run(args: argparse.Namespace) -> dict:
     soak = Soak(args, work)
     atexit.register(soak.close)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below cleans up
+    failure, warm_up_s, window_s, drain_s = None, None, None, None
     try:
         soak.open()
         soak.warm_up()
-        warm_up_s = time.monotonic() - started
+        warm_up_s = round(time.monotonic() - started, 1)
         window_s = soak.nemesis()
-        drain_s = soak.drain()
+        drain_s = round(soak.drain(), 1)
+    except RuntimeError as exc:  # a phase past its time limit: a finding, checked and reported like the rest
+        failure = str(exc)
     finally:
         soak.close()
         atexit.unregister(soak.close)
-    numbers, problems = check(soak.run_dir, work / "replay-archive", work / "volumes" / "replay", soak.budget)
+    target = soak.budget if soak.budget != UNBOUNDED else max((v for _, v in soak.versions), default=0)
+    numbers, problems = check(soak.run_dir, work / "replay-archive", work / "volumes" / "replay", target)
+    problems = [failure] * (failure is not None) + problems
     problems += [f"{name} exited by itself with {pod.unexpected} (see {soak.logs / name}.log)"
                  for name, pod in soak.pods.items() if pod.unexpected]
     faults = soak.faults
     summary = {
         "passed": not problems, "problems": problems,
         "command": shlex.join(["python", "benchmarks/chaos.py", *sys.argv[1:]]), "seed": args.seed,
-        "wall_s": round(time.monotonic() - started, 1), "warm_up_s": round(warm_up_s, 1), "window_s": window_s,
-        "drain_s": round(drain_s, 1), "faults": len(faults),
+        "wall_s": round(time.monotonic() - started, 1), "warm_up_s": warm_up_s, "window_s": window_s,
+        "drain_s": drain_s, "faults": len(faults),
         "faults_by_kind": {kind: sum(1 for f in faults if f.kind == kind) for kind in KINDS},
         "faults_skipped": len(soak.skipped),
         "restarts": {name: len(pod.starts) - 1 for name, pod in soak.pods.items()},

@@ -52,6 +52,7 @@ class ReplayClient:
         self._socket = connect_dealer(context, endpoint, learner_id, curve)
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
+        self._acked_copies: deque[int] = deque(maxlen=OPEN_REQUESTS)  # of acks answered: late replies to the rest
         self._resend_log = RateLimitedLog(log, RESEND_LOG_EVERY_S)
         # This process (time-based, so a restarted learner's is larger): its first request tells the replay that a
         # learner (re)started; `checkpoint` is the version of the latest durable checkpoint, reported with every
@@ -79,6 +80,8 @@ class ReplayClient:
                 if reply.msg_id == msg_id:
                     time.sleep(RETRY_AFTER_ERROR_S)
                     msg_id, sent_at = self._request(version, learner), time.monotonic()
+            elif reply is not None and getattr(reply, "msg_id", None) in self._acked_copies:
+                log.debug("a late reply to a copy of an ack already answered: %s", reply)
             elif reply is not None:
                 log.warning("ignoring unexpected %s while waiting for batch request %d", type(reply).__name__, msg_id)
             elif time.monotonic() - sent_at >= self.request_timeout_s:
@@ -103,6 +106,7 @@ class ReplayClient:
                                         policy_version=version, trained=trained))
             answer = self._ack_answer(batch, sent)
             if answer is not None:
+                self._acked_copies.extend(sent)
                 return answer
             if should_stop() and time.monotonic() - started >= ACK_GIVE_UP_S:
                 log.error("no Ack for batch %d after %.0f s, stopping: the replay may requeue it and its items be "
@@ -123,7 +127,7 @@ class ReplayClient:
             if isinstance(reply, Error) and reply.msg_id in sent:
                 log.warning("replay rejected ack of batch %d (%s): %s", batch.batch_id, reply.code, reply.detail)
                 return False
-            if reply is not None:
+            if reply is not None and getattr(reply, "msg_id", None) not in self._acked_copies:
                 log.warning("ignoring unexpected %s while waiting for the ack of batch %d",
                             type(reply).__name__, batch.batch_id)
         return None
