@@ -197,7 +197,7 @@ class LearnerConfig(_Section):
     # restarted in the run directory resumes from the latest; the replay keeps what it needs to roll back the acks
     # above it, so N bounds the work a crash loses (docs/architecture.md, "Resume after a crash").
     checkpoint_every: NonNegInt = 50
-    keep_checkpoints: PosInt = 2  # the newest N checkpoints are kept on disk
+    keep_checkpoints: PosInt = 2  # the newest N checkpoints (and N set aside as damaged) are kept on disk
     log_item_ids: bool = False  # each metrics line lists the replay item ids it trained (tests/test_faults.py)
     keep_weights: PosInt = 3  # published weight files kept on disk
     # A BatchRequest with no Batch after this long is sent again (the replay may have restarted and lost it).

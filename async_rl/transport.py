@@ -122,12 +122,18 @@ def bind_router(
 ) -> zmq.Socket:
     """A ROUTER bound at `endpoint`. With `max_message_bytes` (ZMQ_MAXMSGSIZE), a peer that sends a bigger frame
     is disconnected by ZeroMQ before the frame is buffered (a DEALER reconnects on its own). With `curve` (the
-    replay's keys) it admits only the learner and rollout keys."""
+    replay's keys) it admits only the learner and rollout keys. A new connection under an identity in use takes it
+    over (ZMQ_ROUTER_HANDOVER)."""
     socket = _server_socket(context, zmq.ROUTER, curve)
     socket.setsockopt(zmq.LINGER, 0)
     if max_message_bytes is not None:
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished peer are dropped, never raise
+    # A peer that connects under an identity already in use takes it over. Without it ZeroMQ keeps the first
+    # connection and drops everything the new one sends: a learner or worker killed while its link was down leaves
+    # a connection the replay still believes open (no FIN ever came), and its restarted process, under the same
+    # identity, was never heard (benchmarks/chaos.py stalled on it: docs/results.md, "Chaos soak").
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     socket.bind(bind_address(endpoint))
     return socket
 

@@ -31,6 +31,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 TAG = re.compile(r"v(\d+)")
 WRITTEN = re.compile(r"v(\d+)(?:\.corrupt)?")  # a checkpoint directory, or one set aside
+SET_ASIDE = re.compile(r"v(\d+)\.corrupt")
 CHUNK = 1 << 22
 
 
@@ -146,9 +147,19 @@ def versions(directory: Path, pattern: re.Pattern = TAG, keep: Callable[[Path], 
 
 
 def set_aside(tags: list[Path]) -> None:
-    """Rename checkpoint directories that failed their check to `v<N>.corrupt` (kept to look at; no longer
-    counted by `learner.keep_checkpoints`, nor tried again)."""
+    """Rename checkpoint directories that failed their check to `v<N>.corrupt` (kept to look at, the newest
+    `learner.keep_checkpoints` of them: `prune`; no longer counted as checkpoints, nor tried again)."""
     for tag in tags:
         target = tag.with_name(tag.name + ".corrupt")
         shutil.rmtree(target, ignore_errors=True)
         tag.rename(target)
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, and all but the newest `keep` set aside: a disk whose
+    checkpoints are torn again and again does not fill up with the damaged ones (benchmarks/chaos.py's learner
+    volume did)."""
+    for old in versions(directory)[keep:]:  # newest first
+        shutil.rmtree(directory / f"v{old}", ignore_errors=True)
+    for old in versions(directory, SET_ASIDE)[keep:]:
+        shutil.rmtree(directory / f"v{old}.corrupt", ignore_errors=True)

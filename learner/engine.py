@@ -246,7 +246,8 @@ def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version:
     numpy and python RNG states in its client state; every rank must call it. Under LoRA the module state is the
     adapters alone (the frozen base is reloaded from model.path), with the adapters' shape in the client state.
     Rank 0 then records its files' checksums and points `latest` at it (learner/checkpoint.py), so a learner killed
-    mid-save resumes from the one before. `keep`: delete all but the newest `keep` checkpoints (rank 0).
+    mid-save resumes from the one before. `keep`: delete all but the newest `keep` checkpoints, and all but the
+    newest `keep` set aside as damaged (rank 0: `checkpoint.prune`).
     Returns whether it was written, alike on every rank: one the disk refused (full) is logged naming its
     directory, its files are removed, and `latest` still names the one before."""
     adapted = lora.is_adapted(engine.module)
@@ -271,8 +272,7 @@ def save_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path, version:
         return False
     log.info("checkpoint v%d written to %s", version, directory)
     if keep is not None and rank() == 0:
-        for old in checkpoint.versions(directory)[keep:]:  # newest first
-            shutil.rmtree(directory / f"v{old}", ignore_errors=True)
+        checkpoint.prune(directory, keep)
     return True
 
 

@@ -5,7 +5,9 @@ signals stay responsive). It is sent again after the service rejected it with `E
 `learner.request_timeout_s` without an answer: a replay that restarted lost it, and would never answer. A re-sent
 request has a new msg_id and replaces the parked one at the replay (one per learner identity); a `Batch` that
 answers any request still open is taken, so a batch the replay served just before the re-send is trained, not
-left to time out.
+left to time out. A BatchAck is sent again until the replay answers it: the learner has trained the batch, and a
+replay that lost the ack would serve its items again (benchmarks/chaos.py found this: docs/results.md, "Chaos
+soak").
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class ResumeRefused(AsyncRLError):
 
 POLL_SLICE_S = 0.1
 RETRY_AFTER_ERROR_S = 0.5
-ACK_TIMEOUT_S = 5.0
+ACK_TIMEOUT_S = 5.0  # a BatchAck unanswered this long is sent again
+ACK_GIVE_UP_S = 30.0  # ... until answered, or, once the learner is stopping, this long after the first
 OPEN_REQUESTS = 8  # msg_ids of requests not yet answered that a Batch may still answer
 RESEND_LOG_EVERY_S = 300.0  # a long wait for items re-sends every request_timeout_s: warn this often at most
 
@@ -45,9 +48,11 @@ class ReplayClient:
         self.request_timeout_s = request_timeout_s
         self.bad_messages = 0
         self.resent_requests = 0
+        self.resent_acks = 0
         self._socket = connect_dealer(context, endpoint, learner_id, curve)
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
+        self._acked_copies: deque[int] = deque(maxlen=OPEN_REQUESTS)  # of acks answered: late replies to the rest
         self._resend_log = RateLimitedLog(log, RESEND_LOG_EVERY_S)
         # This process (time-based, so a restarted learner's is larger): its first request tells the replay that a
         # learner (re)started; `checkpoint` is the version of the latest durable checkpoint, reported with every
@@ -75,6 +80,8 @@ class ReplayClient:
                 if reply.msg_id == msg_id:
                     time.sleep(RETRY_AFTER_ERROR_S)
                     msg_id, sent_at = self._request(version, learner), time.monotonic()
+            elif reply is not None and getattr(reply, "msg_id", None) in self._acked_copies:
+                log.debug("a late reply to a copy of an ack already answered: %s", reply)
             elif reply is not None:
                 log.warning("ignoring unexpected %s while waiting for batch request %d", type(reply).__name__, msg_id)
             elif time.monotonic() - sent_at >= self.request_timeout_s:
@@ -82,25 +89,48 @@ class ReplayClient:
                 msg_id, sent_at = self._request(version, learner), time.monotonic()
         return None
 
-    def ack(self, batch: Batch, version: int, trained: bool = True) -> bool:
+    def ack(self, batch: Batch, version: int, trained: bool = True,
+            should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Tell the replay the batch is trained (its credit is now `issued`), or with `trained=False` that its step
-        was refused; wait briefly for the Ack."""
-        msg_id = next(self._msg_ids)
-        send(self._socket, BatchAck(learner_id=self.learner_id, msg_id=msg_id, batch_id=batch.batch_id,
-                                    policy_version=version, trained=trained))
+        was refused, and wait for its answer; True once acknowledged. Unanswered, the ack is sent again every
+        ACK_TIMEOUT_S: a replay killed before it logged the ack (or held by a full disk, then killed) has the batch
+        in flight still, and would requeue it after replay.batch_ack_timeout_s, and the learner would train its
+        items twice. An Ack to any of the copies counts; an Error (e.g. batch_not_in_flight: an earlier copy was
+        taken) ends it. Only a stop (`should_stop`) ends the wait unanswered, after ACK_GIVE_UP_S."""
+        sent: set[int] = set()
+        started = time.monotonic()
+        while True:
+            msg_id = next(self._msg_ids)
+            sent.add(msg_id)
+            send(self._socket, BatchAck(learner_id=self.learner_id, msg_id=msg_id, batch_id=batch.batch_id,
+                                        policy_version=version, trained=trained))
+            answer = self._ack_answer(batch, sent)
+            if answer is not None:
+                self._acked_copies.extend(sent)
+                return answer
+            if should_stop() and time.monotonic() - started >= ACK_GIVE_UP_S:
+                log.error("no Ack for batch %d after %.0f s, stopping: the replay may requeue it and its items be "
+                          "trained again", batch.batch_id, time.monotonic() - started)
+                return False
+            self.resent_acks += 1
+            log.warning("no Ack for batch %d within %.0f s: sending it again (%d so far)", batch.batch_id,
+                        ACK_TIMEOUT_S, self.resent_acks)
+
+    def _ack_answer(self, batch: Batch, sent: set[int]) -> bool | None:
+        """The replay's answer to the copies `sent` of a BatchAck within ACK_TIMEOUT_S: True (Ack), False (Error),
+        None (none)."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while time.monotonic() < deadline:
             reply = self._receive(POLL_SLICE_S)
-            if isinstance(reply, Ack) and reply.msg_id == msg_id:
+            if isinstance(reply, Ack) and reply.msg_id in sent:
                 return True
-            if isinstance(reply, Error) and reply.msg_id == msg_id:
+            if isinstance(reply, Error) and reply.msg_id in sent:
                 log.warning("replay rejected ack of batch %d (%s): %s", batch.batch_id, reply.code, reply.detail)
                 return False
-            if reply is not None:
+            if reply is not None and getattr(reply, "msg_id", None) not in self._acked_copies:
                 log.warning("ignoring unexpected %s while waiting for the ack of batch %d",
                             type(reply).__name__, batch.batch_id)
-        log.warning("no Ack for batch %d within %.0f s; the replay will requeue it", batch.batch_id, ACK_TIMEOUT_S)
-        return False
+        return None
 
     def _request(self, version: int, learner: LearnerConfig) -> int:
         msg_id = next(self._msg_ids)

@@ -221,7 +221,7 @@ class _Leader(_Rank):
         return batch
 
     def ack(self, batch: Batch, version: int, trained: bool) -> None:
-        self.client.ack(batch, version, trained=trained)
+        self.client.ack(batch, version, trained=trained, should_stop=self.request.event.is_set)
         self.stats = batch.stats
 
     def resumed(self, version: int) -> None:

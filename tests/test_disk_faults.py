@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,26 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path:
                                                   r"checkpoint .*v2: mp_rank_00_model_states.pt .* Restore the "
                                                   r"directory from a backup, or move it away"):
             load_checkpoint(engine, directory)
+    finally:
+        engine.destroy()
+
+
+def test_a_save_keeps_only_the_newest_checkpoints_set_aside_as_damaged(tmp_path: Path):
+    """A disk whose checkpoints are torn again and again does not fill with the damaged ones (benchmarks/chaos.py's
+    learner volume did, 1 MB a tear): a save keeps the newest `keep` set aside as it keeps the newest `keep`
+    checkpoints, and the resume is unchanged."""
+    config = learner_config(tmp_path)
+    prepare_model_dir(config)
+    directory = tmp_path / "ck"
+    engine, _ = build_engine(config)
+    try:
+        assert save_checkpoint(engine, directory, 2, keep=2)
+        for version in (1, 3, 5):  # as `set_aside` leaves them
+            shutil.copytree(directory / "v2", directory / f"v{version}.corrupt")
+        assert save_checkpoint(engine, directory, 4, keep=2)
+        assert save_checkpoint(engine, directory, 6, keep=2)
+        assert sorted(p.name for p in directory.iterdir()) == ["latest", "v3.corrupt", "v4", "v5.corrupt", "v6"]
+        assert load_checkpoint(engine, directory) == 6
     finally:
         engine.destroy()
 

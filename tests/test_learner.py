@@ -43,6 +43,7 @@ from async_rl.protocol import (
     pack,
 )
 from async_rl.transport import bind_router, connect_subscriber, poll, receive, send
+from learner import replay_client
 from learner.batch import collate
 from learner.engine import build_engine
 from learner.metrics import GuardWatch
@@ -710,6 +711,60 @@ def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path
     first, second = replay.requests
     assert (first.policy_version, second.policy_version) == (3, 3) and second.msg_id != first.msg_id
     assert batch.msg_id == second.msg_id and client.resent_requests == 1
+
+
+class DropFirstAck(threading.Thread):
+    """A ROUTER that loses the first BatchAck (as a replay killed before it logged it would) and answers the rest;
+    with `answer=False`, none."""
+
+    def __init__(self, endpoint: str, answer: bool = True) -> None:
+        super().__init__(daemon=True)
+        self.endpoint, self.answer, self.acks = endpoint, answer, []
+        self.done, self.ready = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        context = zmq.Context()
+        router = bind_router(context, self.endpoint)
+        self.ready.set()
+        while not self.done.is_set():
+            if poll(router, 0.05):
+                identity, message = receive(router)
+                self.acks.append(message)
+                if self.answer and len(self.acks) > 1:
+                    send(router, Ack(msg_id=message.msg_id), identity)
+        router.close(linger=0)
+        context.term()
+
+
+@pytest.mark.parametrize("stopping", [False, True], ids=["answered", "stopping"])
+def test_the_replay_client_sends_an_unanswered_batch_ack_again(tmp_path, monkeypatch, stopping):
+    """A BatchAck the replay lost (killed before it logged it; found by benchmarks/chaos.py) is sent again until
+    answered: the batch was trained, and a replay left with it in flight would serve its items again. Only a stop
+    ends the wait unanswered, after ACK_GIVE_UP_S."""
+    monkeypatch.setattr(replay_client, "ACK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(replay_client, "ACK_GIVE_UP_S", 1.0)
+    config = make_config(tmp_path)
+    replay = DropFirstAck(config.replay.endpoint, answer=not stopping)
+    replay.start()
+    replay.ready.wait(5)
+    context = zmq.Context()
+    client = ReplayClient(context, config.replay.endpoint, "learner-0", config.learner.request_timeout_s)
+    try:
+        started = time.monotonic()
+        acked = client.ack(Batch(msg_id=1, batch_id=7, items=[], stats=ReplayStats()), 4,
+                           should_stop=lambda: stopping)
+        waited = time.monotonic() - started
+    finally:
+        client.close()
+        replay.done.set()
+        replay.join(5)
+        context.term()
+    assert {(ack.batch_id, ack.policy_version) for ack in replay.acks} == {(7, 4)}
+    assert len({ack.msg_id for ack in replay.acks}) == len(replay.acks)
+    if stopping:
+        assert not acked and 1.0 <= waited < 3 and len(replay.acks) >= 3
+    else:
+        assert acked and client.resent_acks == 1 and len(replay.acks) == 2
 
 
 @pytest.mark.slow

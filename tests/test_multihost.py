@@ -16,106 +16,35 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+from netns import Network, namespaces_unavailable
 
 from launch.cli import main as async_rl
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBNET = "10.77.{net}.{host}"
-NAMES = {  # namespace role -> (host number, names it answers to)
-    "replay": (1, ["async-rl-replay"]),
-    "learner-0": (2, ["async-rl-learner", "async-rl-learner-0.async-rl-learner-workers"]),
-    "learner-1": (3, ["async-rl-learner-1.async-rl-learner-workers"]),
-    "rollout-0": (4, []),
-    "rollout-1": (5, []),
+NAMES = {  # namespace role -> the names it answers to (tests/netns.py numbers the addresses in this order)
+    "replay": ["async-rl-replay"],
+    "learner-0": ["async-rl-learner", "async-rl-learner-0.async-rl-learner-workers"],
+    "learner-1": ["async-rl-learner-1.async-rl-learner-workers"],
+    "rollout-0": [],
+    "rollout-1": [],
 }
 VERSIONS = 8
 
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-def _namespaces_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (ip netns add)"
-    if shutil.which("ip") is None:
-        return "iproute2 (`ip`) is not installed"
-    probe = f"arl-probe-{os.getpid()}"
-    made = _ip("netns", "add", probe)
-    if made.returncode != 0:
-        return f"the kernel or container forbids network namespaces: {made.stderr.strip()}"
-    _ip("netns", "del", probe)
-    return None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_namespaces_unavailable() is not None,
-                                                   reason=str(_namespaces_unavailable()))]
-
-
-class Network:
-    """Namespaces `<prefix>-<role>` joined by veth pairs to a bridge in `<prefix>-sw`; removed by `close`."""
-
-    def __init__(self) -> None:
-        self.prefix = f"arl{uuid.uuid4().hex[:6]}"
-        self.net = int(self.prefix[-2:], 16) % 200 + 20  # 10.77.<net>.0/24: distinct between concurrent runs
-        self.switch = f"{self.prefix}-sw"
-        self.made: list[str] = []
-
-    def ns(self, role: str) -> str:
-        return f"{self.prefix}-{role}"
-
-    def address(self, role: str) -> str:
-        return SUBNET.format(net=self.net, host=NAMES[role][0])
-
-    def _must(self, *args: str) -> None:
-        done = _ip(*args)
-        if done.returncode != 0:
-            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-
-    def open(self) -> Network:
-        self._must("netns", "add", self.switch)
-        self.made.append(self.switch)
-        self._must("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        self._must("-n", self.switch, "link", "set", "br0", "up")
-        hosts = "127.0.0.1 localhost\n" + "".join(
-            f"{self.address(role)} {' '.join(names)}\n" for role, (_, names) in NAMES.items() if names)
-        for i, role in enumerate(NAMES):
-            ns = self.ns(role)
-            self._must("netns", "add", ns)
-            self.made.append(ns)
-            host_end, switch_end = f"{self.prefix}a{i}", f"{self.prefix}b{i}"
-            self._must("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
-            self._must("link", "set", host_end, "netns", ns, "name", "eth0")
-            self._must("link", "set", switch_end, "netns", self.switch)
-            self._must("-n", self.switch, "link", "set", switch_end, "master", "br0")
-            self._must("-n", self.switch, "link", "set", switch_end, "up")
-            self._must("-n", ns, "addr", "add", f"{self.address(role)}/24", "dev", "eth0")
-            self._must("-n", ns, "link", "set", "eth0", "up")
-            self._must("-n", ns, "link", "set", "lo", "up")
-            etc = Path("/etc/netns") / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text(hosts)
-        return self
-
-    def close(self) -> None:
-        for ns in self.made:
-            _ip("netns", "del", ns)  # takes its veth ends (and so the pairs) with it
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(namespaces_unavailable() is not None,
+                                                   reason=str(namespaces_unavailable()))]
 
 
 @pytest.fixture
 def network():
-    net = Network()
+    net = Network(NAMES)
     try:
         yield net.open()
     finally:

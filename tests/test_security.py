@@ -189,6 +189,41 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
     assert not thread.is_alive()
 
 
+def test_a_restarted_peer_is_heard_while_the_replay_still_holds_its_old_connection(tmp_path, keys):
+    """A worker (or learner) killed while its link was down leaves a connection the replay still believes open (no
+    FIN ever reached it); its restarted process connects under the same identity and must be heard, not dropped
+    (benchmarks/chaos.py stalled on a learner so: ZMQ_ROUTER_HANDOVER)."""
+    config = make_config(tmp_path, keys)
+    service, stop = ReplayService(config), threading.Event()
+    thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
+    thread.start()
+    context, dead = zmq.Context(), zmq.Context()
+    dead.setsockopt(zmq.RECONNECT_IVL, -1)  # the dead process's socket: open, and never connecting again
+    rollout = load_keys(config, "rollout")
+    probe = connect_dealer(context, config.replay.endpoint, "rollout-1", rollout)
+    send(probe, LeaseRequest(worker_id="rollout-1", msg_id=1))
+    assert isinstance(_reply(probe, 10.0), LeaseGrant)  # the replay listens: a socket that never retries may connect
+    probe.close(linger=0)
+    old = connect_dealer(dead, config.replay.endpoint, "rollout-0", rollout)
+    new = None
+    try:
+        send(old, LeaseRequest(worker_id="rollout-0", msg_id=1, session=1))
+        assert isinstance(_reply(old, 10.0), LeaseGrant)
+        new = connect_dealer(context, config.replay.endpoint, "rollout-0", rollout)  # the restarted process
+        send(new, LeaseRequest(worker_id="rollout-0", msg_id=1, session=2))
+        assert isinstance(_reply(new, 10.0), LeaseGrant), "the restarted process was not heard"
+        assert service.stats_snapshot().workers_restarted == 1
+    finally:
+        for client in (old, new):
+            if client is not None:
+                client.close(linger=0)
+        stop.set()
+        thread.join(10)
+        context.term()
+        dead.term()
+    assert not thread.is_alive()
+
+
 def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
     import torch
 
