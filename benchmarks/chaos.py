@@ -116,7 +116,7 @@ def schedule(seed: int, window_s: float, gap_s: float) -> list[Fault]:
 def write_config(work: Path, seed: int) -> Path:
     """The run's config (the pods' ConfigMap): the cluster's endpoints and CURVE, the tiny model and small budgets of
     tests/test_faults.py's FAULT_RUN, the replay's log compacted only at a start (the checker replays all of it)."""
-    from async_rl.config import dump_config, load_config
+    from async_rl.config_load import dump_config, load_config
     from launch.cli import main as async_rl
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints the files it wrote: stdout is the summary's

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from test_faults import metrics, processes_of, surviving_lineage  # noqa: E402
 
-from async_rl.config import Config, load_run_config  # noqa: E402
+from async_rl.config import Config  # noqa: E402
+from async_rl.config_load import load_run_config  # noqa: E402
 from replay import group as replay_group  # noqa: E402
 from replay.log_format import SEGMENT, SNAPSHOT  # noqa: E402
 from replay.server import apply_entry  # noqa: E402
