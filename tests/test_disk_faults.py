@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,18 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 # --- weights files -------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def learner_engine(tmp_path: Path) -> Iterator:
+    """A DeepSpeed engine on the tiny model of a learner config in `tmp_path`, destroyed after."""
+    config = learner_config(tmp_path)
+    prepare_model_dir(config)
+    engine, _ = build_engine(config)
+    try:
+        yield engine
+    finally:
+        engine.destroy()
 
 
 @pytest.mark.parametrize("how", ["torn", "flipped"])
@@ -160,11 +174,8 @@ def step_weights(engine, seed: int) -> None:
 
 @pytest.mark.parametrize("how", ["torn", "flipped"])
 def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path: Path, how: str, caplog):
-    config = learner_config(tmp_path)
-    prepare_model_dir(config)
     directory = tmp_path / "ck"
-    engine, _ = build_engine(config)
-    try:
+    with learner_engine(tmp_path) as engine:
         assert save_checkpoint(engine, directory, 2, keep=2)
         at_v2 = module_weights(engine)
         step_weights(engine, 1)
@@ -188,19 +199,14 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path:
                                                   r"checkpoint .*v2: mp_rank_00_model_states.pt .* Restore the "
                                                   r"directory from a backup, or move it away"):
             load_checkpoint(engine, directory)
-    finally:
-        engine.destroy()
 
 
 def test_a_save_keeps_only_the_newest_checkpoints_set_aside_as_damaged(tmp_path: Path):
     """A disk whose checkpoints are torn again and again does not fill with the damaged ones (benchmarks/chaos.py's
     learner volume did, 1 MB a tear): a save keeps the newest `keep` set aside as it keeps the newest `keep`
     checkpoints, and the resume is unchanged."""
-    config = learner_config(tmp_path)
-    prepare_model_dir(config)
     directory = tmp_path / "ck"
-    engine, _ = build_engine(config)
-    try:
+    with learner_engine(tmp_path) as engine:
         assert save_checkpoint(engine, directory, 2, keep=2)
         for version in (1, 3, 5):  # as `set_aside` leaves them
             shutil.copytree(directory / "v2", directory / f"v{version}.corrupt")
@@ -208,18 +214,13 @@ def test_a_save_keeps_only_the_newest_checkpoints_set_aside_as_damaged(tmp_path:
         assert save_checkpoint(engine, directory, 6, keep=2)
         assert sorted(p.name for p in directory.iterdir()) == ["latest", "v3.corrupt", "v4", "v5.corrupt", "v6"]
         assert load_checkpoint(engine, directory) == 6
-    finally:
-        engine.destroy()
 
 
 @pytest.mark.parametrize("small_disk", ["64m"], indirect=True)
 def test_a_checkpoint_the_full_disk_refuses_names_its_directory_and_the_previous_one_resumes(
         small_disk: Path, tmp_path: Path, caplog):
-    config = learner_config(tmp_path)
-    prepare_model_dir(config)
     directory = small_disk / "checkpoints"
-    engine, _ = build_engine(config)
-    try:
+    with learner_engine(tmp_path) as engine:
         assert save_checkpoint(engine, directory, 2, keep=2)
         at_v2 = module_weights(engine)
         step_weights(engine, 1)
@@ -236,8 +237,6 @@ def test_a_checkpoint_the_full_disk_refuses_names_its_directory_and_the_previous
         step_weights(engine, 2)
         assert save_checkpoint(engine, directory, 6, keep=2), "space came back: the next one is written"
         assert load_checkpoint(engine, directory) == 6
-    finally:
-        engine.destroy()
 
 
 def test_a_learner_resumed_past_a_damaged_checkpoint_goes_on_at_its_version_from_the_one_before(tmp_path: Path):

@@ -669,12 +669,14 @@ def test_a_skipped_step_is_acked_untrained_counted_and_the_run_goes_on(tmp_path)
     assert done.summary["steps_skipped_nonfinite"] == 1 and done.summary["versions"] == 2
 
 
-class DropFirstRequest(threading.Thread):
-    """A ROUTER that loses the first BatchRequest (as a replay that restarted would) and answers the rest."""
+class DropFirst(threading.Thread):
+    """A ROUTER that loses the first message it gets (as a replay that restarted, or was killed before it logged it,
+    would) and answers the rest with `answer(message)`; with `answer=None`, none. `received`: every message."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, answer) -> None:  # noqa: ANN001 - message -> reply
         super().__init__(daemon=True)
-        self.endpoint, self.requests, self.done, self.ready = endpoint, [], threading.Event(), threading.Event()
+        self.endpoint, self.answer, self.received = endpoint, answer, []
+        self.done, self.ready = threading.Event(), threading.Event()
 
     def run(self) -> None:
         context = zmq.Context()
@@ -683,16 +685,17 @@ class DropFirstRequest(threading.Thread):
         while not self.done.is_set():
             if poll(router, 0.05):
                 identity, message = receive(router)
-                self.requests.append(message)
-                if len(self.requests) > 1:
-                    send(router, Batch(msg_id=message.msg_id, batch_id=7, items=[], stats=ReplayStats()), identity)
+                self.received.append(message)
+                if self.answer is not None and len(self.received) > 1:
+                    send(router, self.answer(message), identity)
         router.close(linger=0)
         context.term()
 
 
 def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path):
     config = make_config(tmp_path, learner={"request_timeout_s": 0.3})
-    replay = DropFirstRequest(config.replay.endpoint)
+    replay = DropFirst(config.replay.endpoint,
+                       lambda m: Batch(msg_id=m.msg_id, batch_id=7, items=[], stats=ReplayStats()))
     replay.start()
     replay.ready.wait(5)
     context = zmq.Context()
@@ -708,32 +711,9 @@ def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path
         context.term()
     assert isinstance(batch, Batch) and batch.batch_id == 7, "no permanent stall"
     assert 0.3 <= waited < 3
-    first, second = replay.requests
+    first, second = replay.received
     assert (first.policy_version, second.policy_version) == (3, 3) and second.msg_id != first.msg_id
     assert batch.msg_id == second.msg_id and client.resent_requests == 1
-
-
-class DropFirstAck(threading.Thread):
-    """A ROUTER that loses the first BatchAck (as a replay killed before it logged it would) and answers the rest;
-    with `answer=False`, none."""
-
-    def __init__(self, endpoint: str, answer: bool = True) -> None:
-        super().__init__(daemon=True)
-        self.endpoint, self.answer, self.acks = endpoint, answer, []
-        self.done, self.ready = threading.Event(), threading.Event()
-
-    def run(self) -> None:
-        context = zmq.Context()
-        router = bind_router(context, self.endpoint)
-        self.ready.set()
-        while not self.done.is_set():
-            if poll(router, 0.05):
-                identity, message = receive(router)
-                self.acks.append(message)
-                if self.answer and len(self.acks) > 1:
-                    send(router, Ack(msg_id=message.msg_id), identity)
-        router.close(linger=0)
-        context.term()
 
 
 @pytest.mark.parametrize("stopping", [False, True], ids=["answered", "stopping"])
@@ -744,7 +724,7 @@ def test_the_replay_client_sends_an_unanswered_batch_ack_again(tmp_path, monkeyp
     monkeypatch.setattr(replay_client, "ACK_TIMEOUT_S", 0.3)
     monkeypatch.setattr(replay_client, "ACK_GIVE_UP_S", 1.0)
     config = make_config(tmp_path)
-    replay = DropFirstAck(config.replay.endpoint, answer=not stopping)
+    replay = DropFirst(config.replay.endpoint, None if stopping else lambda m: Ack(msg_id=m.msg_id))
     replay.start()
     replay.ready.wait(5)
     context = zmq.Context()
@@ -759,12 +739,12 @@ def test_the_replay_client_sends_an_unanswered_batch_ack_again(tmp_path, monkeyp
         replay.done.set()
         replay.join(5)
         context.term()
-    assert {(ack.batch_id, ack.policy_version) for ack in replay.acks} == {(7, 4)}
-    assert len({ack.msg_id for ack in replay.acks}) == len(replay.acks)
+    assert {(ack.batch_id, ack.policy_version) for ack in replay.received} == {(7, 4)}
+    assert len({ack.msg_id for ack in replay.received}) == len(replay.received)
     if stopping:
-        assert not acked and 1.0 <= waited < 3 and len(replay.acks) >= 3
+        assert not acked and 1.0 <= waited < 3 and len(replay.received) >= 3
     else:
-        assert acked and client.resent_acks == 1 and len(replay.acks) == 2
+        assert acked and client.resent_acks == 1 and len(replay.received) == 2
 
 
 @pytest.mark.slow
