@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -692,23 +694,30 @@ class DropFirst(threading.Thread):
         context.term()
 
 
-def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path):
-    config = make_config(tmp_path, learner={"request_timeout_s": 0.3})
-    replay = DropFirst(config.replay.endpoint,
-                       lambda m: Batch(msg_id=m.msg_id, batch_id=7, items=[], stats=ReplayStats()))
+@contextmanager
+def client_of(replay: DropFirst, config: Config) -> Iterator[ReplayClient]:
+    """The learner's ReplayClient against `replay` (started here, stopped after)."""
     replay.start()
     replay.ready.wait(5)
     context = zmq.Context()
     client = ReplayClient(context, config.replay.endpoint, "learner-0", config.learner.request_timeout_s)
     try:
-        started = time.monotonic()
-        batch = client.next_batch(3, config.learner, lambda: time.monotonic() - started > 10, lambda: None)
-        waited = time.monotonic() - started
+        yield client
     finally:
         client.close()
         replay.done.set()
         replay.join(5)
         context.term()
+
+
+def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path):
+    config = make_config(tmp_path, learner={"request_timeout_s": 0.3})
+    replay = DropFirst(config.replay.endpoint,
+                       lambda m: Batch(msg_id=m.msg_id, batch_id=7, items=[], stats=ReplayStats()))
+    with client_of(replay, config) as client:
+        started = time.monotonic()
+        batch = client.next_batch(3, config.learner, lambda: time.monotonic() - started > 10, lambda: None)
+        waited = time.monotonic() - started
     assert isinstance(batch, Batch) and batch.batch_id == 7, "no permanent stall"
     assert 0.3 <= waited < 3
     first, second = replay.received
@@ -725,20 +734,11 @@ def test_the_replay_client_sends_an_unanswered_batch_ack_again(tmp_path, monkeyp
     monkeypatch.setattr(replay_client, "ACK_GIVE_UP_S", 1.0)
     config = make_config(tmp_path)
     replay = DropFirst(config.replay.endpoint, None if stopping else lambda m: Ack(msg_id=m.msg_id))
-    replay.start()
-    replay.ready.wait(5)
-    context = zmq.Context()
-    client = ReplayClient(context, config.replay.endpoint, "learner-0", config.learner.request_timeout_s)
-    try:
+    with client_of(replay, config) as client:
         started = time.monotonic()
         acked = client.ack(Batch(msg_id=1, batch_id=7, items=[], stats=ReplayStats()), 4,
                            should_stop=lambda: stopping)
         waited = time.monotonic() - started
-    finally:
-        client.close()
-        replay.done.set()
-        replay.join(5)
-        context.term()
     assert {(ack.batch_id, ack.policy_version) for ack in replay.received} == {(7, 4)}
     assert len({ack.msg_id for ack in replay.received}) == len(replay.received)
     if stopping:
