@@ -38,26 +38,26 @@ def call_limits(rollout: Any, factory: Any) -> tuple[float, float]:
     return pick("step_timeout_s", DEFAULT_STEP_TIMEOUT_S), pick("judge_timeout_s", DEFAULT_JUDGE_TIMEOUT_S)
 
 
-def timed_call(future: Future, fn: Callable[..., Any], args: tuple,
-               finished: Callable[[], None] | None = None) -> None:
+def _nothing() -> None:
+    pass
+
+
+def timed_call(future: Future, fn: Callable[..., Any], args: tuple, finished: Callable[[], None] = _nothing) -> None:
     """Run `fn(*args)` into `future`, with the call's own duration as `future.elapsed_s`; `finished` is called
     after `fn` returns and before the future is done (a pool marks its thread free there)."""
     if not future.set_running_or_notify_cancel():
-        if finished is not None:
-            finished()
+        finished()
         return
     started = time.monotonic()
     try:
         result = fn(*args)
     except BaseException as exc:
         future.elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
-        if finished is not None:
-            finished()
+        finished()
         future.set_exception(exc)
     else:
         future.elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
-        if finished is not None:
-            finished()
+        finished()
         future.set_result(result)
 
 
