@@ -102,8 +102,11 @@ def test_the_recipe_trains_smollm2_on_the_tasks_env_with_a_responsive_worker(wor
     terminal_at = {r.trajectory_id: at for at, r in messages if isinstance(r, StageRecord) and r.terminal}
     outcomes = [(at, o) for at, o in messages if isinstance(o, Outcome) and not o.abandoned]
     assert outcomes
-    for at, outcome in outcomes:  # the judge sleeps 1 s after the terminal stage; the outcome follows at once
-        assert 0.9 <= at - terminal_at[outcome.trajectory_id] < 2.0, (outcome.trajectory_id, at)
+    # the judge sleeps 1 s after the terminal stage; the outcome follows at once. Only the upper bound: both times
+    # are when the replay logged the message, and a replay starved of CPU for a moment logs the terminal stage late
+    # (CI: 0.57 s apart); that the judge took its second is checked below, from the worker's own figure
+    for at, outcome in outcomes:
+        assert 0.0 < at - terminal_at[outcome.trajectory_id] < 2.0, (outcome.trajectory_id, at)
 
     rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
     assert all("tool_calls" in line and "tool_call_errors" in line for line in rollout)
