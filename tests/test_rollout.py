@@ -559,8 +559,9 @@ def test_a_slow_engine_does_not_stall_the_workers_messaging(tmp_path, zmq_contex
     assert gaps and max(gaps) < 0.6, f"heartbeats stalled behind an engine call: {max(gaps):.2f} s"
     terminal = {r.trajectory_id: at for at, r in replay.first(StageRecord) if r.terminal}
     for at, outcome in replay.first(Outcome):
-        # the judge starts when the env's step returns, a few ms before its terminal record reaches the replay
-        assert 0.25 <= at - terminal[outcome.trajectory_id] < 0.3 + 0.35, "the outcome waited for the engine"
+        # the judge starts when the env's step returns, a few ms before its terminal record reaches the replay; no
+        # lower bound: a busy double stamps a terminal record late (the 0.3 s is checked from the worker's lines)
+        assert 0.0 < at - terminal[outcome.trajectory_id] < 0.3 + 0.35, "the outcome waited for the engine"
     judged = [line["judge_latency_s_mean"] for line in worker_lines(config) if line["trajectories_finished"]]
     assert judged and all(0.29 <= value < 0.4 for value in judged), judged
     assert worker_lines(config)[-1]["resends"] == 1
