@@ -14,12 +14,11 @@ from async_rl.config import CreditMode
 
 def normalize(values: Mapping[int, float], eps: float) -> dict[int, float]:
     """(x − mean) / (std + ε) with the population std; std = 0 gives 0 for every member (no gradient)."""
-    if len(values) < 2:
+    # Equal values are std = 0 exactly: their float mean can miss them by an ulp, which ÷ ε would give ~1e-10
+    if len(values) < 2 or max(values.values()) == min(values.values()):
         return {i: 0.0 for i in values}
     mean = math.fsum(values.values()) / len(values)
     std = math.sqrt(math.fsum((x - mean) ** 2 for x in values.values()) / len(values))
-    if std == 0.0:
-        return {i: 0.0 for i in values}
     return {i: (x - mean) / (std + eps) for i, x in values.items()}
 
 

@@ -1,5 +1,7 @@
 """The credit ledger (docs/algorithm.md): after finalization every stage's trained credit equals A_final."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -180,6 +182,16 @@ def test_zero_std_and_lone_members_give_no_immediate_advantage():
     assert immediate_advantages({0: 1.0, 1: 1.0}, 1.0, EPS) == {}
     assert immediate_advantages({0: 1.0, 1: None}, 1.0, EPS) == {}
     assert normalize({0: 2.0, 1: 2.0}, EPS) == {0: 0.0, 1: 0.0}
+
+
+def test_equal_values_whose_float_mean_misses_them_give_exactly_zero():
+    # (3.3 + 3.3 + 3.3) / 3 is 3.3 plus an ulp: ÷ ε that was a 4.4e-10 advantage, an item of nothing, and a
+    # correction below ZERO_CORRECTION left unsent (the chaos soak's worst ledger residual, docs/results.md)
+    assert math.fsum([3.3] * 3) / 3 != 3.3
+    assert normalize({0: 3.3, 1: 3.3, 2: 3.3}, EPS) == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert immediate_advantages({0: 3.3, 1: 3.3, 2: 3.3}, 1.0, EPS) == {}
+    stages = final_credit({0: [3.3], 1: [3.3], 2: [3.3]}, {0: 1.0, 1: 1.0, 2: 1.0}, "outcome+step", 1.0, 0.95, EPS)
+    assert stages == {0: [0.0], 1: [0.0], 2: [0.0]}
 
 
 def test_returns_to_go_by_hand():
