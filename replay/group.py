@@ -113,9 +113,13 @@ class Group:
         return None
 
     def unfinished_members(self) -> list[int]:
-        """Members with neither an outcome nor an abandonment."""
+        """Members not abandoned whose outcome, or one of whose stages before it, has not arrived. A stage record
+        lost with a killed replay can be overtaken by its outcome (the worker resends the stage after its ack
+        timeout); a worker killed in between never sends it, and the member must be abandoned with the others, or
+        its group waits for that stage for good (found by the chaos soak: the guard then held the learner)."""
         ledger = self.ledger
-        return [i for i in range(self.group_size) if i not in ledger.outcomes and i not in ledger.abandoned]
+        return [i for i in range(self.group_size) if i not in ledger.abandoned
+                and (i not in ledger.outcomes or len(ledger.rewards[i]) < ledger.num_stages[i])]
 
     # --- the state machine ----------------------------------------------------------------------------
 

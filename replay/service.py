@@ -280,6 +280,8 @@ class ReplayService:
         group.touched = now
         self.guard.stored(group.trajectories[record.member].num_tokens)
         self.leases.generates_with(record.worker_id, int(record.versions().max()))
+        if record.member in group.ledger.outcomes and not group.unfinished_members():
+            self.leases.end(group)  # the last stage, resent, overtaken by its outcome: the group is all in
         self.advance(group, now)
         return Ack(msg_id=record.msg_id)
 

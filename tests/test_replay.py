@@ -504,6 +504,38 @@ def test_lease_expiry_abandons_unfinished_members_and_the_group_still_finalizes(
     assert service.stats_snapshot().groups_closed == 1 and service.groups == {}
 
 
+@pytest.mark.parametrize("resent", [True, False])
+def test_an_outcome_that_overtook_its_lost_stage_waits_for_the_resend_or_goes_with_its_worker(resent):
+    """The chaos soak's stall: member 1's last stage was lost with a killed replay, its outcome arrived first, and
+    the worker was killed before its resend. The group must not wait for that stage for good: the resend completes
+    it, or the worker's silence abandons the member like one without an outcome."""
+    config = make_config(rollout={"group_size": 2}, replay={"lease_timeout_s": 10.0})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker, now=0.0)
+    lost = worker.stage(grant, 1, 1, 0.0, terminal=True)  # sent, never stored
+    send_all(service, [worker.stage(grant, 0, 0, 0.5), worker.stage(grant, 0, 1, 1.0, terminal=True),
+                       worker.stage(grant, 1, 0, 0.2)], now=1.0)
+    send_all(service, [worker.outcome(grant, 1, 2, 0.0), worker.outcome(grant, 0, 2, 1.0)], now=2.0)
+    group = service.groups[grant.group_id]
+    assert not group.finalized and group.unfinished_members() == [1]
+    assert service.leases.held(worker.worker_id) == [grant.group_id], "the lease stays: the stage may be resent"
+    if resent:
+        send_all(service, [lost], now=3.0)
+        assert group.finalized and service.leases.held(worker.worker_id) == []
+        assert service.stats_snapshot().trajectories_abandoned == 0
+    else:
+        service.tick(12.5)  # the worker is gone: its lease expires
+        assert service.stats_snapshot().trajectories_abandoned == 1
+        assert grant.group_id not in service.groups or service.groups[grant.group_id].finalized
+    batch = request_batch(service, version=1, now=13.0)
+    if resent:  # both members' final credit, carried by corrections
+        assert batch is not None and {item.trajectory_id for item in batch.items if item.kind == "correction"} == {
+            f"{grant.group_id}/0", f"{grant.group_id}/1"}
+        ack_batch(service, batch, version=2, now=14.0)
+    stats = service.stats_snapshot()
+    assert stats.groups_closed == 1 and stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
+
+
 def test_an_abandoned_outcome_abandons_the_member():
     service, worker = ReplayService(make_config(rollout={"group_size": 2})), Worker()
     grant = lease(service, worker)
