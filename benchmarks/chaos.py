@@ -2,7 +2,7 @@
 a checker verifies the run's history (docs/results.md, "Chaos soak").
 
     python benchmarks/chaos.py --minutes 1.5 --gap-s 4 --seed 1     # the short form CI runs (tests/test_chaos.py)
-    python benchmarks/chaos.py --minutes 30 --gap-s 2.5 --seed 7    # the long soak
+    python benchmarks/chaos.py --minutes 50 --gap-s 2.5 --seed 7    # the long soak (docs/results.md)
 
 The replay, the learner (one rank, DeepSpeed on the CPU) and two rollout workers each run `python -m launch.cli
 ROLE --config CFG` in a network namespace of their own (tests/netns.py), over TCP with CURVE on, the run directory

@@ -1,7 +1,7 @@
 """The chaos soak's short form, as docs/results.md ("Chaos soak") prints it: the pod roles in network namespaces
 under a seeded nemesis (every kind of fault: kill, pause, partition, slow link, full disk, torn log or checkpoint),
 then benchmarks/chaos_check.py's verdict on the run's history. The long form is the same command with
-`--minutes 30`.
+`--minutes 50 --gap-s 2.5 --seed 7`.
 
 Needs root (network namespaces, tmpfs, `tc`); skipped with the reason otherwise.
 """
