@@ -280,8 +280,8 @@ class ReplayService:
         group.touched = now
         self.guard.stored(group.trajectories[record.member].num_tokens)
         self.leases.generates_with(record.worker_id, int(record.versions().max()))
-        if record.member in group.ledger.outcomes and not group.unfinished_members():
-            self.leases.end(group)  # the last stage, resent, overtaken by its outcome: the group is all in
+        if record.member in group.ledger.outcomes:  # a stage resent after its outcome (replay/group.py)
+            self._end_lease_when_all_in(group)
         self.advance(group, now)
         return Ack(msg_id=record.msg_id)
 
@@ -318,8 +318,7 @@ class ReplayService:
             if problem is not None:
                 return self.reject(message.msg_id, "bad_state", "bad_outcome", problem)
             self._finished(group, message)
-        if not group.unfinished_members():
-            self.leases.end(group)
+        self._end_lease_when_all_in(group)
         self.advance(group, now)
         return Ack(msg_id=message.msg_id)
 
@@ -337,6 +336,11 @@ class ReplayService:
             windows.successes_long -= windows.finished_long[0]
         windows.finished_long.append(message.success)
         windows.successes_long += message.success
+
+    def _end_lease_when_all_in(self, group: Group) -> None:
+        """No member left to wait for (every stage and outcome in, or abandoned): the worker's lease ends."""
+        if not group.unfinished_members():
+            self.leases.end(group)
 
     def _abandon(self, group: Group, i: int, reason: str) -> None:
         group.ledger.abandon(i)
@@ -431,8 +435,7 @@ class ReplayService:
         if member in group.unfinished_members():
             self._abandon(group, member, f"a message of it was refused ({reason})")
             self.leases.renew(group.worker_id, now)
-            if not group.unfinished_members():
-                self.leases.end(group)
+            self._end_lease_when_all_in(group)
             self.advance(group, now)
 
     def _unexpected(self, message: AnyMessage) -> Error | None:
