@@ -103,6 +103,9 @@ class RolloutConfig(_Section):
     # Action has no calls). Envs without tools() get the text either way.
     tool_parser: Literal["hermes", "none"] = "hermes"
     max_inflight: PosInt = 32  # trajectories one worker keeps going at once, across groups (>= group_size)
+    # An engine call starts once 3/4 of the trajectories in flight wait for it, or the first of them has waited this
+    # long (rollout/agent.py): more rows share a call's fixed cost. 0: a call takes whoever waits at once.
+    engine_batch_wait_s: NonNegFloat = 0.002
     # Where the built-in torch engine runs (the sglang engine ignores it: its servers have their own GPUs). cpu: the
     # default, so the workers leave a local GPU to the learner; cuda: each worker loads the model onto the current
     # GPU (fp32, as the learner publishes it or upcast from bf16); auto: cuda when torch sees one.

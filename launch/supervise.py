@@ -1,6 +1,8 @@
-"""The roles of a local run as child processes: each started as `python -m launch.cli ROLE --config
-<run_dir>/config.yaml` (the same command a cluster pod runs) in its own session, so that Ctrl-C reaches the launcher
-alone; started again when it dies, at most `run.max_restarts` times each; stopped learner first.
+"""The roles of a local run as child processes: each runs `async-rl ROLE --config <run_dir>/config.yaml` (the same
+command a cluster pod runs) in its own session, so that Ctrl-C reaches the launcher alone; started again when it
+dies, at most `run.max_restarts` times each; stopped learner first. The learner and the rollout workers are forked
+from the run's fork server when there is one (launch/forkserver.py: the imports paid once), the replay (no torch)
+and every role where there is none start as `python -m launch.cli ...`.
 
 A restarted learner resumes from its latest checkpoint (the replay rolls back to it and abandons what a dead worker
 held); a durable replay rebuilds its state from its write-ahead log. A role past its restarts, a replay with
@@ -25,6 +27,7 @@ from rich.console import Console
 
 from async_rl.config import Config
 from async_rl.errors import CONFIG_EXIT_CODE
+from launch.forkserver import ForkedProcess, ForkServer
 
 log = logging.getLogger("launch.supervise")
 
@@ -40,9 +43,9 @@ def cli_command(*args: str) -> list[str]:
 @dataclass
 class Child:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     log_path: Path
-    log_file: IO = field(repr=False)
+    log_file: IO | None = field(repr=False)  # the launcher's handle on the log (None: a forked role opened its own)
 
 
 def _stop_with_launcher(launcher_pid: int):
@@ -58,8 +61,13 @@ def _stop_with_launcher(launcher_pid: int):
     return arm if sys.platform.startswith("linux") else None
 
 
-def _start(name: str, args: list[str], config_path: Path, env: dict[str, str]) -> Child:
+def _start(name: str, args: list[str], config_path: Path, env: dict[str, str], forks: ForkServer | None) -> Child:
     log_path = config_path.parent / "logs" / f"{name}.log"
+    if forks is not None and name != "replay" and forks.alive():
+        try:
+            return Child(name, forks.start([*args, "--config", str(config_path)], str(log_path), env), log_path, None)
+        except OSError as exc:
+            log.warning("%s; starting %s as a new process", exc, name)
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed in Supervisor.stop_all or at the restart
     process = subprocess.Popen(
         cli_command(*args, "--config", str(config_path)),
@@ -82,17 +90,24 @@ def _tail(path: Path, lines: int = 15) -> str:
 class Supervisor:
     """The run's children, [learner, replay, rollout-0, ...], and how often each was started again."""
 
-    def __init__(self, config: Config, config_path: Path, env: dict[str, str], console: Console) -> None:
+    def __init__(self, config: Config, config_path: Path, env: dict[str, str], console: Console,
+                 forks: ForkServer | None = None) -> None:
         self.config, self.config_path, self.env, self.console = config, config_path, env, console
+        self.forks = forks
         self.roles = {"learner": ["learner"], "replay": ["replay"]}
         self.roles.update({f"rollout-{i}": ["rollout", "--index", str(i)] for i in range(config.rollout.workers)})
-        self.children = [_start(name, args, config_path, env) for name, args in self.roles.items()]
+        # The replay first: it starts in a second while the fork server imports (the others wait for it).
+        replay = _start("replay", self.roles["replay"], config_path, env, forks)
+        self.children = [replay if name == "replay" else _start(name, args, config_path, env, forks)
+                         for name, args in self.roles.items()]
         self._write_pids()
         self.restarts = {name: 0 for name in self.roles if name != "replay" or config.replay.durable}
 
     def _write_pids(self) -> None:
-        (self.config_path.parent / "processes.json").write_text(
-            json.dumps({c.name: c.process.pid for c in self.children}))
+        pids = {c.name: c.process.pid for c in self.children}
+        if self.forks is not None:
+            pids["forkserver"] = self.forks.process.pid
+        (self.config_path.parent / "processes.json").write_text(json.dumps(pids))
 
     def learner_finished(self) -> bool:
         return self.children[0].process.poll() == 0
@@ -116,9 +131,10 @@ class Supervisor:
         code, count, most = child.process.returncode, self.restarts[child.name], self.config.run.max_restarts
         log.warning("%s died (exit code %s); starting it again (restart %d of %d)", child.name, code, count, most)
         self.console.print(f"[yellow]{child.name} died (exit code {code}); restart {count} of {most}[/]")
-        child.log_file.close()
+        if child.log_file is not None:
+            child.log_file.close()
         self.children[self.children.index(child)] = _start(child.name, self.roles[child.name], self.config_path,
-                                                           self.env)
+                                                           self.env, self.forks)
         self._write_pids()
 
     def failure(self, failed: Child) -> str:
@@ -148,4 +164,5 @@ class Supervisor:
                     child.process.kill()
                     child.process.wait()
         for child in children:
-            child.log_file.close()
+            if child.log_file is not None:
+                child.log_file.close()

@@ -3,8 +3,10 @@ the learner and the rollout workers as separate OS processes (launch/supervise.p
 model's directory, the learner waits for it) with the live display (launch/dashboard.py) until the learner stops,
 then evaluate the final weights. The last stdout line is one JSON object with the run's result.
 
-The launcher itself imports no torch before the roles start (that import took ~4 s of the quick start's critical
-path): the evaluation's code is imported on a thread once the learner has trained its first version.
+The launcher itself imports no torch: the learner, the rollout workers and the final evaluation are forked from a
+fork server that imported torch, transformers and DeepSpeed once (launch/forkserver.py). Where there is none (a
+machine with a GPU), they start as new processes and the evaluation's code is imported here, on a thread, once the
+learner has trained its first version.
 
 Ctrl-C (or SIGTERM) reaches the launcher alone, which then stops the learner first (it writes the summary) and the
 others after it. A role that dies is started again within `run.max_restarts`; a role that cannot be is reported
@@ -19,10 +21,12 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 from rich.console import Console
 
 from async_rl.config import Config
+from launch import forkserver
 from launch.dashboard import Dashboard
 from launch.preflight import preflight
 from launch.rundir import create_run_dir, fresh_run_dir
@@ -48,21 +52,26 @@ def train(config: Config, resume: bool = False) -> int:
     console = Console(stderr=True)
     console.print(f"[bold]async-rl[/] {'resuming' if resume else 'run dir'} [cyan]{config.run_dir}[/] (logs in "
                   f"{config.run_dir / 'logs'})")
-    supervisor = Supervisor(config, config_path, env, console)
-    preload = threading.Thread(target=_import_evaluation, name="import-evaluation", daemon=True)
-    failed, interrupted = _supervise(supervisor, config, console, preload)
-    if preload.is_alive():
-        preload.join()  # not left importing into an interpreter that is shutting down
-    if failed is not None:
-        console.print(supervisor.failure(failed), soft_wrap=True)  # unwrapped: the command must copy-paste
-        return 1
-    result = _result(config, supervisor.children[0], console)
-    if result is None:
-        return 1
-    if config.run.eval_samples_per_task > 0 and not interrupted:
-        result.update(_evaluate(config, console))
-    print(json.dumps(result), flush=True)
-    return 130 if interrupted else 0
+    forks = forkserver.ForkServer(env) if forkserver.usable() else None
+    try:
+        supervisor = Supervisor(config, config_path, env, console, forks)
+        preload = threading.Thread(target=_import_evaluation, name="import-evaluation", daemon=True)
+        failed, interrupted = _supervise(supervisor, config, console, None if forks is not None else preload)
+        if preload.is_alive():
+            preload.join()  # not left importing into an interpreter that is shutting down
+        if failed is not None:
+            console.print(supervisor.failure(failed), soft_wrap=True)  # unwrapped: the command must copy-paste
+            return 1
+        result = _result(config, supervisor.children[0], console)
+        if result is None:
+            return 1
+        if config.run.eval_samples_per_task > 0 and not interrupted:
+            result.update(_evaluate(config, console, forks, env, config_path))
+        print(json.dumps(result), flush=True)
+        return 130 if interrupted else 0
+    finally:
+        if forks is not None:
+            forks.close()
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -74,9 +83,10 @@ def _import_evaluation() -> None:
 
 
 def _supervise(supervisor: Supervisor, config: Config, console: Console,
-               preload: threading.Thread) -> tuple[Child | None, bool]:
+               preload: threading.Thread | None) -> tuple[Child | None, bool]:
     """Until the learner finishes, a role fails for good (returned), or Ctrl-C / SIGTERM (True); then every
-    process is stopped. `preload` starts once the learner has trained a version (the roles' own imports done)."""
+    process is stopped. `preload` (if any) starts once the learner has trained a version (the roles' own imports
+    done)."""
     # SIGINT explicitly too: a shell without job control starts background commands with SIGINT ignored, and
     # Python then never installs its KeyboardInterrupt handler, so `kill -INT` would be ignored.
     previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -85,7 +95,7 @@ def _supervise(supervisor: Supervisor, config: Config, console: Console,
             while True:
                 time.sleep(0.5)
                 dashboard.update(supervisor.children)
-                if preload.ident is None and config.run.eval_samples_per_task > 0 and (
+                if preload is not None and preload.ident is None and config.run.eval_samples_per_task > 0 and (
                         config.run_dir / "metrics.jsonl").exists():
                     preload.start()
                 if supervisor.learner_finished():
@@ -114,15 +124,18 @@ def _result(config: Config, learner: Child, console: Console) -> dict | None:
     return result
 
 
-def _evaluate(config: Config, console: Console) -> dict:
-    """The final weights on every task (the windowed training metric is noisy), as `async-rl evaluate` does, in this
-    process, which imported torch and the model code during the run. A new `async-rl evaluate` process took 19 s to
-    import them and exit around a 0.6 s evaluation (the 2-core machine at load 12, 2026-11-27). The evaluation's log
+def _evaluate(config: Config, console: Console, forks: forkserver.ForkServer | None, env: dict[str, str],
+              config_path: Path) -> dict:
+    """The final weights on every task (the windowed training metric is noisy): `async-rl evaluate` forked from the
+    fork server, else in this process, which imported torch and the model code during the run (a new process took
+    19 s to import them and exit around a 0.6 s evaluation, the 2-core machine at load 12). The evaluation's log
     goes to logs/evaluate.log; a failure leaves the run's result without it."""
-    from rollout.evaluate import evaluate
-
     console.print("evaluating the final weights on every task ...")
     log_path = config.run_dir / "logs" / "evaluate.log"
+    if forks is not None and forks.alive():
+        return _evaluate_forked(forks, env, config_path, log_path, console)
+    from rollout.evaluate import evaluate
+
     handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [evaluate] %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -136,3 +149,21 @@ def _evaluate(config: Config, console: Console) -> dict:
     finally:
         root.handlers = saved
         handler.close()
+
+
+def _evaluate_forked(forks: forkserver.ForkServer, env: dict[str, str], config_path: Path, log_path: Path,
+                     console: Console) -> dict:
+    """`async-rl evaluate --config CONFIG` forked: its JSON line from logs/evaluate.json, or {} (said) on a failure."""
+    out_path = log_path.with_suffix(".json")
+    try:
+        code = forks.start(["evaluate", "--config", str(config_path)], str(log_path), env, str(out_path)).wait()
+        lines = out_path.read_text().splitlines() if code == 0 else []
+        return json.loads(lines[-1]) if lines else _evaluation_failed(console, log_path)
+    except (OSError, ValueError):
+        return _evaluation_failed(console, log_path)
+
+
+def _evaluation_failed(console: Console, log_path: Path) -> dict:
+    log.error("evaluation failed; see %s", log_path)
+    console.print(f"[red]evaluation failed; see {log_path}[/]")
+    return {}

@@ -7,13 +7,15 @@ A runner keeps up to `rollout.max_inflight` trajectories (of several groups) goi
 
 `act`: waiting for the engine; `generate`: in an engine call. Every engine call takes whichever trajectories are
 waiting and runs on the engine's own thread (rollout/engine_calls.py), so the runner's owner keeps its sockets
-answered while a slow model generates. A turn ends at EOS, a stop string (`rollout.stop`) or the action token
-budget. `step`: the action's text is with the environment, on a pool of daemon threads, so a slow tool holds up
-only its own trajectory, and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it
-(rollout/plugin_calls.py). When the step returns, the stage (observation tokens, action tokens, behaviour
-log-probs, versions, stage reward) goes to the sink at once, long before the trajectory ends. `judge`: the
-finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing). What the runner did
-goes to its metrics line (rollout/runner_stats.py).
+answered while a slow model generates. A call starts once 3/4 of the trajectories in flight wait for it, or the
+first of them has waited `rollout.engine_batch_wait_s` (a call's fixed cost is shared by more rows: on the tiny
+model, 21 rows a call instead of 12 and ~15% less worker CPU a stage). A turn ends at EOS, a stop string
+(`rollout.stop`) or the action token budget. `step`: the action's text is with the environment, on a pool of daemon
+threads, so a slow tool holds up only its own trajectory, and one past `step_timeout_s` (or a judge past
+`judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the step returns, the stage (observation tokens,
+action tokens, behaviour log-probs, versions, stage reward) goes to the sink at once, long before the trajectory
+ends. `judge`: the finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing). What
+the runner did goes to its metrics line (rollout/runner_stats.py).
 
 A trajectory's token sequence is exactly the concatenation, over its stages, of observation tokens then action
 tokens, so the learner can rebuild it from the records alone. Observations are masked out of the loss. A model
@@ -105,6 +107,7 @@ class EpisodeRunner:
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         judge_timeout_s: float = DEFAULT_JUDGE_TIMEOUT_S,
         tool_parser: str = "hermes",
+        batch_wait_s: float = 0.0,
     ) -> None:
         self.env_name = env_name
         self.factory = factory
@@ -119,6 +122,8 @@ class EpisodeRunner:
         self.blind = blind
         self.step_timeout_s = step_timeout_s
         self.judge_timeout_s = judge_timeout_s
+        self.batch_wait_s = batch_wait_s
+        self.ready_since: float | None = None  # when the first trajectory now waiting for the engine began to wait
         self.pool = PluginPool(max_inflight, name="env-step")
         self.judge_pool = ElasticPool(name="env-judge")
         self.episodes: list[Episode] = []  # every episode not yet done
@@ -161,6 +166,7 @@ class EpisodeRunner:
             step_timeout_s=step_timeout_s,
             judge_timeout_s=judge_timeout_s,
             tool_parser=config.rollout.tool_parser,
+            batch_wait_s=config.rollout.engine_batch_wait_s,
         )
 
     # --- what the owner asks --------------------------------------------------------------------------
@@ -197,12 +203,18 @@ class EpisodeRunner:
         its training episodes moving this way while an evaluation has the engine)."""
         self._collect()
         self._collect_generation()
-        self._expire(time.monotonic())
+        now = time.monotonic()
+        self._expire(now)
         if generate and self.engine.call is None:
             ready = [e for e in self.episodes if e.phase == "act"]
             ready = [e for e in ready if not self._truncate_if_full(e)]
-            if ready:
+            if not ready:
+                self.ready_since = None
+            elif self._call_is_due(len(ready), now):
+                self.ready_since = None
                 self._generate(ready)
+            else:  # gathering: wait no longer than the first one's deadline
+                wait_s = min(wait_s, max(0.0, self.ready_since + self.batch_wait_s - now))
         pending = [*self.steps, *self.judges, *([self.engine.call] if self.engine.call is not None else [])]
         if pending and wait_s > 0:
             wait(pending, timeout=wait_s, return_when=FIRST_COMPLETED)
@@ -304,6 +316,13 @@ class EpisodeRunner:
         else:
             self._judge(episode)
         return True
+
+    def _call_is_due(self, ready: int, now: float) -> bool:
+        """Start the engine call now: 3/4 of the trajectories in flight wait for it, or the first of them has waited
+        `batch_wait_s` (the clock starts at the first pump that finds one waiting)."""
+        if self.ready_since is None:
+            self.ready_since = now
+        return 4 * ready >= 3 * self.acting() or now - self.ready_since >= self.batch_wait_s
 
     def _generate(self, ready: list[Episode]) -> None:
         """One engine call for all of them; near the context limit a trajectory's action budget shrinks to what fits."""
