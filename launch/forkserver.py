@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import itertools
 import json
 import os
 import queue
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 PRELOAD = ("torch", "transformers", "deepspeed", "rollout.worker", "learner.trainer", "rollout.evaluate")
 READY_TIMEOUT_S = 300.0  # the server's imports (seconds; minutes on a machine at a load of 10)
@@ -79,11 +81,16 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's side: starts the server (`python -m launch.forkserver`) and asks it for roles."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path | None = None) -> None:
+        """`log_path`: where the server's own output goes (its imports' warnings; not the launcher's terminal)."""
         launcher = os.getpid()
+        log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child holds it
         self.process = subprocess.Popen([sys.executable, "-m", "launch.forkserver"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env, start_new_session=True,
+                                        stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
                                         preexec_fn=lambda: _die_with_parent(launcher))
+        if log is not None:
+            log.close()
+        self._requests = itertools.count()
         self._started: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._exits: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -96,12 +103,16 @@ class ForkServer:
               timeout_s: float = READY_TIMEOUT_S) -> ForkedProcess:
         """Fork `async-rl ARGS` with stderr (and stdout, unless `stdout_path`) appended to `log_path`. OSError when
         the server is gone or does not answer (the caller starts the role as a fresh interpreter)."""
-        request = {"args": args, "log": log_path, "stdout": stdout_path or log_path, "env": env}
+        request = {"id": next(self._requests), "args": args, "log": log_path, "stdout": stdout_path or log_path,
+                   "env": env}
+        deadline = time.monotonic() + timeout_s
         try:
             assert self.process.stdin is not None
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
             reply = self._started.get(timeout=timeout_s)
+            while reply.get("id", request["id"]) != request["id"]:  # the late answer to a request given up on
+                reply = self._started.get(timeout=max(0.0, deadline - time.monotonic()))
         except (OSError, ValueError, queue.Empty) as exc:
             raise OSError(f"the fork server did not start {args[0]}: {exc or 'no answer'}") from None
         if "pid" not in reply:
@@ -225,7 +236,7 @@ def serve() -> int:
 
                     traceback.print_exc()
                 raise SystemExit(code)  # the child ends as a process does: atexit handlers, buffers flushed
-            _reply(replies, {"pid": pid})
+            _reply(replies, {"id": request["id"], "pid": pid})
 
 
 if __name__ == "__main__":

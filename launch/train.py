@@ -52,7 +52,7 @@ def train(config: Config, resume: bool = False) -> int:
     console = Console(stderr=True)
     console.print(f"[bold]async-rl[/] {'resuming' if resume else 'run dir'} [cyan]{config.run_dir}[/] (logs in "
                   f"{config.run_dir / 'logs'})")
-    forks = forkserver.ForkServer(env) if forkserver.usable() else None
+    forks = forkserver.ForkServer(env, config.run_dir / "logs" / "forkserver.log") if forkserver.usable() else None
     try:
         supervisor = Supervisor(config, config_path, env, console, forks)
         preload = threading.Thread(target=_import_evaluation, name="import-evaluation", daemon=True)

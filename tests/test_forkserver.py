@@ -106,3 +106,19 @@ def test_a_runs_roles_are_forked_and_start_for_less_cpu(tmp_path):
 
 def _log_lines(run_dir, role: str) -> str:
     return (run_dir / "logs" / f"{role}.log").read_text()
+
+
+def test_a_request_given_up_on_does_not_answer_the_next(tmp_path):
+    """A start that timed out (the server still importing) gets its answer late; the next start skips it and gets
+    its own."""
+    forks = ForkServer(dict(os.environ), tmp_path / "forkserver.log")
+    try:
+        with pytest.raises(OSError, match="did not start config"):
+            forks.start(["config"], str(tmp_path / "a.log"), dict(os.environ), str(tmp_path / "a.out"), timeout_s=0.01)
+        second = forks.start(["config", "run.seed=2"], str(tmp_path / "b.log"), dict(os.environ),
+                             str(tmp_path / "b.out"))
+        assert second.wait(timeout=120) == 0
+        assert yaml.safe_load((tmp_path / "b.out").read_text())["run"]["seed"] == 2
+        assert forks._started.empty()  # both answers were read: the late one skipped, this one taken
+    finally:
+        forks.close()
