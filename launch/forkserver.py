@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -42,7 +41,7 @@ def usable() -> bool:
             and os.environ.get("ASYNC_RL_FORK_SERVER", "1") != "0")
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """SIGTERM this process when its parent dies (at once if it already has)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:
@@ -79,15 +78,15 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The launcher's side: starts the server (`python -m launch.forkserver`) and asks it for roles."""
+    """The launcher's side: starts the server (`python -m launch.fork_serve`) and asks it for roles."""
 
     def __init__(self, env: dict[str, str], log_path: Path | None = None) -> None:
         """`log_path`: where the server's own output goes (its imports' warnings; not the launcher's terminal)."""
         launcher = os.getpid()
         log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child holds it
-        self.process = subprocess.Popen([sys.executable, "-m", "launch.forkserver"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "launch.fork_serve"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
-                                        preexec_fn=lambda: _die_with_parent(launcher))
+                                        preexec_fn=lambda: die_with_parent(launcher))
         if log is not None:
             log.close()
         self._requests = itertools.count()
@@ -144,100 +143,3 @@ class ForkServer:
             else:
                 self._started.put(reply)
         self._started.put({"error": f"the fork server exited ({self.process.wait()})"})
-
-
-# --- the server --------------------------------------------------------------------------------------------------
-
-
-def _reply(fd: int, message: dict) -> None:
-    os.write(fd, (json.dumps(message) + "\n").encode())
-
-
-def _exit_code(status: int) -> int:
-    """Popen's convention: the exit status, or -N for a process ended by signal N."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def _child(request: dict, server_pid: int, protocol_fds: tuple[int, int]) -> int:
-    """In the forked child: become the role and run it; returns its exit code."""
-    os.setsid()
-    _die_with_parent(server_pid)
-    for fd in protocol_fds:
-        os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    out = log if request["stdout"] == request["log"] else os.open(request["stdout"], os.O_WRONLY | os.O_CREAT |
-                                                                   os.O_TRUNC, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(log, 2)
-    for fd in {log, out, null}:
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    print(f"async-rl {request['args'][0]}: forked by the fork server (pid {server_pid})", file=sys.stderr, flush=True)
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed()  # the server's generators would repeat in every child (a restarted worker's draws included)
-    np.random.seed()
-    torch.seed()
-    sys.argv = ["async-rl", *request["args"]]
-    from launch.cli import main
-
-    return main(request["args"])
-
-
-def serve() -> int:
-    """Import what the roles need, then fork a role per request line until stdin closes."""
-    requests, replies = os.dup(0), os.dup(1)  # the protocol's pipes, kept off fds 0 and 1 (a child reuses those)
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(2, 1)  # anything the imports print goes to the launcher's stderr, not into the protocol
-    for module in PRELOAD:
-        try:
-            __import__(module)
-        except Exception as exc:  # a role that needs it reports the error itself
-            print(f"fork server: import {module} failed: {exc}", file=sys.stderr)
-    server_pid, buffered = os.getpid(), b""
-    while True:
-        while True:  # reap every child that ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            _reply(replies, {"exit": pid, "code": _exit_code(status)})
-        if not select.select([requests], [], [], 0.05)[0]:
-            continue
-        chunk = os.read(requests, 65536)
-        if not chunk:
-            return 0  # the launcher closed the pipe: the run is over
-        buffered += chunk
-        while b"\n" in buffered:
-            line, buffered = buffered.split(b"\n", 1)
-            request = json.loads(line)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    code = _child(request, server_pid, (requests, replies))
-                except SystemExit as exc:
-                    code = exc.code if isinstance(exc.code, int) else 1
-                except BaseException:
-                    import traceback
-
-                    traceback.print_exc()
-                raise SystemExit(code)  # the child ends as a process does: atexit handlers, buffers flushed
-            _reply(replies, {"id": request["id"], "pid": pid})
-
-
-if __name__ == "__main__":
-    sys.exit(serve())

@@ -11,7 +11,6 @@ would only stop again) is not started again: the run stops (`async-rl train --re
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -27,12 +26,11 @@ from rich.console import Console
 
 from async_rl.config import Config
 from async_rl.errors import CONFIG_EXIT_CODE
-from launch.forkserver import ForkedProcess, ForkServer
+from launch.forkserver import ForkedProcess, ForkServer, die_with_parent
 
 log = logging.getLogger("launch.supervise")
 
 STOP_GRACE_S = 20.0
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def cli_command(*args: str) -> list[str]:
@@ -52,13 +50,7 @@ def _stop_with_launcher(launcher_pid: int):
     """A `preexec_fn` (runs in the child between fork and exec): the kernel sends the child SIGTERM when the
     launcher dies, even by SIGKILL, so no role outlives it (children are in their own sessions, so nothing
     else would reach them). Linux only; elsewhere a killed launcher still leaves its children running."""
-
-    def arm() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm if sys.platform.startswith("linux") else None
+    return (lambda: die_with_parent(launcher_pid)) if sys.platform.startswith("linux") else None
 
 
 def _start(name: str, args: list[str], config_path: Path, env: dict[str, str], forks: ForkServer | None) -> Child:
