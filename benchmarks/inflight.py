@@ -9,6 +9,7 @@ rounds. No learner: this isolates the rollout side, which is what `max_inflight`
 
     python benchmarks/inflight.py                 # 16/32/64/128 in flight, 3 rounds x 20 s each, 50 ms tools
     python benchmarks/inflight.py --quick         # 16 and 64, 1 round x 4 s
+    python benchmarks/inflight.py --latency 0 --engine-batch-wait-s 0   # instant tools, calls not gathered
 """
 
 from __future__ import annotations
@@ -72,13 +73,16 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="per variant and round (default 20)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="16 and 64 in flight, 1 round of 4 s")
+    parser.add_argument("--engine-batch-wait-s", type=float, default=None,
+                        help="rollout.engine_batch_wait_s (default the config's; 0: every call takes whoever waits)")
     args = parser.parse_args()
     variants = [16, 64] if args.quick else [16, 32, 64, 128]
     seconds, rounds = (4.0, 1) if args.quick else (args.seconds, args.rounds)
     torch.set_num_threads(1)
     logging.getLogger("async_rl.rollout").setLevel(logging.ERROR)  # the cut-off trajectories at each variant's end
     out = OUT_DIR / "inflight"
-    config = load_config(None, [f"run.dir={out}", "run.name=model", f"env.kwargs.step_latency_s={args.latency}"])
+    wait = [] if args.engine_batch_wait_s is None else [f"rollout.engine_batch_wait_s={args.engine_batch_wait_s}"]
+    config = load_config(None, [f"run.dir={out}", "run.name=model", f"env.kwargs.step_latency_s={args.latency}", *wait])
     factory = load_env(config)
     model_dir = prepare_model_dir(config, factory)
     tokenizer = load_tokenizer(model_dir)

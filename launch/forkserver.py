@@ -110,7 +110,7 @@ class ForkServer:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
             reply = self._started.get(timeout=timeout_s)
-            while reply.get("id", request["id"]) != request["id"]:  # the late answer to a request given up on
+            while reply.get("id", request["id"]) != request["id"]:  # skip the late answer to a request given up on
                 reply = self._started.get(timeout=max(0.0, deadline - time.monotonic()))
         except (OSError, ValueError, queue.Empty) as exc:
             raise OSError(f"the fork server did not start {args[0]}: {exc or 'no answer'}") from None

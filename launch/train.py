@@ -55,9 +55,10 @@ def train(config: Config, resume: bool = False) -> int:
     forks = forkserver.ForkServer(env, config.run_dir / "logs" / "forkserver.log") if forkserver.usable() else None
     try:
         supervisor = Supervisor(config, config_path, env, console, forks)
-        preload = threading.Thread(target=_import_evaluation, name="import-evaluation", daemon=True)
-        failed, interrupted = _supervise(supervisor, config, console, None if forks is not None else preload)
-        if preload.is_alive():
+        preload = None if forks is not None else threading.Thread(target=_import_evaluation, name="import-evaluation",
+                                                                  daemon=True)
+        failed, interrupted = _supervise(supervisor, config, console, preload)
+        if preload is not None and preload.is_alive():
             preload.join()  # not left importing into an interpreter that is shutting down
         if failed is not None:
             console.print(supervisor.failure(failed), soft_wrap=True)  # unwrapped: the command must copy-paste

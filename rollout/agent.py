@@ -8,14 +8,13 @@ A runner keeps up to `rollout.max_inflight` trajectories (of several groups) goi
 `act`: waiting for the engine; `generate`: in an engine call. Every engine call takes whichever trajectories are
 waiting and runs on the engine's own thread (rollout/engine_calls.py), so the runner's owner keeps its sockets
 answered while a slow model generates. A call starts once 3/4 of the trajectories in flight wait for it, or the
-first of them has waited `rollout.engine_batch_wait_s` (a call's fixed cost is shared by more rows: on the tiny
-model, 21 rows a call instead of 12 and ~15% less worker CPU a stage). A turn ends at EOS, a stop string
-(`rollout.stop`) or the action token budget. `step`: the action's text is with the environment, on a pool of daemon
-threads, so a slow tool holds up only its own trajectory, and one past `step_timeout_s` (or a judge past
-`judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the step returns, the stage (observation tokens,
-action tokens, behaviour log-probs, versions, stage reward) goes to the sink at once, long before the trajectory
-ends. `judge`: the finished trajectory's outcome is computed on its own thread (a slow judge holds up nothing). What
-the runner did goes to its metrics line (rollout/runner_stats.py).
+first of them has waited `rollout.engine_batch_wait_s` (a call's fixed cost is shared by more rows: docs/results.md,
+"The quick start"). A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the
+action's text is with the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory,
+and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the
+step returns, the stage (observation tokens, action tokens, behaviour log-probs, versions, stage reward) goes to the
+sink at once, long before the trajectory ends. `judge`: the finished trajectory's outcome is computed on its own
+thread (a slow judge holds up nothing). What the runner did goes to its metrics line (rollout/runner_stats.py).
 
 A trajectory's token sequence is exactly the concatenation, over its stages, of observation tokens then action
 tokens, so the learner can rebuild it from the records alone. Observations are masked out of the loss. A model

@@ -6,24 +6,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import yaml
+from sglang_server import free_port
+from test_pipeline import running
 
 from launch import forkserver
 from launch.forkserver import ForkServer
 
 pytestmark = pytest.mark.skipif(not forkserver.usable(), reason="no fork server here (not Linux, or a GPU)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +61,10 @@ def test_a_role_dies_with_a_signal_or_with_the_server(tmp_path):
         forks.process.kill()
         forks.process.wait()
     deadline = time.monotonic() + 30
-    while _running(second.pid):
+    while running(second.pid):
         assert time.monotonic() < deadline, "the role outlived its fork server"
         time.sleep(0.2)
     assert "replay service stopped" in (tmp_path / "replay.log").read_text()  # SIGTERM: it stopped cleanly
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.slow

@@ -130,14 +130,14 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     launcher.wait()
     pids = json.loads((tmp_path / "t" / "processes.json").read_text())
     deadline = time.monotonic() + 60
-    while (alive := [name for name, pid in pids.items() if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [name for name, pid in pids.items() if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     for name in alive:  # do not leave them behind for the rest of the suite
         os.kill(pids[name], signal.SIGKILL)
     assert not alive, f"still running after the launcher was killed: {alive}"
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
