@@ -1,7 +1,7 @@
 """A chaos soak: the pod roles in their own network namespaces, restarted as pods are, under a seeded nemesis; then
 a checker verifies the run's history (docs/results.md, "Chaos soak").
 
-    python benchmarks/chaos.py --minutes 1.5 --gap-s 4 --seed 1     # the short form CI runs (tests/test_chaos.py)
+    python benchmarks/chaos.py --minutes 1 --gap-s 4 --seed 1     # the short form CI runs (tests/test_chaos.py)
     python benchmarks/chaos.py --minutes 50 --gap-s 2.5 --seed 7    # the long soak (docs/results.md)
 
 The replay, the learner (one rank, DeepSpeed on the CPU) and two rollout workers each run `python -m launch.cli

@@ -32,7 +32,7 @@ baseline alternate in rounds; a ratio is the median over back-to-back pairs.
 Every process runs one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 
     python benchmarks/systems.py            # about 3 minutes on an idle machine, plus the durable part's fsyncs
-    python benchmarks/systems.py --quick    # about 1-2 minutes
+    python benchmarks/systems.py --quick    # about 30 s (the guard part with 30 and 300 open groups, not 3,000)
     # the learner on a 4x wider, 2x deeper model, ~30x the parameters (fixed per-step costs shrink against its work)
     python benchmarks/systems.py --only learner --rounds 5 --set model.hidden_size=256 --set model.num_layers=4 \
         --set model.num_heads=8 --set model.num_kv_heads=4 --set model.intermediate_size=512
@@ -283,7 +283,8 @@ def fill(config: Config, records: int):  # noqa: ANN201 - (ReplayService, Replay
     return service, driver
 
 
-def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, memory_records: int) -> dict:
+def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, memory_records: int,
+                   guard_groups: tuple[int, ...] = (30, 300, 3000)) -> dict:
     # Admission would stop the fill at (v + max_staleness + 1) * groups_per_step groups: lift it. The correction
     # guard's admission too (it bounds open groups to what can be corrected in time, and its checks scan them:
     # O(open groups) per lease, quadratic over this fill; measured on its own by measure_guard).
@@ -315,7 +316,7 @@ def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, m
     small, large = sizes
     return {"sizes": list(sizes), "us_per_record": {str(s): 1e6 * statistics.median(cost[s]) for s in sizes},
             "ratio": paired_ratio(cost[large], cost[small]), "rounds_s_per_record": cost, **memory,
-            "guard": measure_guard(open_groups=(30, 300, 3000), leases=100, rounds=rounds)}
+            "guard": measure_guard(open_groups=guard_groups, leases=100, rounds=rounds)}
 
 
 def measure_guard(open_groups: tuple[int, ...], leases: int, rounds: int) -> dict:
@@ -484,7 +485,7 @@ def main() -> int:
         learner = measure_learner(num_batches=8, rounds=args.rounds or (3 if quick else 11), overrides=args.set)
     if "replay" in parts:
         replay = measure_replay((10**3, 10**4 if quick else 10**6), groups_per_round=30, rounds=3 if quick else 11,
-                                memory_records=20_000)
+                                memory_records=20_000, guard_groups=(30, 300) if quick else (30, 300, 3000))
     if "durability" in parts:
         durability = measure_durability(groups=30, rounds=2 if quick else 7,
                                         round_sizes=(1, HEADLINE_ROUND) if quick else (1, 16, HEADLINE_ROUND, 256))

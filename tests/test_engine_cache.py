@@ -138,3 +138,14 @@ def test_the_real_model_reuses_its_cache_exactly(smollm2):
     for context, action, logprobs in calls:
         expected = full_pass_logprobs(model, context, action, 1.0)
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def test_only_the_sampled_position_goes_through_the_lm_head(model_dir):
+    """A prompt's earlier positions skip the LM head (`logits_to_keep=1`): each forward of a generate, prefill or
+    decode, feeds the head one position per row; the log-probs are still a full pass's (the tests above)."""
+    engine = TorchEngine(model_dir, seed=0)
+    widths: list[int] = []
+    engine.model.lm_head.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7]]
+    engine.generate(prompts, SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert widths and set(widths) == {1}, widths

@@ -50,7 +50,11 @@ class TorchEngine:
         self.version = 0  # the model directory holds the version-0 weights
         self.cache = PrefixCache(int(cache_mib * 2**20))
         # transformers 5 names the forward's cache argument `cache`; 4.x `past_key_values`
-        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        # Only the last position's logits are sampled from: a prompt's other positions skip the LM head (with
+        # SmolLM2's 49,152-token vocabulary, a 300-token prefill's full logits are 59 MB a row)
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         log.info("built-in engine on %s (%s parameters, fp32)", self.device,
                  f"{sum(p.numel() for p in self.model.parameters()):,}")
 
@@ -148,7 +152,7 @@ class TorchEngine:
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  past: DynamicCache | None) -> object:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=True, **({self._cache_arg: past} if past is not None else {}))
+                          use_cache=True, **self._last_logits, **({self._cache_arg: past} if past is not None else {}))
 
     def _cache_of(self, out: object) -> DynamicCache:
         return out.cache if self._cache_arg == "cache" else out.past_key_values
