@@ -16,17 +16,20 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """`path` holds `text` or what it held before, even across a crash. OSError when the disk refuses (the
-    temporary, `<name>.tmp`, is removed)."""
+def write_atomically(path: Path, text: str, durable: bool = True) -> None:
+    """`path` holds `text` or what it held before, even across a crash of the machine (`durable`: fsynced) or of
+    the process (`durable=False`: renamed into place, not fsynced). OSError when the disk refuses (the temporary,
+    `<name>.tmp`, is removed)."""
     staging = path.with_name(path.name + ".tmp")
     try:
         with open(staging, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(staging, path)
     except OSError:
         staging.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    if durable:
+        fsync_path(path.parent)

@@ -138,18 +138,21 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(path)
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
-    """Write a safetensors file atomically (a temporary, fsynced, then renamed: readers never see a partial file),
-    with the crc32 of its tensors in its metadata (`CRC_KEY`, checked by `read_weights`). WeightsError naming the
-    file when the disk refuses it (the temporary is removed; a file of that name written before stays)."""
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path, durable: bool = True) -> None:
+    """Write a safetensors file atomically (a temporary, fsynced when `durable`, then renamed: readers never see a
+    partial file), with the crc32 of its tensors in its metadata (`CRC_KEY`, checked by `read_weights`).
+    WeightsError naming the file when the disk refuses it (the temporary is removed; a file of that name written
+    before stays)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     try:
         save_file(tensors, str(tmp), metadata={CRC_KEY: f"{tensors_crc(tensors):08x}"})
-        fsync_path(tmp)
+        if durable:
+            fsync_path(tmp)
         os.replace(tmp, path)
-        fsync_path(path.parent)
+        if durable:
+            fsync_path(path.parent)
     except (OSError, SafetensorError) as exc:
         tmp.unlink(missing_ok=True)
         free = shutil.disk_usage(path.parent).free

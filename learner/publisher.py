@@ -2,9 +2,13 @@
 
 The order matters: a worker that sees the notice (or reads latest.json) always finds a complete file. PUB drops
 messages to subscribers that connect late (ZeroMQ's slow joiner), so the latest notice is repeated while idle.
-Both files are written atomically and fsynced; the weights carry a checksum (async_rl/model.py `save_weights`). A
-disk that refuses them (full) is an error naming the file, not the learner's end: latest.json keeps naming the
-previous version, nothing is announced, and the next publish tries again.
+Both files are written atomically (a temporary renamed into place) but not fsynced: they hand the policy to the
+workers, and the durable copy is the checkpoint (learner/checkpoint.py, fsynced), which a resumed learner publishes
+again first. A machine crash may leave a newer file torn; its checksum (async_rl/model.py `save_weights`) makes a
+worker refuse it and wait for the next notice. Four fsyncs a version held the learner 5-12 ms each at ~20 versions
+a second (docs/results.md, "The quick start"). A disk that refuses them (full) is an error naming the file, not
+the learner's end: latest.json keeps naming the previous version, nothing is announced, and the next publish
+tries again.
 """
 
 from __future__ import annotations
@@ -58,14 +62,14 @@ class WeightPublisher:
 
     def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
         path = self.weights_dir / f"v{version}.safetensors"
-        save_weights(state_dict, path)
+        save_weights(state_dict, path, durable=False)
         return WeightsPublished(version=version, path=str(path))
 
     def _record(self, notice: WeightsPublished) -> None:
         """Point latest.json at the new weights (atomically: async_rl/durable.py), then announce them."""
         latest = self.weights_dir / "latest.json"
         try:
-            write_atomically(latest, json.dumps({"version": notice.version, "path": notice.path}))
+            write_atomically(latest, json.dumps({"version": notice.version, "path": notice.path}), durable=False)
         except OSError as exc:
             raise WeightsError(f"{latest}: could not point it at v{notice.version}: {exc}") from None
         self.latest = notice

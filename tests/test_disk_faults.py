@@ -95,6 +95,29 @@ def test_a_publish_the_full_disk_refuses_names_the_file_and_leaves_the_previous_
         context.term()
 
 
+def test_a_publish_is_renamed_into_place_without_fsync_and_a_checkpoint_is_fsynced(tmp_path: Path, monkeypatch):
+    """Published weights hand the policy to the workers (~20 a second in the default run): written and renamed, no
+    fsync; the checkpoint is the durable copy (its files and manifest fsynced), and the file names are whole."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    context = zmq.Context()
+    weights_out = WeightPublisher(context, "tcp://127.0.0.1:*", tmp_path / "weights", keep=3)
+    try:
+        assert weights_out.publish(weights(1), 1)
+    finally:
+        weights_out.close()
+        context.term()
+    assert synced == []
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["latest.json", "v1.safetensors"]
+    assert read_weights(tmp_path / "weights" / "v1.safetensors").keys() == weights(1).keys()
+    with learner_engine(tmp_path / "run") as engine:
+        save_checkpoint(engine, tmp_path / "checkpoints", 1)
+    assert any("checkpoints" in path for path in synced), synced
+
+
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory) -> tuple[Path, dict[int, Path]]:
     """The tiny model and three published versions of it (v3, v4, v5), as a learner writes them."""
