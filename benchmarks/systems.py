@@ -284,7 +284,7 @@ def fill(config: Config, records: int):  # noqa: ANN201 - (ReplayService, Replay
 
 
 def measure_replay(sizes: tuple[int, int], groups_per_round: int, rounds: int, memory_records: int,
-                   guard_groups: tuple[int, ...] = (30, 300, 3000)) -> dict:
+                   guard_groups: tuple[int, ...]) -> dict:
     # Admission would stop the fill at (v + max_staleness + 1) * groups_per_step groups: lift it. The correction
     # guard's admission too (it bounds open groups to what can be corrected in time, and its checks scan them:
     # O(open groups) per lease, quadratic over this fill; measured on its own by measure_guard).

@@ -5,8 +5,8 @@ messages to subscribers that connect late (ZeroMQ's slow joiner), so the latest 
 Both files are written atomically (a temporary renamed into place) but not fsynced: they hand the policy to the
 workers, and the durable copy is the checkpoint (learner/checkpoint.py, fsynced), which a resumed learner publishes
 again first. A machine crash may leave a newer file torn; its checksum (async_rl/model.py `save_weights`) makes a
-worker refuse it and wait for the next notice. Four fsyncs a version held the learner 5-12 ms each at ~20 versions
-a second (docs/results.md, "The quick start"). A disk that refuses them (full) is an error naming the file, not
+worker refuse it and wait for the next notice. Four fsyncs a version held the learner at ~20 versions a second
+(docs/results.md, "The quick start"). A disk that refuses them (full) is an error naming the file, not
 the learner's end: latest.json keeps naming the previous version, nothing is announced, and the next publish
 tries again.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -98,8 +99,6 @@ def test_a_publish_the_full_disk_refuses_names_the_file_and_leaves_the_previous_
 def test_a_publish_is_renamed_into_place_without_fsync_and_a_checkpoint_is_fsynced(tmp_path: Path, monkeypatch):
     """Published weights hand the policy to the workers (~20 a second in the default run): written and renamed, no
     fsync; the checkpoint is the durable copy (its files and manifest fsynced), and the file names are whole."""
-    import os
-
     synced: list[str] = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
