@@ -65,8 +65,11 @@ class Guard:
         """The correction-staleness bound in use: algo.max_correction_staleness, or under `auto`, AUTO_HEADROOM times
         the longest outcome delay in learner versions (of the last AUTO_WINDOW groups to get every outcome, and the
         current age of every group and queued correction still waiting), at least AUTO_FLOOR and at most
-        algo.max_correction_staleness_cap. Set once per learner version, so one version's checks agree; a pending
-        correction's age never exceeds half the bound it set, so `auto` holds the learner only at the cap."""
+        algo.max_correction_staleness_cap; until the first group has all its outcomes, the cap: the judge's delay is
+        not known yet, and a bound from the floor refused new groups until the first outcomes landed (the learner
+        idle, so no waiting group aged: one judge delay lost at the start of every run). Set once per learner
+        version, so one version's checks agree; a pending correction's age never exceeds half the bound it set, so
+        `auto` holds the learner only at the cap."""
         fixed = self.algo.max_correction_staleness
         if fixed != "auto":
             self.own.auto_bound = fixed  # what the metrics report as the bound in use
@@ -77,7 +80,7 @@ class Guard:
                       for g in self.state.groups.values() if not g.finalized]
             oldest += [q.oldest_version for q in self.state.serving.queue.corrections()]
             need = max([v - o for o in oldest] + own.outcome_lags, default=0)
-            auto = max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need))
+            auto = max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need)) if own.outcome_lags else math.inf
             own.auto_bound = min(self.algo.max_correction_staleness_cap, auto)
             own.auto_bound_version = v
         return own.auto_bound

@@ -417,11 +417,48 @@ def test_the_auto_bound_follows_the_judge_as_it_slows_down_and_speeds_up():
     seen = judge_schedule(service, [1] * 20 + [20] * 60 + [1] * 90)
     assert len(seen) == 170  # the guard never held the learner
     bounds = [bound for bound, _ in seen]
-    assert set(bounds[:20]) == {16}  # a fast judge: the floor
+    # no outcome in yet: the judge's delay unknown (the bound is set once per version, when the version's first
+    # request comes: at version 1 before group 0's outcome)
+    assert set(bounds[:2]) == {config.algo.max_correction_staleness_cap}
+    assert set(bounds[2:20]) == {16}  # a fast judge: the floor
     assert 40 <= max(bounds[20:80]) <= 2 * 22  # twice the ~21 versions a group now waits for its outcome
     assert bounds[-1] == 16  # back to the floor once the slow groups have left the window
     stats = service.stats_snapshot()
     assert stats.guard_holds == 0 and stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
+
+
+def test_a_slow_first_judge_stalls_nothing_the_auto_bound_is_its_cap_until_an_outcome_is_in():
+    """Before the first outcome the judge's delay is unknown. A bound from the floor (16) refused new groups once
+    their corrections would not fit in 16 versions, and the learner, short of data, could not age the waiting
+    groups: every run lost one judge delay at its start (44 s of a 44.65 s judge in benchmarks/delay.py)."""
+    config = make_config()
+    cap = config.algo.max_correction_staleness_cap
+    service = ReplayService(config)
+    seen = judge_schedule(service, [30] * 90)
+    assert len(seen) == 90  # never held, never refused a group
+    bounds = [bound for bound, _ in seen]
+    assert set(bounds[:31]) == {cap}  # the first outcome lands at version 30 (the bound set then is the next's)
+    assert set(bounds[31:]) == {60}  # then twice the 30 versions the judge takes
+    stats = service.stats_snapshot()
+    assert stats.guard_holds == 0 and stats.guard_leases_denied == 0
+    assert stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
+
+
+def test_before_the_first_outcome_the_guard_refuses_no_group_that_admission_lets_start():
+    """The start of a run with a slow judge: groups of 16, the learner's 4,096-token batches, no outcome yet (so no
+    trajectory length known: each member counts as model.max_seq_len, 16 a batch). From the floor bound the guard let
+    16 groups start and refused the rest until the first outcomes landed; at the cap only admission's own bound
+    ((v + max_staleness + 1) x groups_per_step = 40) stops them."""
+    service = ReplayService(make_config(rollout={"group_size": 16}))
+    worker, started = Worker(), 0
+    for tick in range(20):
+        while isinstance(grant := only_reply(service.handle(WORKER, worker.lease(), float(tick))), LeaseGrant):
+            send_all(service, stage_records(worker, grant, version=0), now=float(tick))
+            started += 1
+        assert request_batch(service, version=0, now=float(tick), max_tokens=4096) is None  # nothing to train
+    stats = service.stats_snapshot()
+    assert started == 40 and stats.guard_leases_denied == 0
+    assert stats.correction_bound == service.algo.max_correction_staleness_cap
 
 
 def test_a_fixed_bound_below_the_judges_delay_holds_the_learner():
