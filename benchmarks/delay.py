@@ -147,6 +147,14 @@ def bound_needed(lines: list[dict]) -> int | None:
     return needed[min(len(needed) - 1, int(0.9 * len(needed)))] if needed else None
 
 
+def bound_used(lines: list[dict]) -> int | None:
+    """The largest correction bound in use once the first outcome was in: before it `auto` is its cap (the judge's
+    delay is not known yet: replay/guard.py), which says nothing about the judge. The bound is set once per version,
+    so the first line with a finished trajectory may still carry the cap: it is skipped too."""
+    after = [m for m in lines if m.get("trajectories_finished", 0) > 0][1:]
+    return max((m.get("correction_bound", 0) for m in after), default=None)
+
+
 def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
     hit = first_at_target(run.lines, TARGET, WINDOW, key="success_rate_long")
     half = first_at_target(run.lines, HALF, WINDOW, key="success_rate_long")
@@ -165,7 +173,7 @@ def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
         "credit_dropped": last.get("credit_dropped", 0),
         "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
         "bound_needed": bound_needed(run.lines),
-        "bound_used_max": max((m.get("correction_bound", 0) for m in run.lines), default=None),
+        "bound_used_max": bound_used(run.lines),
         "env_steps_end": last.get("env_steps"),
         "versions": run.summary["versions"],
         "wall_s": round(last["wall_s"], 1) if "wall_s" in last else None,
