@@ -76,13 +76,14 @@ class Guard:
             return fixed
         own, v = self.own, self.state.learner.policy_version
         if own.auto_bound_version != v:
-            oldest = [g.leased_version if g.oldest_version is None else g.oldest_version
-                      for g in self.state.groups.values() if not g.finalized]
-            oldest += [q.oldest_version for q in self.state.serving.queue.corrections()]
-            need = max([v - o for o in oldest] + own.outcome_lags, default=0)
-            auto = max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need)) if own.outcome_lags else math.inf
-            own.auto_bound = min(self.algo.max_correction_staleness_cap, auto)
-            own.auto_bound_version = v
+            bound = self.algo.max_correction_staleness_cap  # no outcome yet: the judge's delay is unknown
+            if own.outcome_lags:
+                oldest = [g.leased_version if g.oldest_version is None else g.oldest_version
+                          for g in self.state.groups.values() if not g.finalized]
+                oldest += [q.oldest_version for q in self.state.serving.queue.corrections()]
+                need = max([v - o for o in oldest] + own.outcome_lags)
+                bound = min(bound, max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need)))
+            own.auto_bound, own.auto_bound_version = bound, v
         return own.auto_bound
 
     def outcomes_in(self, group: Group) -> None:
