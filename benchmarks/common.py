@@ -89,7 +89,11 @@ def train(out_dir: Path, name: str, overrides: list[str], timeout_s: float) -> R
     if process.returncode != 0 or not last.startswith("{"):
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
         raise BenchmarkError(f"{name}: exit code {process.returncode} (log: {log_path})\n{tail}")
-    return RunResult(name, run_dir, json.loads(last), read_metrics(run_dir), elapsed)
+    summary = json.loads(last)
+    # the launcher's own run dir: it picks a fresh name when `run_dir` reappeared meanwhile (a stray process of an
+    # earlier, killed run still writing there), and the metrics are where it wrote them
+    run_dir = Path(summary.get("run_dir", run_dir))
+    return RunResult(name, run_dir, summary, read_metrics(run_dir), elapsed)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

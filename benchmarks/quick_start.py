@@ -9,6 +9,9 @@ machine: the figure is a wall time.
 
     python benchmarks/quick_start.py              # 3 runs (docs/results.md, "The quick start")
     python benchmarks/quick_start.py --quick      # 1 run of 3 versions (the script runs end to end)
+    # the packaged config against itself with one setting changed, runs alternating (A B A B ...) so that both
+    # meet the same machine; the ratio is taken pair by pair (docs/results.md, "Delay": the auto bound at D 0)
+    python benchmarks/quick_start.py --runs 5 --against algo.max_correction_staleness=16
 """
 
 from __future__ import annotations
@@ -49,27 +52,54 @@ def one_run(out: Path, n: int, overrides: list[str], timeout_s: float) -> dict:
         k: summary.get(k) for k in ("final_success_rate", "eval_success_rate", "versions", "env_steps", "stop_reason")}}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="one run of 3 versions, no evaluation")
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
-    args = parser.parse_args()
-    quick = ["run.max_versions=3", "run.target_success=null", "run.eval_samples_per_task=0"]
-    runs, overrides = (1, quick) if args.quick else (args.runs, [])
-    out = OUT_DIR / "quick_start"
-    results = [one_run(out, n, overrides, args.timeout_s) for n in range(1, runs + 1)]
+def table(title: str, results: list[dict], cmd: str) -> list[float]:
     walls = [r["wall_s"] for r in results]
     columns = ["run", "wall s", "first version s", "final success", "eval success", "versions", "env steps"]
     rows = [[str(n), f"{r['wall_s']:.1f}", f"{r['first_version_s']:.1f}", f"{r['final_success_rate']:.2f}",
              f"{r['eval_success_rate'] or 0:.2f}", str(r["versions"]), f"{r['env_steps']:,}"]
             for n, r in enumerate(results, 1)]
-    cmd = "python benchmarks/quick_start.py" + (" --quick" if args.quick else "")
-    print_table(f"async-rl train, {runs} run(s): median {statistics.median(walls):.1f} s "
+    print_table(f"{title}, {len(results)} run(s): median {statistics.median(walls):.1f} s "
                 f"({min(walls):.1f}–{max(walls):.1f})", columns, rows)
     print(markdown_table(columns, rows, cmd))
-    emit({"runs": results, "wall_s_median": statistics.median(walls), "wall_s_min": min(walls),
-          "wall_s_max": max(walls), "machine": machine()})
+    return walls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one run of 3 versions, no evaluation")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    parser.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for a second series (repeatable): the runs alternate as shipped / "
+                             "with these, and the wall-time ratio shipped ÷ these is taken pair by pair")
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs: expected >= 1, got {args.runs}")
+    if bad := [o for o in args.against if "=" not in o]:
+        parser.error(f"--against: expected KEY=VALUE, got {bad[0]!r}")
+    quick = ["run.max_versions=3", "run.target_success=null", "run.eval_samples_per_task=0"]
+    runs, overrides = (1, quick) if args.quick else (args.runs, [])
+    out = OUT_DIR / "quick_start"
+    results, against = [], []
+    for n in range(1, runs + 1):
+        results.append(one_run(out, n, overrides, args.timeout_s))
+        if args.against:
+            against.append(one_run(out, runs + n, [*overrides, *args.against], args.timeout_s))
+    cmd = "python benchmarks/quick_start.py" + (" --quick" if args.quick else f" --runs {runs}") + "".join(
+        f" --against {o}" for o in args.against)
+    walls = table("async-rl train", results, cmd)
+    summary = {"runs": results, "wall_s_median": statistics.median(walls), "wall_s_min": min(walls),
+               "wall_s_max": max(walls), "machine": machine()}
+    if args.against:
+        b_walls = table("async-rl train " + " ".join(args.against), against, cmd)
+        ratios = sorted(a / b for a, b in zip(walls, b_walls, strict=True))
+        print(f"shipped ÷ {' '.join(args.against)}, pair by pair: median {statistics.median(ratios):.2f} "
+              f"({ratios[0]:.2f}–{ratios[-1]:.2f})")
+        summary |= {"against": args.against, "against_runs": against,
+                    "against_wall_s_median": statistics.median(b_walls),
+                    "ratio_median": round(statistics.median(ratios), 3),
+                    "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3)}
+    emit(summary)
     return 0
 
 

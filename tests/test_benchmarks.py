@@ -455,8 +455,12 @@ def test_engine_cache_quick():
 
 @pytest.mark.slow
 def test_quick_start_quick():
-    """The README's `async-rl train` through the script that times it: one short run, its summary line read."""
-    result = run_benchmark("quick_start.py", 300)
-    (run,) = result["runs"]
+    """The README's `async-rl train` through the script that times it: one short run, its summary line read; with
+    `--against`, a second series whose override lands after the script's own (3 versions) and the pair's ratio."""
+    result = run_benchmark("quick_start.py", 300, "--against", "run.max_versions=2")
+    (run,), (other,) = result["runs"], result["against_runs"]
     assert run["versions"] == 3 and run["stop_reason"] == "max_versions" and run["env_steps"] > 0
     assert 0 < run["first_version_s"] < run["wall_s"] == result["wall_s_median"]
+    assert other["versions"] == 2 and other["stop_reason"] == "max_versions"
+    assert result["against"] == ["run.max_versions=2"]
+    assert result["ratio_median"] == round(run["wall_s"] / other["wall_s"], 3)
