@@ -21,7 +21,7 @@ each averaged over repetitions before the ratio is taken; plus the staleness the
 The last stdout line is the JSON of the headline figures.
 
     python benchmarks/async_vs_sync.py           # 2 repetitions, target 0.5, cap 240 s per run (~16 min)
-    python benchmarks/async_vs_sync.py --quick   # 1 repetition, 12 s per run, throughput only (~30 s)
+    python benchmarks/async_vs_sync.py --quick   # 1 repetition, 30 s per run, throughput only (~70 s)
 """
 
 from __future__ import annotations
@@ -166,14 +166,14 @@ COLUMNS = ["variant", "rep", "trajectories/s", "learner busy", "s to target", "v
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 repetition, 12 s per run, no target (~30 s)")
+    parser.add_argument("--quick", action="store_true", help="1 repetition, 30 s per run, no target (~70 s)")
     parser.add_argument("--repetitions", type=int, default=None, help="sync/async pairs (default 2, quick 1)")
     parser.add_argument("--target", type=float, default=None, help="target success rate (default 0.5, quick 0.3)")
-    parser.add_argument("--max-wall-s", type=float, default=None, help="cap per run (default 240, quick 25)")
+    parser.add_argument("--max-wall-s", type=float, default=None, help="cap per run (default 240, quick 30)")
     args = parser.parse_args()
     repetitions = args.repetitions or (1 if args.quick else 2)
     target = args.target or (0.99 if args.quick else 0.5)  # quick: the cap ends the run; throughput only
-    max_wall_s = args.max_wall_s or (12.0 if args.quick else 240.0)
+    max_wall_s = args.max_wall_s or (30.0 if args.quick else 240.0)
     out_dir = OUT_DIR / ("async_vs_sync-quick" if args.quick else "async_vs_sync")
     info = machine()
 
