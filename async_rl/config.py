@@ -238,8 +238,9 @@ class AlgoConfig(_Section):
     max_staleness: NonNegInt = 4  # admission bound, and hard bound for immediate items
     # Corrections later than this are dropped (counted as credit_dropped), and the guard holds the learner rather
     # than drop one (algo.correction_guard). auto: twice the longest outcome delay in learner versions (recent groups
-    # and pending ones), at least 16, at most max_correction_staleness_cap (the cap until the first outcomes are in):
-    # it follows the judge (replay/guard.py).
+    # and pending ones), at least 16, at most max_correction_staleness_cap (the cap until the first outcomes are in),
+    # raised where the admitted corrections would not fit before their deadlines: it follows the judge
+    # (replay/guard.py).
     max_correction_staleness: NonNegInt | Literal["auto"] = "auto"
     max_correction_staleness_cap: PosInt = 1024  # auto's ceiling: the stalest correction a run will train
     groups_per_step: PosInt = 8  # groups one learner step is expected to consume (admission rule)

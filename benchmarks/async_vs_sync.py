@@ -153,7 +153,7 @@ def table_rows(result: dict) -> list[list[str]]:
         for rep, m in enumerate(runs):
             rows.append([variant, str(rep), fmt(m["throughput"], ".2f"), fmt(m["learner_busy"], ".3f"),
                          fmt(m["time_to_target"], ".1f"), str(m["versions"]),
-                         f"{m['staleness_mean']:.2f} / {m['staleness_max']}", str(m["leases_denied"]),
+                         f"{fmt(m['staleness_mean'], '.2f', '-')} / {m['staleness_max']}", str(m["leases_denied"]),
                          f"{m['immediate_trained']} / {m['immediate_skipped_stale']}"])
     rows.append(["async ÷ sync", "mean", fmt(result["throughput_ratio"], ".2f"),
                  fmt(result["learner_busy_ratio"], ".2f"), fmt(result["time_to_target_ratio"], ".2f"), "", "", "", ""])
@@ -186,6 +186,10 @@ def main() -> int:
                                         f"env.seed={rep}",
                                         f"run.target_success={target}", f"run.max_wall_s={max_wall_s}"],
                         timeout_s=max_wall_s + 120)
+            if not run.lines:  # nothing to measure: say which run and where its logs are, not a format error
+                raise SystemExit(f"async_vs_sync {name}: the learner wrote no metrics line in {max_wall_s:.0f} s "
+                                 f"(stop reason {run.summary.get('stop_reason')}); its logs: {run.run_dir}/logs; "
+                                 "on a loaded host raise --max-wall-s")
             measured[variant].append(measure(run))
             console.print(f"  {measured[variant][-1]}")
 

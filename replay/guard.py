@@ -68,8 +68,13 @@ class Guard:
         algo.max_correction_staleness_cap; until the first group has all its outcomes, the cap: the judge's delay is
         not known yet, and a bound from the floor refused new groups until the first outcomes landed (the learner
         idle, so no waiting group aged: one judge delay lost at the start of every run). Set once per learner
-        version, so one version's checks agree; a pending correction's age never exceeds half the bound it set, so
-        `auto` holds the learner only at the cap."""
+        version, so one version's checks agree; a pending correction's age never exceeds half the bound it set.
+        The bound also covers the work already admitted: when the corrections to come would not fit in the batches
+        before their deadlines at twice the delay, it is the smallest bound at which they do (`_fitting_bound`),
+        and it is raised again within a version when they grow (`_fits_now`): under `auto` the guard holds the
+        learner only at the cap. Without that, an outcome-only learner on the hunt at D ~ 43 (every item a
+        correction, a judge delay of groups pending at once) was held 116 s of 1,200 with the bound at its floor of
+        16 and at 34-62 (docs/results.md, "delay")."""
         fixed = self.algo.max_correction_staleness
         if fixed != "auto":
             self.own.auto_bound = fixed  # what the metrics report as the bound in use
@@ -82,9 +87,40 @@ class Guard:
                           for g in self.state.groups.values() if not g.finalized]
                 oldest += [q.oldest_version for q in self.state.serving.queue.corrections()]
                 need = max([v - o for o in oldest] + own.outcome_lags)
-                bound = min(bound, max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need)))
+                bound = self._fitting_bound(min(bound, max(AUTO_FLOOR, math.ceil(AUTO_HEADROOM * need))))
             own.auto_bound, own.auto_bound_version = bound, v
         return own.auto_bound
+
+    def _fitting_bound(self, bound: int) -> int:
+        """`bound`, or if the corrections to come do not fit by their deadlines at it (the learner's next batch on,
+        its latest token budget), the smallest bound up to algo.max_correction_staleness_cap at which they do (the
+        cap if none): `fits` only gains slots as every deadline moves later. Before the learner's first request
+        (no budget known) `bound` itself."""
+        cap, max_tokens = self.algo.max_correction_staleness_cap, self.own.batch_tokens
+        next_version = self.state.learner.policy_version + self.algo.ppo_epochs
+        if not max_tokens or bound >= cap or self.fits(self.correction_work(bound=bound), next_version, max_tokens):
+            return bound
+        low, high = bound, cap  # low does not fit; the answer is high when nothing below it fits
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.fits(self.correction_work(bound=mid), next_version, max_tokens):
+                high = mid
+            else:
+                low = mid
+        return high
+
+    def _fits_now(self, next_version: int, max_tokens: int) -> bool:
+        """Whether the corrections to come fit from `next_version` on; under `auto`, after raising this version's
+        bound to where they do (they grew since it was set: records and groups arrived), up to the cap."""
+        if self.fits(self.correction_work(), next_version, max_tokens):
+            return True
+        if self.algo.max_correction_staleness != "auto" or self.own.auto_bound_version < 0:
+            return False
+        raised = self._fitting_bound(self.bound())
+        if raised == self.own.auto_bound:
+            return False
+        self.own.auto_bound = raised
+        return self.fits(self.correction_work(), next_version, max_tokens)
 
     def outcomes_in(self, group: Group) -> None:
         """Every outcome of `group` is in: its delay (learner versions since its oldest token) joins the window."""
@@ -118,10 +154,11 @@ class Guard:
         finished; otherwise every member is as long as `_length_estimate`."""
         return self._packed() and len(self.own.lengths) > 0
 
-    def correction_work(self, skip: frozenset[int] = frozenset()) -> Work:
+    def correction_work(self, skip: frozenset[int] = frozenset(), bound: int | None = None) -> Work:
         """Every correction still to be served: the queued ones (but the item ids in `skip`), and the pending groups'
         (one per member not abandoned; a group with no record yet from its lease version, its worker's weights). The
-        deadline is the last learner version at which it is trainable: oldest token version + the bound. A member
+        deadline is the last learner version at which it is trainable: oldest token version + the bound (`bound`,
+        default the one in use). A member
         still being generated is sized by `_pending_sizes`. One pass over the groups; O(groups + queued
         corrections)."""
         queued = [q for q in self.state.serving.queue.corrections() if q.item_id not in skip]
@@ -135,7 +172,7 @@ class Guard:
         tokens, longest, growing = self._pending_sizes(parts, members)
         queued_tokens = np.fromiter((q.num_tokens for q in queued), dtype=np.int64, count=len(queued))
         queued_oldest = np.fromiter((q.oldest_version for q in queued), dtype=np.int64, count=len(queued))
-        bound = self.bound()
+        bound = self.bound() if bound is None else bound
         return Work(np.concatenate([queued_oldest, np.asarray(oldest, dtype=np.int64)]) + bound,
                     np.concatenate([np.ones(len(queued), dtype=np.int64), members]),
                     np.concatenate([queued_tokens, tokens]), np.concatenate([queued_tokens, longest]),
@@ -224,7 +261,7 @@ class Guard:
             return "serve"
         self.own.batch_tokens = request.max_tokens
         next_version = self.state.learner.policy_version + self.algo.ppo_epochs
-        if self.fits(self.correction_work(), next_version, request.max_tokens):
+        if self._fits_now(next_version, request.max_tokens):
             return "serve"
         bound, groups, queue = self.bound(), self.state.groups, self.state.serving.queue
         pending = [g.leased_version if g.oldest_version is None else g.oldest_version
@@ -278,7 +315,7 @@ class Guard:
         refuses every group), so the caller holds, and the abandon clock gives up the group that blocks
         (`blocker_due`)."""
         next_version = self.state.learner.policy_version + self.algo.ppo_epochs
-        return self.on() and not self.fits(self.correction_work(), next_version, self.own.batch_tokens)
+        return self.on() and not self._fits_now(next_version, self.own.batch_tokens)
 
     def hold(self, now: float) -> None:
         own = self.own

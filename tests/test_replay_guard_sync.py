@@ -475,3 +475,33 @@ def test_the_auto_bound_stops_at_its_cap():
     stats = service.stats_snapshot()
     assert max(bound for bound, _ in seen) == 24 and len(seen) < 70  # held at the cap, as a fixed 24 would
     assert stats.guard_holds + stats.guard_leases_denied > 0 and stats.credit_dropped == 0
+
+
+def test_the_auto_bound_rises_to_fit_the_corrections_already_admitted():
+    """The start of an outcome-only run (every item a correction) under a slow judge: 12 groups start before any
+    outcome is in (the bound is the cap), then their outcomes land one group a version. Twice their age is below
+    the floor, and at the floor (16) their corrections no longer fit in the learner's small batches before their
+    deadline: the guard held the learner there (116 s of 1,200 on the hunt at D ~ 43). Under auto the bound rises
+    to where they fit: never held, nothing dropped."""
+    config = make_config(algo={"updates": "outcome-only"})
+    service, worker = ReplayService(config), Worker()
+    slow = [lease(service, worker) for _ in range(12)]
+    for grant in slow:
+        send_all(service, stage_records(worker, grant, version=0))
+    bounds, version = [], 0
+    for grant in slow:
+        send_all(service, outcome_messages(worker, grant), now=float(version))
+        batch = request_batch(service, version=version, now=float(version), max_tokens=32)
+        assert batch is not None, f"held at version {version}"
+        bounds.append(service.stats_snapshot().correction_bound)
+        ack_batch(service, batch, version=version + 1, now=float(version))
+        version += 1
+    while (batch := request_batch(service, version=version, now=float(version), max_tokens=32)) is not None:
+        bounds.append(service.stats_snapshot().correction_bound)
+        ack_batch(service, batch, version=version + 1, now=float(version))
+        version += 1
+    stats = service.stats_snapshot()
+    assert bounds[0] == config.algo.max_correction_staleness_cap  # no outcome in before the first request
+    # at version 1 twice the age (1) gives the floor, 16; the 48 corrections need 24 (the floor held the learner here)
+    assert bounds[1] == 24 and stats.groups_closed == 12
+    assert stats.guard_holds == 0 and stats.credit_dropped == 0 and stats.ledger_residual_max < 1e-9
