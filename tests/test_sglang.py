@@ -124,6 +124,14 @@ def test_disk_sync_moves_every_server_to_the_new_weights(servers, tmp_path):
     other = engine_for(servers.urls)
     other.update_weights(1, str(tmp_path / "pruned-long-ago"))
     assert other.version == 1
+    # A worker behind the learner is told of v2 after keep_weights pruned it: the newest directory beside it (v3)
+    # is loaded in its place. Sent as is, SGLang took the missing path for a Hub repo id and the server died.
+    write_hf_dir(learner_step(model, favoured), servers.model_dir, tmp_path / "weights" / "hf-v3")
+    engine.update_weights(2, str(tmp_path / "weights" / "hf-v2"))
+    assert engine.version == 3 and [s.model_info()["weight_version"] for s in servers.servers] == ["3", "3"]
+    with pytest.raises(FileNotFoundError, match="hf-v4 holds no model.safetensors"):  # nothing newer: nothing sent
+        engine.update_weights(4, str(tmp_path / "weights" / "hf-v4"))
+    assert engine.version == 3 and all(s.model_info()["weight_version"] == "3" for s in servers.servers)
     engine.close()
     other.close()
 

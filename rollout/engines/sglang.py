@@ -42,6 +42,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -66,6 +67,20 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per reques
 
 class ServerFailed(Exception):
     """One server failed one request; the caller retries elsewhere."""
+
+
+def loadable_dir(version: int, path: str) -> tuple[int, str] | None:
+    """(version, path) of the HF directory to load for announced `version` at `path`: itself while it holds its
+    weights (the learner writes it whole and renames it: learner/sglang_sync.py); once the learner has pruned it
+    (learner.keep_weights, a worker that fell behind), the newest hf-v<N> beside it with N > version that does; None
+    if there is none. SGLang takes a path that is not a directory for a Hub repo id, and its scheduler dies of
+    that (HFValidationError), taking the server with it: a pruned path must never be sent."""
+    here = Path(path)
+    if (here / "model.safetensors").is_file():
+        return version, path
+    newer = [(int(d.name[4:]), str(d)) for d in here.parent.glob("hf-v*")
+             if d.name[4:].isdigit() and int(d.name[4:]) > version and (d / "model.safetensors").is_file()]
+    return max(newer) if newer else None
 
 
 def parse_version(label: str | int | None) -> int:
@@ -332,6 +347,15 @@ class SGLangEngine:
         No pause is used: a *paused* server loads without its update lock, and two loads at once (workers sharing
         a server) then crash it (InvalidStateError in SGLang's tokenizer manager, docs/sglang-notes.md); an
         in_place pause would also make another worker's update wait forever on the requests it froze."""
+        loadable = loadable_dir(version, path)
+        if loadable is None:
+            raise FileNotFoundError(f"{path} holds no model.safetensors (pruned by learner.keep_weights: this worker "
+                                    f"fell behind) and no newer hf-v<N> is beside it; not sent to {server.url}")
+        if loadable[0] != version:
+            log.warning("%s is gone (pruned by learner.keep_weights: this worker fell behind); loading policy version "
+                        "%d from %s in its place", path, *loadable)
+            version, path = loadable
+            self.latest_disk = max(self.latest_disk or loadable, loadable)
         body = {"model_path": path, "weight_version": str(version)}
         if self.config.pause_mode == "abort":
             body["abort_all_requests"] = True
@@ -377,7 +401,7 @@ class SGLangEngine:
             try:
                 if self._server_version(server) < version:
                     self._load_from_disk(server, version, path)
-            except (ServerFailed, RuntimeError) as exc:  # e.g. pruned meanwhile; its tokens carry its own version
+            except (ServerFailed, RuntimeError, OSError) as exc:  # pruned, nothing newer: its tokens carry its version
                 log.warning("%s rejoined behind version %d and could not load it: %s", server.url, version, exc)
         return server.alive
 
