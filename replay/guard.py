@@ -114,7 +114,7 @@ class Guard:
         bound to where they do (they grew since it was set: records and groups arrived), up to the cap."""
         if self.fits(self.correction_work(), next_version, max_tokens):
             return True
-        if self.algo.max_correction_staleness != "auto" or self.own.auto_bound_version < 0:
+        if self.algo.max_correction_staleness != "auto":
             return False
         raised = self._fitting_bound(self.bound())
         if raised == self.own.auto_bound:

@@ -48,6 +48,7 @@ from typing import Any, Literal
 import httpx
 
 from async_rl.config import SGLangConfig
+from async_rl.hf_io import published_versions
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import sglang_headers
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
@@ -78,9 +79,9 @@ def loadable_dir(version: int, path: str) -> tuple[int, str] | None:
     here = Path(path)
     if (here / "model.safetensors").is_file():
         return version, path
-    newer = [(int(d.name[4:]), str(d)) for d in here.parent.glob("hf-v*")
-             if d.name[4:].isdigit() and int(d.name[4:]) > version and (d / "model.safetensors").is_file()]
-    return max(newer) if newer else None
+    newer = [(n, str(file.parent)) for n, file in published_versions(here.parent).items()
+             if n > version and file.name == "model.safetensors"]
+    return newer[-1] if newer else None
 
 
 def parse_version(label: str | int | None) -> int:
