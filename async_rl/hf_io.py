@@ -97,7 +97,7 @@ def _write_dir(out_dir: Path, force: bool, fill: Callable[[Path], None]) -> Path
     """Run fill(staging) in a fresh directory beside `out_dir`, then rename it to `out_dir` (whole or absent).
     An existing non-empty `out_dir` is refused unless `force`, then replaced only once the new one is complete."""
     out_dir = Path(out_dir)
-    _refuse_non_empty(out_dir, force)
+    refuse_non_empty(out_dir, force)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -131,7 +131,7 @@ def _transformers() -> Any:
     return transformers
 
 
-def _refuse_non_empty(out_dir: Path, force: bool) -> None:
+def refuse_non_empty(out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise AsyncRLError(f"{out_dir}: exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
@@ -186,7 +186,7 @@ def import_model(source: str, out_dir: str | Path, dtype: str = "fp32", force: b
     _check_dtype(dtype)
     gguf_path = resolve_source(source)
     out_dir = Path(out_dir)
-    _refuse_non_empty(out_dir, force)  # before the slow part
+    refuse_non_empty(out_dir, force)  # before the slow part
     check_gguf(gguf_path)
     import torch
 
@@ -296,8 +296,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, version: int | None = N
         raise AsyncRLError(f"{run_dir}: no weights of version {version} on disk (versions there: {listed}; "
                            "0 is the base model)")
     out_dir = Path(out_dir)
-    _refuse_non_empty(out_dir, force)
+    refuse_non_empty(out_dir, force)
     state = _load_published(versions[version]) if version else None
+    write_model_dir(model_dir, state, out_dir, dtype, force, source=versions.get(version, model_dir))
+    log.info("exported version %d of %s (%s) into %s", version, run_dir, dtype, out_dir)
+    return out_dir, version
+
+
+def write_model_dir(model_dir: Path, state: dict[str, Any] | None, out_dir: str | Path, dtype: str = "fp32",
+                    force: bool = False, source: Path | str = "the weights") -> Path:
+    """The model of `model_dir` with the full weights `state` (its own when None) as an HF directory at
+    `out_dir`, with the base's tokenizer and chat template (export, and the warm start's output)."""
+    _check_dtype(dtype)
     import torch
 
     transformers = _transformers()
@@ -308,8 +318,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, version: int | None = N
         tied = getattr(model.config, "tie_word_embeddings", False)
         missing = [k for k in missing if "rotary" not in k and not (tied and k == "lm_head.weight")]
         if missing or unexpected:
-            raise AsyncRLError(f"{versions[version]}: the weights do not fit the run's model {model_dir}: "
+            raise AsyncRLError(f"{source}: the weights do not fit the model {model_dir}: "
                                f"missing={missing[:5]} unexpected={unexpected[:5]}")
-    _write_dir(out_dir, force, lambda staging: _save(model, tokenizer, staging, dtype))
-    log.info("exported version %d of %s (%s) into %s", version, run_dir, dtype, out_dir)
-    return out_dir, version
+    return _write_dir(Path(out_dir), force, lambda staging: _save(model, tokenizer, staging, dtype))

@@ -90,6 +90,12 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) ->
     return (token_loss * mask).sum(dim=-1).sum() / (token_loss.shape[0] * algo.seq_norm)
 
 
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The warm start's loss: the negative log-likelihood of the demonstrated assistant tokens, token mean
+    (docs/algorithm.md, "Warm start")."""
+    return token_mean(-logp, mask)
+
+
 @dataclass
 class LossStats:
     is_ratio_mean: float

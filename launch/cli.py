@@ -1,6 +1,7 @@
 """The `async-rl` command's arguments and which command runs: `train` runs every role on this machine
 (launch/train.py); `replay|learner|rollout|evaluate` run one role in this process, as a pod does (launch/roles.py);
-`keys DIR`, `model import` and `export` write files (launch/tools.py); `config` prints the resolved config."""
+`keys DIR`, `model import` and `export` write files (launch/tools.py); `demos` and `sft` warm a model up
+(launch/warm_start.py); `config` prints the resolved config."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from async_rl.config import Config
 from async_rl.config_load import load_config, load_run_config
 from async_rl.errors import AsyncRLError, ConfigError
+from launch.warm_start import add_parsers as add_warm_start_parsers
 
 ROLES = {
     "train": "Run every role on this machine (replay, learner, rollout workers as separate processes), then "
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="weights' dtype (default fp32, as the run trains)")
     export.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    add_warm_start_parsers(roles, CONFIG_HELP, OVERRIDES_HELP)
     return parser
 
 
@@ -83,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Options and overrides in any order: `train --config FILE a.b=1` and `train a.b=1 --config FILE` alike."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ROLES and not any(a in ("-h", "--help") for a in argv):
+    if argv and argv[0] in (*ROLES, "demos", "sft") and not any(a in ("-h", "--help") for a in argv):
         sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
         namespace = sub.parse_intermixed_args(argv[1:])
         namespace.role = argv[0]
@@ -133,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    if args.role in ("demos", "sft"):  # their own configs: launch/warm_start.py
+        from launch.warm_start import run_demos, run_sft
+
+        return run_demos(args) if args.role == "demos" else run_sft(args)
     if args.role in ("keys", "model", "export"):  # no config: they write files and exit
         from launch.tools import run_tool
 

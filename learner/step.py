@@ -5,19 +5,23 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from typing import Literal
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgoConfig, Config
-from async_rl.loss import LossStats, aggregate, policy_loss, token_logprobs_and_entropy
+from async_rl.loss import LossStats, aggregate, policy_loss, sft_loss, token_logprobs_and_entropy
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate, collate_micro_batch
 from learner.engine import rank, world_size
 from learner.pack import padding_fraction, plan_shards
 
 log = logging.getLogger("async_rl.learner")
+
+Objective = Literal["policy", "sft"]  # the policy loss (RL), or the demonstrations' likelihood (the warm start)
+SFT_STATS = LossStats(is_ratio_mean=1.0, is_ratio_max=1.0, is_capped_frac=0.0, kl=0.0)  # no ratio, no reference
 
 
 def aggregate_denominator(mask: torch.Tensor, algo: AlgoConfig) -> float:
@@ -145,22 +149,23 @@ def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
 
 def train_on_items(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, items: list[TrainItem], version: int,
-    config: Config,
+    config: Config, objective: Objective = "policy",
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """This rank's share of a batch's items, in micro-batches: `train_on_micro_batches`."""
     micro = rank_micro_batches(items, rank(), world_size(), config)
-    return train_on_micro_batches(engine, reference, micro, version, config)
+    return train_on_micro_batches(engine, reference, micro, version, config, objective)
 
 
 def train_on_micro_batches(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    version: int, config: Config,
+    version: int, config: Config, objective: Objective = "policy",
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
     Each step accumulates the gradients of every micro-batch's scaled loss (`rank_micro_batches`), then DeepSpeed
     reduces them across ranks and steps once (managed_gradient_accumulation off: learner/engine.py).
-    One epoch uses the TIS form; more use decoupled PPO with π_prox = the policy when the batch arrived.
+    One epoch uses the TIS form; more use decoupled PPO with π_prox = the policy when the batch arrived. The "sft"
+    objective (the warm start, learner/sft.py) trains the demonstrated tokens' likelihood instead (`sft_loss`).
     The loss and the entropy are the whole batch's; the ratio statistics are this rank's share.
 
     A non-finite input, loss (checked before each backward) or gradient (after the last) refuses the step: the
@@ -174,7 +179,7 @@ def train_on_micro_batches(
     fixed = _fixed_logprobs(engine, reference, micro, config)
     results = []
     for _ in range(config.algo.ppo_epochs):
-        result = _optimizer_step(engine, micro, fixed, version, config)
+        result = _optimizer_step(engine, micro, fixed, version, config, objective)
         if result is None:
             break
         version += 1
@@ -203,11 +208,11 @@ def _fixed_logprobs(
 
 def _optimizer_step(
     engine: deepspeed.DeepSpeedEngine, micro: list[tuple[TrainBatch, float]], fixed: Fixed, version: int,
-    config: Config,
+    config: Config, objective: Objective,
 ) -> tuple[float, LossStats] | None:
     """One optimizer step over every micro-batch: the whole batch's loss and the step's statistics, or None (the
     step was refused for a non-finite loss or gradient, on some rank, and its gradients dropped)."""
-    accumulated = _accumulate_gradients(engine, micro, fixed, version, config)
+    accumulated = _accumulate_gradients(engine, micro, fixed, version, config, objective)
     norm = None if accumulated is None else _gradient_norm(engine)
     norm_value = None if norm is None else float(norm)
     if accumulated is None or not _finite_gradient(norm_value, version, engine.device):
@@ -221,7 +226,7 @@ def _optimizer_step(
 
 def _accumulate_gradients(
     engine: deepspeed.DeepSpeedEngine, micro: list[tuple[TrainBatch, float]], fixed: Fixed, version: int,
-    config: Config,
+    config: Config, objective: Objective,
 ) -> tuple[torch.Tensor, list[tuple[LossStats, float, float]]] | None:
     """Forward and backward of every micro-batch's scaled loss: their sum and each one's (stats, action tokens,
     scale); None where a loss is not finite on some rank (checked before its backward: nothing more runs)."""
@@ -231,11 +236,14 @@ def _accumulate_gradients(
     total = torch.zeros((), device=device)
     parts = []
     for (batch, scale), (ref_logp, prox_logp) in zip(micro, fixed, strict=True):
-        logp, entropy = _logp(engine, batch, config.rollout.temperature, entropy=want_entropy)
-        loss, stats = policy_loss(
-            logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
-            prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
-        )
+        if objective == "sft":
+            loss, stats = sft_loss(_logp(engine, batch, 1.0)[0], batch.loss_mask), SFT_STATS
+        else:
+            logp, entropy = _logp(engine, batch, config.rollout.temperature, entropy=want_entropy)
+            loss, stats = policy_loss(
+                logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
+                prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
+            )
         scaled = loss * scale
         if _on_any_rank(not bool(torch.isfinite(scaled.detach()).all()), device):
             log.warning("non-finite loss at version %d: the step is skipped", version)

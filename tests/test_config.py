@@ -52,7 +52,7 @@ def test_the_local_config_is_the_structs_defaults_key_by_key():
 def test_a_packaged_config_is_named_and_a_missing_file_is_named_in_the_error(tmp_path, monkeypatch):
     from async_rl.config_load import packaged_config_names
 
-    assert packaged_config_names() == ["cluster", "local", "smollm2"]
+    assert packaged_config_names() == ["cluster", "local", "smollm2", "smollm2-chain"]
     repo = Path(__file__).resolve().parent.parent
     for name in packaged_config_names():  # configs/ in the checkout is the packaged files, linked
         assert load_config(name) == load_config(repo / "configs" / f"{name}.yaml")

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -130,16 +131,32 @@ def test_the_recipe_trains_smollm2_on_the_tasks_env_with_a_responsive_worker(wor
     assert AutoTokenizer.from_pretrained(workdir / export[-1]).chat_template == tokenizer.chat_template
 
 
+def python_block(page: str, start: str) -> str:
+    """The ```python block of `page` whose text starts with `start`."""
+    text = (REPO / page).read_text()
+    begin = text.index("```python\n" + start) + len("```python\n")
+    return text[begin : text.index("```", begin)]
+
+
 @pytest.mark.slow
-def test_a_user_tool_env_written_outside_the_project_trains_the_real_model_with_lora(workdir):
-    """docs/environments.md's complete tool-using example, saved as add_env.py in the user's directory and trained
-    by the command printed under it, with LoRA: its tool specs reach the model, the run trains, the ledger holds."""
-    example = (REPO / "docs" / "environments.md").read_text()
-    start = example.index('```python\n"""Add two numbers with a tool') + len("```python\n")
-    (workdir / "add_env.py").write_text(example[start : example.index("```", start)])
+def test_a_user_tool_env_written_outside_the_project_is_warmed_up_then_trained_and_calls_its_tool(workdir):
+    """docs/environments.md's complete tool-using example, saved as add_env.py in the user's directory, warmed up
+    on its own demonstrations file with `async-rl sft` (LoRA) and trained by the commands printed under it: its tool
+    specs reach the model, the warmed-up model calls `add` in training, the run trains, the ledger holds."""
+    (workdir / "add_env.py").write_text(python_block("docs/environments.md", '"""Add two numbers with a tool'))
+    (workdir / "add_demos.py").write_text(python_block("docs/environments.md", '"""add_demos.py'))
+    warm = docs_command("docs/environments.md", "python add_demos.py && async-rl sft")
+    assert warm[:3] == ["python", "add_demos.py", "&&"]
+    done = subprocess.run([sys.executable, "add_demos.py"], cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and len((workdir / "add_demos.jsonl").read_text().splitlines()) == 32, done.stderr
+    done = subprocess.run([ASYNC_RL, *warm[4:], "--max-steps", "3", "run.dir=runs", "wandb.mode=disabled"],
+                          cwd=workdir, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 3
     run_dir = workdir / "runs" / "smollm2"
     command = docs_command("docs/environments.md", "PYTHONPATH=. async-rl train --config configs/smollm2.yaml "
-                                                   "env.name=add_env:factory")
+                                                   "env.name=add_env:factory env.kwargs={} env.kwargs.digits=1 "
+                                                   "model.path=")
     # The test's budget beyond BUDGET: one version of one group (the recipe's is two), and no group started past it
     # (`algo.max_staleness=0`): groups the run never trains would share the 2 cores with the learner's step.
     result = train(workdir, command, run_dir, "learner.lora.rank=8", "learner.lr=0.0001", "algo.groups_per_step=1",
@@ -155,5 +172,32 @@ def test_a_user_tool_env_written_outside_the_project_trains_the_real_model_with_
     assert '"name": "add"' in first and "What is " in first, first
     rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
     assert all("tool_calls" in line for line in rollout) and rollout[-1]["env_errors"] == 0
+    assert sum(line["tool_calls"] for line in rollout) > 0  # the warm start taught it the tool
     assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))
     assert (run_dir / "weights" / "latest.json").exists()
+
+
+@pytest.mark.slow
+def test_the_warm_start_recipe_runs_as_printed_and_the_warmed_up_model_calls_its_tool(workdir):
+    """The README's warm-start recipe, each command as printed (docs/models.md prints the same), in a quick form:
+    demonstrations of the chain env's train split, two SFT steps, one RL version; the warmed-up model calls
+    `lookup` in training and the run's records carry the calls."""
+    demos = docs_command("README.md", "async-rl demos --config configs/smollm2-chain.yaml")
+    sft = docs_command("README.md", "async-rl sft --model models/smollm2")
+    command = docs_command("README.md", "async-rl train --config configs/smollm2-chain.yaml")
+    for printed in (demos, sft, command):
+        assert printed == docs_command("docs/models.md", " ".join(printed[:4]))
+    (workdir / "runs").mkdir()
+    done = subprocess.run([ASYNC_RL, *demos[1:]], cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["written"] == 100, done.stderr[-2000:]
+    done = subprocess.run([ASYNC_RL, *sft[1:], "--max-steps", "2", "wandb.mode=disabled"], cwd=workdir,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (workdir / "models" / "smollm2-chain" / "model.safetensors").is_file()
+    run_dir = workdir / "runs" / "smollm2-chain"
+    result = train(workdir, command, run_dir, "algo.groups_per_step=1", "learner.min_batch_items=4",
+                   "algo.max_staleness=0")
+    assert result["versions"] >= 1, result
+    rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
+    assert sum(line["tool_calls"] for line in rollout) > 0 and rollout[-1]["env_errors"] == 0
+    assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))

@@ -68,7 +68,7 @@ def test_a_calculator_call_then_an_answer_that_uses_it_earns_the_stage_reward(ar
     assert last.done and last.reward == pytest.approx(0.1)
     judged = env.judge()
     assert judged.success and judged.info == {"tool_calls": 1.0, "tool_errors": 0.0, "answer_tagged": 1.0,
-                                              "used_tool_result": 1.0}
+                                              "called_tool": 1.0, "used_tool_result": 1.0}
     ignored = arithmetic.make()  # a right answer that does not use the (wrong) call's result: no stage reward
     ignored.reset(task)
     ignored.step(calc("1 + 1000"))

@@ -56,6 +56,7 @@ BUILTIN = {
     "hunt": "rollout.envs.hunt:factory",
     "coding": "rollout.envs.coding:factory",
     "tasks": "rollout.envs.tasks:factory",
+    "chain": "rollout.envs.chain:factory",
 }
 
 

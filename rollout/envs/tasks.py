@@ -14,6 +14,7 @@ whitespace, a trailing period, thousands separators; numbers compared as numbers
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -50,6 +51,7 @@ TOOL_HINT = " You may call a tool first; its result comes back before you answer
 MAX_RESULT_CHARS = 1000
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_EXPRESSION = re.compile(r"[-(\d][\d\s+\-*/().]*[\d)]")  # a run of arithmetic in a question
 
 
 class TasksSettings(msgspec.Struct, forbid_unknown_fields=True):
@@ -111,6 +113,12 @@ def without_calls(text: str) -> str:
     return re.sub(re.escape(OPEN) + r".*?(" + re.escape(CLOSE) + r"|$)", "", text, flags=re.DOTALL).strip()
 
 
+def last_number(text: str) -> str:
+    """The last number in `text` (thousands separators dropped), or the text itself when it has none."""
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else text
+
+
 def uses(answer: str, result: str) -> bool:
     """Whether `result` appears in `answer` as a whole number or word (not inside a longer one)."""
     result = normalise(result)
@@ -150,10 +158,7 @@ class TasksEnv:
         return StepResult(None, self.settings.tool_reward if used else 0.0, True)
 
     def _untagged(self, text: str) -> str:
-        if self.settings.untagged == "text":
-            return text
-        numbers = _NUMBER.findall(text.replace(",", ""))
-        return numbers[-1] if numbers else text
+        return text if self.settings.untagged == "text" else last_number(text)
 
     def _run_calls(self, action: Action) -> list[ToolResult]:
         results = []
@@ -175,6 +180,7 @@ class TasksEnv:
         assert self.task is not None
         score = self.factory.score(self.task, self.answer)
         info = {"tool_calls": float(self.calls), "tool_errors": float(self.errors), "answer_tagged": float(self.tagged),
+                "called_tool": float(self.calls > 0),
                 "used_tool_result": float(any(uses(self.answer, r) for r in self.results))}
         return Judgement(score=score, success=score >= 1.0 - 1e-9, info=info)
 
@@ -249,6 +255,24 @@ class TasksFactory:
             return float(same_answer(answer, task.data["answer"]))
         score = self.dataset.score_answer(answer, entry)
         return min(max(float(score), 0.0), 1.0)
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]] | None:
+        """The turns that solve `task` with the calculator (OpenAI chat format): one call on the arithmetic
+        expression in the question, then the answer; None when the env has no calculator or no expression in the
+        question evaluates to a correct answer (`async-rl demos` skips the task)."""
+        if "calculator" not in self.settings.tools:
+            return None
+        for expression in sorted(_EXPRESSION.findall(task.data["question"]), key=len, reverse=True):
+            try:
+                value = format_number(calculate(expression.strip()))
+            except CalcError:
+                continue
+            if self.score(task, value) >= 1.0 - 1e-9:
+                call = {"type": "function", "function": {"name": "calculator",
+                                                         "arguments": json.dumps({"expression": expression.strip()})}}
+                return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "assistant", "content": f"<answer>{value}</answer>"}]
+        return None
 
     def run_tool(self, call: ToolCall) -> tuple[str, bool]:
         """The tool's answer and whether it worked ("error: ..." when not)."""
