@@ -32,8 +32,9 @@ from common import OUT_DIR, emit, machine, markdown_table, print_table  # noqa: 
 
 
 def command() -> list[str]:
-    """`async-rl train` as the README prints it: the installed console script (else the module it runs)."""
-    script = shutil.which("async-rl")
+    """`async-rl train` as the README prints it: the console script installed beside this interpreter, else the one on
+    PATH, else the module it runs."""
+    script = shutil.which("async-rl", path=str(Path(sys.executable).parent)) or shutil.which("async-rl")
     return [script, "train"] if script else [sys.executable, "-m", "launch.cli", "train"]
 
 

@@ -4,18 +4,18 @@ disk that fills; the session's pool of two real SGLang servers (tests/sglang_ser
 xdist group "sglang" (test_sglang.py and the sglang_interrupt benchmark's quick form): a server start costs 30-45 s
 of these 2 cores."""
 
-import shutil
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from project_commands import project_command
 from sglang_server import Pool, build_venv
 
 
 def _import_smollm2(out: Path) -> None:
-    async_rl = shutil.which("async-rl") or pytest.fail("the async-rl command is not on PATH (pip install -e '.[test]')")
+    async_rl = project_command()
     done = subprocess.run([async_rl, "model", "import", "smollm2-135m-instruct", str(out), "--dtype", "bf16"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

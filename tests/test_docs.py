@@ -1,5 +1,6 @@
 """The docs against the code: docs/configuration.md lists exactly the keys of async_rl/config.py's structs, and every
-relative link in README.md and docs/ names a file that exists and, with a #fragment, a heading in it."""
+relative link in README.md and docs/ names a file that exists and, with a #fragment, a heading in it; CI runs the
+README's quick start as printed."""
 
 from __future__ import annotations
 
@@ -102,3 +103,18 @@ def test_the_example_environment_is_the_one_docs_environments_prints():
     text = (REPO / "docs" / "environments.md").read_text()
     start = text.index('```python\n"""Guess a secret number') + len("```python\n")
     assert text[start : text.index("```", start)] == (REPO / "examples" / "guess_env.py").read_text()
+
+
+def test_ci_runs_the_readme_quick_start_as_printed_in_a_fresh_virtual_environment():
+    """.ci/run holds each line of README's quick-start block verbatim, in order, after creating and activating a
+    virtual environment of its own: CI installs what a user installs and sees nothing the machine's Python has."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    quick_start = block.strip().splitlines()
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert all(line in ci for line in quick_start), (quick_start, ci)
+    where = [ci.index(line) for line in quick_start]
+    created = next(n for n, line in enumerate(ci) if re.match(r"python3? -m venv ", line))
+    activated = next(n for n, line in enumerate(ci) if re.match(r"(\.|source) \S+/bin/activate\"?$", line))
+    assert created < activated < where[0] and where == sorted(where), ci
+    assert "ruff check ." in ci

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from project_commands import project_command
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,7 +21,7 @@ from async_rl import hf_io
 # Under xdist one worker runs the whole file: its export tests share one module-scoped training run (`run_dir`).
 pytestmark = pytest.mark.xdist_group("models_io")
 
-ASYNC_RL = shutil.which("async-rl") or pytest.fail("the async-rl command is not on PATH (pip install -e '.[test]')")
+ASYNC_RL = project_command()
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}

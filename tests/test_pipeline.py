@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from project_commands import project_command
 from test_faults import killed_on_failure
 
 pytestmark = pytest.mark.slow
@@ -170,8 +171,7 @@ def test_a_bad_config_or_environment_fails_before_anything_starts(tmp_path, over
 
 def test_the_documented_command_form_with_a_config_file_then_overrides(tmp_path):
     """`async-rl train --config FILE key=value ...` exactly as the README prints it (the installed script)."""
-    script = shutil.which("async-rl")
-    command = [script] if script else [sys.executable, "-m", "launch.cli"]
+    command = [project_command()]
     config = tmp_path / "my.yaml"
     config.write_text((REPO / "configs" / "local.yaml").read_text().replace("name: local", "name: mine"))
     done = subprocess.run(
@@ -199,8 +199,7 @@ def test_the_example_environment_trains_from_outside_the_project(tmp_path):
     assignment, *command = readme_example_command()
     key, value = assignment.split("=", 1)
     assert key == "PYTHONPATH" and command[:2] == ["async-rl", "train"], (assignment, command)
-    script = shutil.which("async-rl")
-    launcher = [script] if script else [sys.executable, "-m", "launch.cli"]
+    launcher = [project_command()]
     args = [*launcher, *command[1:], f"run.dir={tmp_path}",
             "run.name=t", "wandb.mode=disabled", "run.target_success=null", "run.max_versions=12",
             "rollout.group_size=4", "learner.min_batch_items=4", "learner.batch_wait_s=0.2", "run.eval_every=4",

@@ -9,7 +9,6 @@ tens of seconds, so each run trains one or two versions.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from project_commands import project_command
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,7 +25,7 @@ from async_rl.protocol import Outcome, StageRecord, decode
 from replay.log_format import Entry, Received, read_frames
 
 REPO = Path(__file__).resolve().parent.parent
-ASYNC_RL = shutil.which("async-rl") or pytest.fail("the async-rl command is not on PATH (pip install -e '.[test]')")
+ASYNC_RL = project_command()
 BUDGET = ["run.max_versions=1", "run.max_wall_s=600", "run.eval_samples_per_task=0", "wandb.mode=disabled",
           "run.metrics_every_s=5"]
 

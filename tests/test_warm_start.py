@@ -7,11 +7,11 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from project_commands import project_command
 
 from async_rl.config_load import load_config
 from async_rl.env_types import Action, ToolCall, ToolResult
@@ -24,8 +24,7 @@ from rollout.envs.base import EnvError, load_factory
 from rollout.envs.chain import ChainSettings, make_task
 from rollout.prompting import Prompter
 
-ASYNC_RL = str(Path(sys.executable).with_name("async-rl")) if Path(sys.executable).with_name("async-rl").exists() \
-    else shutil.which("async-rl")
+ASYNC_RL = project_command()
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -70,6 +69,28 @@ def test_a_key_not_in_the_chain_is_an_error_answer_and_a_wrong_number_fails():
     env.step(Action("it is 1000", []))  # untagged: its last number
     judgement = env.judge()
     assert not judgement.success and judgement.info["tool_errors"] == 1.0
+
+
+def test_at_a_fork_the_decoy_is_a_dead_end_and_the_other_key_still_advances():
+    settings = ChainSettings(hops=3, forks=2)
+    task = make_task(3, settings)
+    keys, decoys = task.data["keys"], task.data["decoys"]
+    env = load_factory("chain", {"hops": 3, "forks": 2}).make()
+    assert "dead end" in env.reset(task)
+    first = env.step(Action("", [ToolCall("lookup", {"key": keys[0]}, "call_0")]))
+    shown = first.observation[0].content.split(" or ")
+    assert sorted(shown) == sorted([keys[1], decoys["0"]["key"]]) and first.reward == pytest.approx(0.1)
+    dead = env.step(Action("", [ToolCall("lookup", {"key": decoys["0"]["key"]}, "call_0")]))
+    assert dead.observation[0].content == "dead end" and dead.reward == 0.0 and not dead.done
+    recovered = env.step(Action("", [ToolCall("lookup", {"key": keys[1]}, "call_0")]))
+    assert recovered.reward == pytest.approx(0.1) and decoys["1"]["key"] in recovered.observation[0].content
+    assert env.step(Action("", [ToolCall("lookup", {"key": keys[2]}, "call_0")])).observation[0].content == \
+        task.data["answer"]
+    env.step(Action(f"<answer>{task.data['answer']}</answer>", []))
+    judgement = env.judge()
+    assert judgement.success and judgement.info["dead_ends"] == 1.0 and judgement.info["tool_errors"] == 0.0
+    with pytest.raises(EnvError, match=r"env.kwargs.forks: expected <= hops - 1 \(2"):
+        load_factory("chain", {"hops": 3, "forks": 3})
 
 
 def test_the_chain_splits_are_disjoint_and_seeded():

@@ -1,22 +1,37 @@
-"""The wheel ships the run the README describes: built with `pip wheel`, installed into a fresh virtual environment
-outside the checkout, `async-rl config` prints the default run (the structs' defaults, what configs/local.yaml
-says) and the packaged configs resolve by name, with nothing of the checkout on the path."""
+"""The wheel ships the run the README describes: built with `pip wheel` from what pyproject.toml packages, installed
+into a fresh virtual environment outside the checkout that sees no install of the checkout, `async-rl config` prints
+the default run (the structs' defaults, what configs/local.yaml says) and the packaged configs resolve by name."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from setuptools import find_namespace_packages
 
 from async_rl.config_load import config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = ["pyproject.toml", "README.md", "async_rl", "rollout", "replay", "learner"]  # what the Dockerfile copies
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def packages() -> list[str]:
+    """The top-level packages of the wheel, found as setuptools finds them: [tool.setuptools.packages.find]'s
+    include patterns (namespaces on, pyproject's default) over the checkout."""
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    return sorted({name.split(".")[0] for name in find_namespace_packages(where=str(REPO), include=include)})
+
+
+def sources() -> list[str]:
+    """What the build reads: pyproject.toml, the readme it names and the packages."""
+    return ["pyproject.toml", PYPROJECT["project"]["readme"], *packages()]
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -24,11 +39,37 @@ def _run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Complet
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow  # builds a wheel and a virtual environment: ~20 s
+def venv_with_the_dependencies_only(venv: Path) -> Path:
+    """A virtual environment without pip or system site-packages whose one .pth file lists this interpreter's
+    site-packages directories: their packages (torch, msgspec, pip, ...) import, but the .pth files inside them are
+    not read, so an editable install of the checkout there (its path or finder .pth) cannot leak in. Its python."""
+    assert _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], venv.parent).returncode == 0
+    python = venv / "bin" / "python"
+    (own,) = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                  venv.parent).stdout.split()
+    ours = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    (Path(own) / "dependencies.pth").write_text("".join(f"{path}\n" for path in ours))
+    return python
+
+
+def test_the_wheel_is_built_from_the_packages_pyproject_names():
+    """Every top-level package of the checkout (a directory with an __init__.py) is one pyproject's find includes: a
+    new role left out of the include list would be left out of the wheel and the image. The image copies and its
+    build context sends all that the wheel is built from."""
+    assert packages() == sorted(init.parent.name for init in REPO.glob("*/__init__.py"))
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text().splitlines()
+    copied = {name for line in dockerfile if line.startswith("COPY ") and "--from" not in line
+              for name in line.split()[1:-1]}
+    sent = {line[1:] for line in (REPO / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
+            if line.startswith("!")}
+    assert set(sources()) <= copied and set(sources()) <= sent, (sources(), copied, sent)
+
+
+@pytest.mark.slow  # builds a wheel and a virtual environment: ~5 s
 def test_the_wheel_installed_outside_the_checkout_runs_the_readme_default(tmp_path):
     source = tmp_path / "src"  # a copy: the build's build/ and *.egg-info stay out of the checkout
     source.mkdir()
-    for name in SOURCES:
+    for name in sources():
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
@@ -38,16 +79,17 @@ def test_the_wheel_installed_outside_the_checkout_runs_the_readme_default(tmp_pa
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "wheels").glob("async_rl-*.whl")
     venv = tmp_path / "venv"
-    # the system's packages (torch, ...) are visible; async_rl must come from the wheel, not from them
-    assert _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path).returncode == 0
-    python, cli = venv / "bin" / "python", venv / "bin" / "async-rl"
+    python, cli = venv_with_the_dependencies_only(venv), venv / "bin" / "async-rl"
     installed = _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
                       str(wheel)], tmp_path)
     assert installed.returncode == 0, installed.stdout + installed.stderr
     cwd = tmp_path / "user"  # a user's directory: no configs/ here
     cwd.mkdir()
-    where = _run([str(python), "-c", "import async_rl; print(async_rl.__file__)"], cwd)
-    assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout + where.stderr
+    names = packages()
+    where = _run([str(python), "-c", f"import {', '.join(names)}\n"
+                  f"for package in ({', '.join(names)}): print(package.__path__[0])"], cwd)
+    assert where.returncode == 0, where.stderr
+    assert all(Path(line).is_relative_to(venv) for line in where.stdout.split()), where.stdout  # from the wheel
 
     printed = _run([str(cli), "config"], cwd)
     assert printed.returncode == 0, printed.stderr
