@@ -280,9 +280,12 @@ class WandbConfig(_Section):
 
 
 class SecurityConfig(_Section):
-    # CurveZMQ keys written by `async-rl keys DIR` (docs/deploy.md): with it every ZeroMQ socket is encrypted and
-    # only the learner's and the rollout key get in. null: off (a tcp:// endpoint then logs a loud warning).
+    # CurveZMQ keys written by `async-rl keys DIR --workers N` (docs/deploy.md): with it every ZeroMQ socket is
+    # encrypted and only the learner's and the workers' keys get in, each worker under its own key. null: off.
     curve_dir: str | None = None
+    # true: run tcp:// endpoints without curve_dir, unauthenticated and in the clear (a loud warning); false: every
+    # role refuses to start so. ipc:// and inproc:// endpoints (async-rl train on one machine) need neither.
+    insecure: bool = False
 
 
 class Config(_Section):

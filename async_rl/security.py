@@ -1,22 +1,27 @@
 """CurveZMQ authentication of the ZeroMQ sockets (docs/architecture.md, "Security").
 
-`async-rl keys DIR` writes one CURVE key pair per role with `zmq.auth.create_certificates`: `replay.key` (public)
-and `replay.key_secret` (both keys), the same for `learner` and `rollout`. With `security.curve_dir` set, every
-socket is encrypted and authenticated:
+`async-rl keys DIR --workers N` writes one CURVE key pair per identity with `zmq.auth.create_certificates`:
+`replay.key` (public) and `replay.key_secret` (both keys), the same for `learner` and for each rollout worker
+`rollout-<i>` (i < N). With `security.curve_dir` set, every socket is encrypted and authenticated:
 
-* the replay's ROUTER is a CURVE server (the replay's key pair); it admits only the learner's and the rollout
-  key (a ZAP handler), and tells the replay which of the two sent each message (the frame's `User-Id`);
-* the learner's weight PUB is a CURVE server (the learner's key pair); it admits only the rollout key;
-* learner and rollout workers connect as CURVE clients with their own key pair and the server's public key.
+* the replay's ROUTER is a CURVE server (the replay's key pair); it admits only the learner's and the workers' keys
+  (a ZAP handler), and tells the replay which identity sent each message (the frame's `User-Id`: `learner`,
+  `rollout-3`), so it can hold a worker to its own worker id and its own leases;
+* the learner's weight PUB is a CURVE server (the learner's key pair); it admits only the workers' keys;
+* learner and rollout workers connect as CURVE clients with their own key pair and the server's public key, under
+  a routing identity bound to their secret key (`routing_id`): no other key can claim their connection.
 
-So each pod needs its own `<role>.key_secret` and the public keys of the others: `ROLE_FILES` lists them.
+So each pod needs its own secret and the public keys of the others: `role_files` lists them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,69 +34,146 @@ from async_rl.config import Config, SGLangConfig
 from async_rl.errors import ConfigError
 
 ROLES = ("replay", "learner", "rollout")
-# Who may connect to the socket each role binds (the replay's ROUTER, the learner's PUB).
+# Who may connect to the socket each role binds (the replay's ROUTER, the learner's PUB), by role.
 CLIENTS = {"replay": ("learner", "rollout"), "learner": ("rollout",), "rollout": ()}
-# The files each role reads from security.curve_dir: its own secret, and the public keys of its peers.
-ROLE_FILES = {
-    "replay": ("replay.key_secret", "learner.key", "rollout.key"),
-    "learner": ("learner.key_secret", "replay.key", "rollout.key"),
-    "rollout": ("rollout.key_secret", "replay.key", "learner.key"),
-}
+WORKER = re.compile(r"rollout-(\d+)")  # a rollout worker's identity: its worker id, its key's name
+LEGACY_FILES = ("rollout.key", "rollout.key_secret")  # the one key all workers shared before per-worker keys
 
 ZAP_DOMAIN = "async-rl"  # the ZAP domain of every CURVE server socket
 
 log = logging.getLogger("async_rl.security")
 
 
+def worker_identity(index: int) -> str:
+    """Rollout worker `index`'s identity: its worker id, and the name of its key pair."""
+    return f"rollout-{index}"
+
+
+def role_of(identity: str) -> str:
+    """The role of an authenticated identity: `rollout-3` -> `rollout`, `learner` -> `learner`."""
+    return identity.split("-", 1)[0]
+
+
+def owns(identity: str, name: str) -> bool:
+    """Whether the key authenticated as `identity` may speak as `name` (a worker id, a connection's routing name): a
+    worker's key only as itself; the learner's key as any learner rank (`learner-0`). A replay log written before
+    per-worker keys names the shared key `rollout`, which spoke for every worker."""
+    return name == identity or (identity in ROLES and name.startswith(identity + "-"))
+
+
+def role_files(identity: str, workers: Sequence[str] = ()) -> list[str]:
+    """The files `identity` reads from security.curve_dir: its own secret and its peers' public keys (`workers`: the
+    rollout identities the replay and the learner admit)."""
+    if identity in ("replay", "learner"):
+        peer = "learner" if identity == "replay" else "replay"
+        return [f"{identity}.key_secret", f"{peer}.key", *(f"{worker}.key" for worker in workers)]
+    if WORKER.fullmatch(identity) is None:
+        raise ValueError(f"{identity!r}: expected replay, learner or rollout-<i>")
+    return [f"{identity}.key_secret", "replay.key", "learner.key"]
+
+
 @dataclass(frozen=True)
 class CurveKeys:
-    """One role's CURVE keys: its own pair, and the public keys (Z85) of the roles it talks to."""
+    """One identity's CURVE keys: its own pair, and the public keys (Z85) of the identities it talks to."""
 
-    role: str
+    identity: str
     public: bytes
     secret: bytes
-    peers: dict[str, bytes]  # role -> public key
+    peers: dict[str, bytes]  # identity -> public key
 
-    def client_roles(self) -> dict[bytes, str]:
-        """Public key -> role, for the roles allowed to connect to the socket this role binds."""
-        return {self.peers[role]: role for role in CLIENTS[self.role]}
+    def client_identities(self) -> dict[bytes, str]:
+        """Public key -> identity, for the identities allowed to connect to the socket this identity binds."""
+        allowed = CLIENTS[role_of(self.identity)]
+        return {public: name for name, public in self.peers.items() if role_of(name) in allowed}
 
 
-def create_keys(directory: str | Path) -> list[Path]:
-    """Write a fresh key pair per role into `directory` (created; existing keys are never overwritten)."""
+def routing_id(name: str, keys: CurveKeys | None) -> bytes:
+    """The ZeroMQ identity under which the replay's ROUTER knows a DEALER's connection. With CURVE it is `name.` and a
+    MAC of the name under the holder's secret key: the same for a restarted process of the same holder (its new
+    connection takes over its old one, ZMQ_ROUTER_HANDOVER), and out of reach of every other key, so no other key's
+    connection can take it over (docs/architecture.md, "Security")."""
+    if keys is None:
+        return name.encode()
+    tag = hashlib.blake2b(name.encode(), key=keys.secret, digest_size=12).hexdigest()
+    return f"{name}.{tag}".encode()
+
+
+def routing_name(identity: bytes) -> str:
+    """The name part of a routing identity (`routing_id`): what the connection claims to be."""
+    return identity.split(b".", 1)[0].decode(errors="replace")
+
+
+def create_keys(directory: str | Path, workers: int) -> list[Path]:
+    """Write a key pair for the replay, the learner and each of `workers` rollout workers into `directory`
+    (created). Pairs already there are kept, never overwritten: a larger `workers` adds the new workers' keys."""
     directory = Path(directory)
-    existing = [directory / f"{role}.{suffix}" for role in ROLES for suffix in ("key", "key_secret")]
-    taken = [path for path in existing if path.exists()]
-    if taken:
-        raise ConfigError(f"{directory}: already holds {', '.join(p.name for p in taken)}; refusing to overwrite "
-                          "keys (delete them first to rotate)")
+    if workers < 1:
+        raise ConfigError(f"--workers: expected at least 1 rollout worker, got {workers}")
+    _refuse_legacy(directory, "write the per-worker keys into a new directory")
+    names = ["replay", "learner", *(worker_identity(i) for i in range(workers))]
+    missing = []
+    for name in names:
+        pair = [directory / f"{name}.{suffix}" for suffix in ("key", "key_secret")]
+        present = [path.exists() for path in pair]
+        if any(present) and not all(present):
+            half = pair[present.index(True)]
+            raise ConfigError(f"{directory}: holds {half.name} without its other half; refusing to overwrite keys "
+                              f"(delete {half.name} to write a new pair for {name})")
+        if not any(present):
+            missing.append(name)
+    if not missing:
+        raise ConfigError(f"{directory}: already holds the keys of replay, learner and rollout-0..{workers - 1}; "
+                          "refusing to overwrite keys (delete them first to rotate)")
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for role in ROLES:
-        public, secret = zmq.auth.create_certificates(directory, role)
+    for name in missing:
+        public, secret = zmq.auth.create_certificates(directory, name)
         os.chmod(secret, stat.S_IRUSR | stat.S_IWUSR)  # the secret half: owner only
         written += [Path(public), Path(secret)]
     return written
 
 
-def load_keys(config: Config, role: str) -> CurveKeys | None:
-    """The keys `role` needs from `security.curve_dir`, or None when CURVE is off. A missing or malformed file is
-    a ConfigError naming `security.curve_dir`, the file, and how to make keys."""
+def load_keys(config: Config, identity: str) -> CurveKeys | None:
+    """The keys `identity` (replay, learner, rollout-<i>) needs from `security.curve_dir`, or None when CURVE is
+    off. The replay and the learner admit every `rollout-<i>.key` there. A missing or malformed file is a
+    ConfigError naming `security.curve_dir`, the file, and how to make keys."""
     curve_dir = config.security.curve_dir
     if curve_dir is None:
         return None
     directory = Path(curve_dir)
-    own, *peer_files = ROLE_FILES[role]
+    own = role_files(identity)[0]
+    if not (directory / own).is_file():
+        _refuse_legacy(directory, "point security.curve_dir at it")
     public, secret = _read(directory, own, secret=True)
-    peers = {name.split(".")[0]: _read(directory, name, secret=False)[0] for name in peer_files}
-    return CurveKeys(role=role, public=public, secret=secret, peers=peers)
+    workers: list[str] = []
+    if identity in ("replay", "learner"):
+        found = (WORKER.fullmatch(path.name.removesuffix(".key")) for path in directory.glob("rollout-*.key"))
+        workers = [match[0] for match in sorted((m for m in found if m), key=lambda m: int(m[1]))]
+        if not workers:
+            _refuse_legacy(directory, "point security.curve_dir at it")
+            raise ConfigError(f"security.curve_dir: {directory} holds no rollout-<i>.key: the {identity} would admit "
+                              f"no worker (create the keys with `async-rl keys {directory} --workers N`; "
+                              "docs/deploy.md says which files each pod mounts)")
+    peers = {name.removesuffix(".key"): _read(directory, name, secret=False)[0]
+             for name in role_files(identity, workers)[1:]}
+    return CurveKeys(identity=identity, public=public, secret=secret, peers=peers)
+
+
+def _refuse_legacy(directory: Path, fix: str) -> None:
+    """Keys of an older async-rl, whose rollout workers all shared `rollout.key`: a ConfigError naming the fix."""
+    legacy = [name for name in LEGACY_FILES if (directory / name).exists()]
+    if legacy:
+        raise ConfigError(f"security.curve_dir: {directory} holds {legacy[0]}, the one key every rollout worker shared "
+                          f"in an older async-rl; each worker now has its own key: write them with `async-rl keys "
+                          f"NEW_DIR --workers N` and {fix} (docs/deploy.md)")
 
 
 def _read(directory: Path, name: str, secret: bool) -> tuple[bytes, bytes | None]:
     path = directory / name
     if not path.is_file():
+        hint = f" --workers {int(m[1]) + 1}" if (m := WORKER.match(name)) else ""
         raise ConfigError(f"security.curve_dir: {path} does not exist (create the keys with `async-rl keys "
-                          f"{directory}`; docs/deploy.md says which files each pod mounts)")
+                          f"{directory}{hint}`; docs/deploy.md says which files each pod mounts)")
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (ValueError, OSError) as exc:
@@ -106,18 +188,26 @@ def _read(directory: Path, name: str, secret: bool) -> tuple[bytes, bytes | None
 
 def insecure_endpoints(config: Config) -> list[str]:
     """The tcp:// endpoints of a config without CURVE: anyone who reaches them may lease, forge outcomes or ack
-    batches. Roles log a warning naming them."""
+    batches. ipc:// (a Unix socket, guarded by its file's permissions) and inproc:// are not among them."""
     if config.security.curve_dir is not None:
         return []
     return [e for e in (config.replay.endpoint, config.learner.publish_endpoint) if e.startswith("tcp://")]
 
 
-def warn_if_insecure(config: Config) -> None:
+def check_transport(config: Config) -> None:
+    """Every role at its start: TCP without CURVE is refused (a ConfigError naming the keys and the fixes) unless
+    `security.insecure: true` says so in so many words; then it is a loud warning."""
     endpoints = insecure_endpoints(config)
-    if endpoints:
-        log.warning("UNAUTHENTICATED: %s without security.curve_dir: any peer that reaches these ports can take "
-                    "leases, forge outcomes and ack batches (create keys with `async-rl keys DIR`; "
-                    "docs/deploy.md)", ", ".join(endpoints))
+    if not endpoints:
+        return
+    if not config.security.insecure:
+        raise ConfigError(f"security.curve_dir: not set, and {', '.join(endpoints)} would run in the clear: anyone "
+                          "who reaches these ports could take leases, forge outcomes and ack batches. Create keys "
+                          "with `async-rl keys DIR --workers N` and set security.curve_dir=DIR, use ipc:// endpoints "
+                          "(or auto) on one machine, or set security.insecure=true to run unauthenticated anyway")
+    log.warning("UNAUTHENTICATED (security.insecure): %s without security.curve_dir: any peer that reaches these "
+                "ports can take leases, forge outcomes and ack batches (create keys with `async-rl keys DIR`; "
+                "docs/deploy.md)", ", ".join(endpoints))
 
 
 def sglang_headers(config: SGLangConfig) -> dict[str, str]:
@@ -136,23 +226,23 @@ def sglang_headers(config: SGLangConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-class _RoleAuthenticator(ThreadAuthenticator):
-    """ZAP handler: admits the CURVE public keys of the allowed roles only; the User-Id of a connection is the
-    role name, so the server knows whether the learner or a rollout worker sent a message."""
+class _IdentityAuthenticator(ThreadAuthenticator):
+    """ZAP handler: admits the CURVE public keys of the allowed identities only; the User-Id of a connection is the
+    identity its key belongs to (`learner`, `rollout-3`), so the server knows who sent each message."""
 
-    def __init__(self, context: zmq.Context, roles_by_key: dict[bytes, str]) -> None:
+    def __init__(self, context: zmq.Context, identities_by_key: dict[bytes, str]) -> None:
         super().__init__(context, log=logging.getLogger("async_rl.security.zap"))
-        self.roles_by_key = dict(roles_by_key)
+        self.identities_by_key = dict(identities_by_key)
 
     def callback(self, domain: str, key: bytes) -> bool:  # the credentials provider of configure_curve_callback
-        return key in self.roles_by_key
+        return key in self.identities_by_key
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.roles_by_key[z85.encode(client_public_key)]
+        return self.identities_by_key[z85.encode(client_public_key)]
 
 
 def start_authenticator(context: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
-    authenticator = _RoleAuthenticator(context, keys.client_roles())
+    authenticator = _IdentityAuthenticator(context, keys.client_identities())
     authenticator.start()
     authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=authenticator)
     return authenticator

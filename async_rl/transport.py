@@ -5,8 +5,9 @@ touches raw frames. A frame that does not decode raises `ProtocolError` carrying
 service can count it, answer `Error`, and carry on.
 
 With `curve` keys (async_rl/security.py) every socket speaks CurveZMQ: a binding socket is a CURVE server whose
-ZAP handler admits only the public keys of its allowed client roles (and stops with the socket), and counts the
-handshakes it refused; a connecting socket is a CURVE client of the server role's public key.
+ZAP handler admits only the public keys of its allowed clients (and stops with the socket), and counts the
+handshakes it refused; a connecting socket is a CURVE client of the server role's public key, and a DEALER's
+routing identity is bound to its secret key (`security.routing_id`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import zmq.utils.monitor
 
 from async_rl.errors import ProtocolError
 from async_rl.protocol import AnyMessage, Message, decode, encode
-from async_rl.security import ZAP_DOMAIN, CurveKeys, start_authenticator
+from async_rl.security import ZAP_DOMAIN, CurveKeys, routing_id, start_authenticator
 
 # Handshake failures a CURVE server counts, by the reason it reports (ReplayStats.rejected for the replay).
 HANDSHAKE_EVENTS = {
@@ -122,8 +123,9 @@ def bind_router(
 ) -> zmq.Socket:
     """A ROUTER bound at `endpoint`. With `max_message_bytes` (ZMQ_MAXMSGSIZE), a peer that sends a bigger frame
     is disconnected by ZeroMQ before the frame is buffered (a DEALER reconnects on its own). With `curve` (the
-    replay's keys) it admits only the learner and rollout keys. A new connection under an identity in use takes it
-    over (ZMQ_ROUTER_HANDOVER)."""
+    replay's keys) it admits only the learner's and the workers' keys. A new connection under an identity in use
+    takes it over (ZMQ_ROUTER_HANDOVER); with CURVE an identity is out of reach of every other key
+    (`security.routing_id`), so only the same key's new connection can."""
     socket = _server_socket(context, zmq.ROUTER, curve)
     socket.setsockopt(zmq.LINGER, 0)
     if max_message_bytes is not None:
@@ -139,16 +141,17 @@ def bind_router(
 
 
 def connect_dealer(context: zmq.Context, endpoint: str, identity: str, curve: CurveKeys | None = None) -> zmq.Socket:
-    """A DEALER connected to the replay's ROUTER (a CURVE client of the replay's key with `curve`)."""
+    """A DEALER connected to the replay's ROUTER as `identity` (`learner-0`, `rollout-3`); with `curve` a CURVE client
+    of the replay's key whose routing identity is `identity` bound to its secret key (`security.routing_id`)."""
     socket = _client_socket(context, zmq.DEALER, curve, "replay")
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.IDENTITY, identity.encode())
+    socket.setsockopt(zmq.IDENTITY, routing_id(identity, curve))
     socket.connect(endpoint)
     return socket
 
 
 def bind_publisher(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None) -> zmq.Socket:
-    """The learner's weight PUB (with `curve`, the learner's keys: only the rollout key may subscribe)."""
+    """The learner's weight PUB (with `curve`, the learner's keys: only the workers' keys may subscribe)."""
     socket = _server_socket(context, zmq.PUB, curve)
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(bind_address(endpoint))
@@ -179,8 +182,8 @@ def receive(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage]:
 
 
 def receive_from(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage, str | None]:
-    """Like `receive`, plus the sender's authenticated role on a CURVE server (the `User-Id` its ZAP handler set:
-    "learner" or "rollout"), else None."""
+    """Like `receive`, plus the sender's authenticated identity on a CURVE server (the `User-Id` its ZAP handler
+    set: "learner", "rollout-3"), else None."""
     if not isinstance(socket, CurveServerSocket):
         frames = socket.recv_multipart()
         peer = None

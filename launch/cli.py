@@ -25,14 +25,16 @@ ROLES = {
     "evaluate": "Evaluate the run's latest published weights on every task of the environment's eval split.",
     "config": "Print the resolved, validated config.",
 }
-KEYS_HELP = ("Write one CurveZMQ key pair per role (replay, learner, rollout) into DIR: <role>.key (public) and "
-             "<role>.key_secret. Point security.curve_dir at DIR (docs/deploy.md says which files each pod mounts).")
+KEYS_HELP = ("Write one CurveZMQ key pair per identity (replay, learner, and rollout-0 .. rollout-<N-1>, one per "
+             "rollout worker) into DIR: <identity>.key (public) and <identity>.key_secret. Point security.curve_dir at "
+             "DIR (docs/deploy.md says which files each pod mounts).")
 MODEL_IMPORT_HELP = ("Write a GGUF model as a Hugging Face directory that model.path can name: safetensors weights in "
                      "the dtype asked, config, tokenizer, generation config, and a chat template that renders tools "
                      "(a ChatML one with a tools section where the model's own renders none; docs/models.md).")
 EXPORT_HELP = ("Write a run's latest (or --version N) published policy as a Hugging Face directory with its tokenizer "
                "and chat template, for transformers or SGLang (docs/models.md).")
 POD_ROLES = ("replay", "learner", "rollout")
+KEYS_WORKERS = 4  # `keys` without --workers: the rollout StatefulSet's replicas in deploy/k8s
 CONFIG_HELP = ("a YAML config file, or a packaged config by name: local, cluster, smollm2 (default: the built-in "
                "defaults, the same as local)")
 OVERRIDES_HELP = "overrides of config keys, e.g. algo.max_staleness=2 env.kwargs.stages=5 (anywhere on the line)"
@@ -59,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
     keys = roles.add_parser("keys", help=KEYS_HELP.split(": ")[0], description=KEYS_HELP)
     keys.add_argument("dir", metavar="DIR", help="directory for the keys (created; existing keys are not overwritten)")
+    keys.add_argument("--workers", type=int, default=KEYS_WORKERS, metavar="N",
+                      help=f"rollout workers, one key pair each (default {KEYS_WORKERS}, the rollout StatefulSet's "
+                           "replicas in deploy/k8s); run again with a larger N to add workers' keys")
     model = roles.add_parser("model", help="Import a model as a Hugging Face directory (model import --help)",
                              description="Model directories for model.path.")
     actions = model.add_subparsers(dest="action", required=True, metavar="ACTION")

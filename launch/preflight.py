@@ -10,7 +10,7 @@ from pathlib import Path
 
 from async_rl.config import Config, configured_model_path
 from async_rl.errors import ConfigError
-from async_rl.security import ROLES, load_keys
+from async_rl.security import load_keys, worker_identity
 from launch.rundir import fresh_run_dir
 
 
@@ -18,8 +18,9 @@ def preflight(config: Config, resume: bool = False) -> None:
     """Raises ConfigError naming the path or the key."""
     configured_model_path(config)
     _check_devices(config)
-    for role in ROLES:  # security.curve_dir: every role's key files are there (all roles run here)
-        load_keys(config, role)
+    workers = [worker_identity(i) for i in range(config.rollout.workers)]
+    for identity in ("replay", "learner", *workers):  # security.curve_dir: every key is there (all roles run here)
+        load_keys(config, identity)
     if not resume:
         _check_run_dir_creatable(fresh_run_dir(config).run_dir)
 

@@ -73,11 +73,11 @@ def run_in_process(command: str, name: str, config: Config, entry: Callable[[], 
     `entry`. An AsyncRLError is logged and printed in one line, exit 2; a ConfigError of a service role exits
     CONFIG_EXIT_CODE, which the launcher and a pod's restart policy do not retry (it would stop the same way)."""
     configure_logging(name, config)
-    if command in ("train", "replay", "learner", "rollout"):
-        from async_rl.security import warn_if_insecure
-
-        warn_if_insecure(config)
     try:
+        if command in ("train", "replay", "learner", "rollout"):
+            from async_rl.security import check_transport
+
+            check_transport(config)  # TCP without CURVE: refused unless security.insecure says so
         if command != "replay":
             import torch
 

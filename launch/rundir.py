@@ -12,6 +12,7 @@ import msgspec
 from async_rl.config import Config
 from async_rl.config_load import dump_config
 from async_rl.errors import ConfigError
+from async_rl.security import create_keys, insecure_endpoints
 
 log = logging.getLogger("launch.rundir")
 
@@ -61,6 +62,23 @@ def fresh_run_dir(config: Config) -> Config:
     )
     run = msgspec.structs.replace(config.run, name=name)
     return msgspec.structs.replace(config, run=run, replay=replay, learner=learner)
+
+
+def keys_for_loopback(config: Config) -> Config:
+    """A fresh run whose `auto` endpoint fell back to a loopback TCP port (a run directory path too long for a Unix
+    socket) would be refused there in the clear (async_rl/security.py `check_transport`): it gets CURVE keys of its
+    own in `<run dir>/curve`, a pair per worker, readable by this user only."""
+    if not insecure_endpoints(config) or config.security.insecure:
+        return config
+    directory = config.run_dir / "curve"
+    try:
+        create_keys(directory, config.rollout.workers)
+        directory.chmod(0o700)
+    except OSError as exc:
+        raise ConfigError(f"run.dir: cannot write the run's CURVE keys in {directory}: {exc}") from None
+    log.info("%s is loopback TCP: the run's sockets use CURVE keys in %s",
+             ", ".join(insecure_endpoints(config)), directory)
+    return msgspec.structs.replace(config, security=msgspec.structs.replace(config.security, curve_dir=str(directory)))
 
 
 def create_run_dir(config: Config, resume: bool) -> Path:

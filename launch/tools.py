@@ -18,11 +18,12 @@ def run_tool(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    """`keys DIR`: one CURVE key pair per role; the files written on stdout."""
+    """`keys DIR --workers N`: a CURVE key pair for the replay, the learner and each worker; the files written on
+    stdout."""
     from async_rl.security import create_keys
 
     try:
-        written = create_keys(args.dir)
+        written = create_keys(args.dir, args.workers)
     except (AsyncRLError, OSError) as exc:
         print(f"async-rl keys: {exc}", file=sys.stderr)
         return 2

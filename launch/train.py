@@ -29,7 +29,7 @@ from async_rl.config import Config
 from launch import forkserver
 from launch.dashboard import Dashboard
 from launch.preflight import preflight
-from launch.rundir import create_run_dir, fresh_run_dir
+from launch.rundir import create_run_dir, fresh_run_dir, keys_for_loopback
 from launch.supervise import Child, Supervisor
 from replay.log_format import check_format
 from rollout.envs.base import load_factory
@@ -46,7 +46,7 @@ def train(config: Config, resume: bool = False) -> int:
         check_format(config.run_dir / "replay")  # a log this build cannot read: refused before any role starts
     load_factory(config.env.name, config.env.kwargs)  # a bad env.name or env.kwargs stops here, before the run dir
     if not resume:
-        config = fresh_run_dir(config)
+        config = keys_for_loopback(fresh_run_dir(config))
     config_path = create_run_dir(config, resume)
     env = dict(os.environ, ASYNC_RL_RUN_START=str(time.time()), OMP_NUM_THREADS=str(config.run.threads_per_process))
     console = Console(stderr=True)

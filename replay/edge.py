@@ -1,5 +1,6 @@
-"""Validation at the edge against the replay's state: the learner's version ceiling, and what a stage record may
-carry (docs/architecture.md, "Validation at the edge").
+"""Validation at the edge against the replay's state: the learner's version ceiling, what a stage record may
+carry (docs/architecture.md, "Validation at the edge"), and what a sender's CURVE key may send (`key_problem`,
+docs/architecture.md, "Security").
 
 `protocol.value_problem` checks a message's values alone; this checks them against what the replay knows: versions
 ahead of what the learner can have, token ids past `replay.vocab_size`, trajectories longer than
@@ -12,13 +13,30 @@ from __future__ import annotations
 import re
 
 from async_rl.config import Config
-from async_rl.protocol import TOKEN, StageRecord
+from async_rl.protocol import TOKEN, AnyMessage, BatchAck, BatchRequest, StageRecord
+from async_rl.security import owns, role_of, routing_name
 from replay.group import Group
 from replay.state import LearnerState, ReplayState
 
 GROUP_ID = re.compile(r"e(\d{1,10})\.g(\d{1,10})")  # the group ids replay/leases.py makes
 
 Problem = tuple[str, str]  # (reason, detail)
+
+
+def key_problem(identity: bytes, message: AnyMessage, peer: str) -> Problem | None:
+    """(reason, detail) when the sender's key (`peer`, the identity CURVE authenticated) may not send `message` as it
+    does, before any value is looked at: a role's messages from another role's key, a connection's routing identity
+    or a worker id that belongs to another key."""
+    name = type(message).__name__
+    role = "learner" if isinstance(message, BatchRequest | BatchAck) else "rollout"
+    if role_of(peer) != role:
+        return f"not_{role}", f"{name} is only accepted from the {role}'s key, not from the key of {peer!r}"
+    if not owns(peer, routing_name(identity)):
+        return "identity_not_key", f"the key of {peer!r} speaks under the identity {identity!r}"
+    worker_id = getattr(message, "worker_id", None)
+    if worker_id is not None and not owns(peer, worker_id):
+        return "worker_not_key", f"{name} of worker {worker_id!r} sent with the key of {peer!r}"
+    return None
 
 
 class Edge:

@@ -37,8 +37,9 @@ class LogFormatError(WalError, ConfigError):
 
 
 class Received(msgspec.Struct, tag="in", array_like=True):
-    """A message `handle` answered: the sender's identity, the service clock, the message as encoded, and the
-    sender's role as CURVE authenticated it (None without CURVE): the rebuild must refuse what the live replay did."""
+    """A message `handle` answered: the sender's routing identity, the service clock, the message as encoded, and
+    the identity its CURVE key authenticated (`learner`, `rollout-3`; `rollout` in a log of the shared-key layout;
+    None without CURVE): the rebuild must refuse what the live replay did."""
 
     identity: bytes
     now: float

@@ -16,8 +16,10 @@ Validation at the edge (docs/architecture.md): every message is checked before a
 `protocol.value_problem` (finite rewards and outcomes, log-probs <= 0, members and versions >= 0, sane batch
 requests), then against the service's state (replay/edge.py). A refusal is an `Error` naming the reason, counted by
 reason in `ReplayStats.rejected` and logged at most once per reason every `REJECT_LOG_EVERY_S`. A stage record or
-outcome refused for its values abandons its trajectory (when the group and member are real), so its group still
-closes over the other members.
+outcome refused for its values abandons its trajectory (when the group and member are real and the sender holds
+the group's lease), so its group still closes over the other members. Before any of that, with CURVE, the sender's
+key must be of the message's role and own the connection's identity and the worker id (replay/edge.py); a record
+or outcome for a group must come from the worker that leased it (`not_leaseholder`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from async_rl.protocol import (
     value_problem,
 )
 from async_rl.ratelimit import RateLimitedLog
-from replay.edge import Edge
+from replay.edge import Edge, key_problem
 from replay.group import Group
 from replay.guard import Guard
 from replay.leases import AdmissionClock, Leases
@@ -142,12 +144,11 @@ class ReplayService:
 
     def handle(self, identity: bytes, message: AnyMessage, now: float, peer: str | None = None) -> list[Reply]:
         """Answer one decoded message from peer `identity`; also answers parked batch requests it unblocks.
-        `peer`: the sender's role as CURVE authenticated it ("learner", "rollout"), None without CURVE."""
+        `peer`: the sender's identity as CURVE authenticated it ("learner", "rollout-3"), None without CURVE."""
         if peer is not None and not isinstance(message, Error):
-            role = "learner" if isinstance(message, BatchRequest | BatchAck) else "rollout"
-            if peer != role:
-                error = self.reject(getattr(message, "msg_id", -1), "unauthorized", f"not_{role}",
-                                    f"{type(message).__name__} is only accepted from the {role}'s key, not {peer!r}")
+            refused = key_problem(identity, message, peer)
+            if refused is not None:
+                error = self.reject(getattr(message, "msg_id", -1), "unauthorized", *refused)
                 return [(identity, error)]
         problem = value_problem(message)
         if problem is not None:
@@ -296,6 +297,10 @@ class ReplayService:
         if group is None:
             return self.reject(message.msg_id, "unknown_group", "unknown_group",
                                f"{name} for unknown group {message.group_id!r}")
+        if message.worker_id != group.worker_id:  # the lease is the worker's, and with CURVE so is the worker id
+            return self.reject(message.msg_id, "unauthorized", "not_leaseholder",
+                               f"{name} from worker {message.worker_id!r} for group {message.group_id!r}, leased by "
+                               f"{group.worker_id!r}")
         problem = group.member_problem(message.member, message.trajectory_id)
         if problem is not None:
             return self.reject(message.msg_id, "bad_state", "bad_member", problem)
@@ -425,9 +430,9 @@ class ReplayService:
         error = self.reject(getattr(message, "msg_id", -1), code, reason, detail)
         if isinstance(message, StageRecord | Outcome):
             group = self.groups.get(message.group_id)
-            if group is not None and message.member >= 0 and (
+            if group is not None and message.worker_id == group.worker_id and message.member >= 0 and (
                 group.member_problem(message.member, message.trajectory_id) is None
-            ):
+            ):  # only the leaseholder's own bad message gives up its trajectory
                 self._abandon_refused(group, message.member, reason, now)
         return [(identity, error)] + self.serving.answer_parked(now)
 

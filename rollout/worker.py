@@ -256,7 +256,7 @@ class _Worker:
         seed = config.run.seed * 1000 + worker_index
         self.engine = EngineThread(make_engine(config, model_dir, seed=seed, stop=stop))
         self.context = zmq.Context()
-        curve = load_keys(config, "rollout")
+        curve = load_keys(config, worker_id)  # its own key: the replay holds it to this worker id and its leases
         self.dealer = connect_dealer(self.context, config.replay.endpoint, worker_id, curve)
         self.subscriber = connect_subscriber(self.context, config.learner.publish_endpoint, curve)
         self.link = ReplayLink(self.dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from async_rl.config_load import load_config
-from async_rl.security import ROLE_FILES
+from async_rl.security import role_files
 from launch.cli import main as async_rl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list
     for example in (tmp_path / "deploy" / "k8s" / "secrets").glob("*.env.example"):
         shutil.copy(example, example.with_suffix(""))
     monkeypatch.chdir(tmp_path)
-    assert async_rl(["keys", "deploy/k8s/secrets/curve"]) == 0  # docs/deploy.md, step 2, from the repository root
+    assert async_rl(["keys", "deploy/k8s/secrets/curve", "--workers", "4"]) == 0  # docs/deploy.md, step 2
     out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", "deploy/k8s"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -315,22 +315,53 @@ def test_the_router_requires_the_api_key(docs):
     assert {e["name"] for e in router["env"]} >= {"SGLANG_API_KEY"}
 
 
-def test_every_role_mounts_only_its_curve_keys_where_the_config_looks(docs):
-    """security.curve_dir is on in the cluster config; each role's pod gets its own secret key and its peers'
-    public keys (async_rl/security.py ROLE_FILES), and the clients of the SGLang servers get the API key."""
+def test_every_pod_mounts_only_its_own_curve_keys_where_the_config_looks(docs):
+    """security.curve_dir is on in the cluster config; each pod gets its own secret key and its peers' public keys
+    (async_rl/security.py role_files), a pair per rollout replica, and the clients of the SGLang servers get the API
+    key. A worker's secret keys reach only the init container that copies the pod's own (its ordinal) into memory."""
     curve_dir = cluster_config().security.curve_dir
     assert curve_dir is not None
     named = {doc["metadata"]["name"]: doc for doc in workloads(docs)}
-    pods = {role: named[f"async-rl-{role}"] for role in ROLE_FILES}
-    for role, doc in pods.items():
-        (volume,) = [v for v in pod_spec(doc)["volumes"] if v.get("secret", {}).get("secretName") == "async-rl-curve"]
-        assert [item["key"] for item in volume["secret"]["items"]] == list(ROLE_FILES[role]), role
-        assert [item["path"] for item in volume["secret"]["items"]] == list(ROLE_FILES[role]), role
+    replicas = named["async-rl-rollout"]["spec"]["replicas"]
+    workers = [f"rollout-{i}" for i in range(replicas)]
+    (secret,) = [g for g in _kustomization()["secretGenerator"] if g["name"] == "async-rl-curve"]
+    written = [f"{name}.{suffix}" for name in ("replay", "learner", *workers) for suffix in ("key", "key_secret")]
+    assert [Path(source).name for source in secret["files"]] == written  # `async-rl keys DIR --workers <replicas>`
+
+    def curve_volumes(doc: dict) -> list[dict]:
+        return [v for v in pod_spec(doc)["volumes"] if v.get("secret", {}).get("secretName") == "async-rl-curve"]
+
+    for role in ("replay", "learner"):
+        doc = named[f"async-rl-{role}"]
+        (volume,) = curve_volumes(doc)
+        assert [item["key"] for item in volume["secret"]["items"]] == role_files(role, workers), role
+        assert [item["path"] for item in volume["secret"]["items"]] == role_files(role, workers), role
         main = pod_spec(doc)["containers"][0]
         (mount,) = [m for m in main["volumeMounts"] if m["name"] == volume["name"]]
         assert mount["mountPath"] == curve_dir and mount["readOnly"] is True
-        if role != "replay":
-            assert "SGLANG_API_KEY" in {e["name"] for e in main.get("env", [])}, role
+        if role == "learner":
+            assert "SGLANG_API_KEY" in {e["name"] for e in main.get("env", [])}
+
+    rollout = named["async-rl-rollout"]
+    (volume,) = curve_volumes(rollout)
+    own = {role_files(worker)[0] for worker in workers}
+    items = [item["key"] for item in volume["secret"]["items"]]
+    assert set(items) == own | set(role_files("rollout-0")[1:]) and len(items) == len(set(items))
+    (copier,) = [c for c in pod_spec(rollout)["initContainers"] if volume["name"] in
+                 {m["name"] for m in c["volumeMounts"]}]
+    main = pod_spec(rollout)["containers"][0]
+    assert volume["name"] not in {m["name"] for m in main["volumeMounts"]}  # no other worker's secret key in reach
+    (mount,) = [m for m in main["volumeMounts"] if m["mountPath"] == curve_dir]
+    assert mount["readOnly"] is True
+    (own_keys,) = [v for v in pod_spec(rollout)["volumes"] if v["name"] == mount["name"]]
+    assert own_keys["emptyDir"]["medium"] == "Memory"
+    assert {m["mountPath"] for m in copier["volumeMounts"] if m["name"] == mount["name"]} == {curve_dir}
+    script = command_line(copier)
+    assert "${HOSTNAME##*-}" in script and "rollout-$i.key_secret" in script  # the pod's ordinal, as --index
+    assert "--index ${HOSTNAME##*-}" in command_line(main)
+    for name in role_files("rollout-0")[1:]:
+        assert name in script
+    assert "SGLANG_API_KEY" in {e["name"] for e in main.get("env", [])}
 
 
 def test_learner_is_an_indexed_job_with_a_static_rendezvous(docs):

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import yaml
-from sglang_server import free_port
 from test_pipeline import running
 
 from launch import forkserver
@@ -43,8 +42,8 @@ def test_a_role_dies_with_a_signal_or_with_the_server(tmp_path):
     """A SIGKILLed role reports -9, as Popen does; a role whose server is killed gets SIGTERM and stops."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"run": {"dir": str(tmp_path), "name": "r"},
-                                      "replay": {"endpoint": f"tcp://127.0.0.1:{free_port()}"},
-                                      "learner": {"publish_endpoint": f"tcp://127.0.0.1:{free_port()}"}}))
+                                      "replay": {"endpoint": f"ipc://{tmp_path}/replay.sock"},
+                                      "learner": {"publish_endpoint": f"ipc://{tmp_path}/weights.sock"}}))
     forks = ForkServer(dict(os.environ))
     try:
         first = forks.start(["replay", "--config", str(config)], str(tmp_path / "replay.log"), dict(os.environ))

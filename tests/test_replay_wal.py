@@ -298,7 +298,7 @@ def test_a_sigkilled_replay_restarted_with_the_same_config_loses_no_acked_record
         # checkpoint_every 0: groups close at once (this learner client reports no checkpoints, so with learner
         # checkpoints on the replay would hold every group open for a rollback that cannot come)
         learner={"request_timeout_s": 2.0, "min_batch_items": 1, "batch_wait_s": 0.0, "checkpoint_every": 0,
-                 "publish_endpoint": "tcp://127.0.0.1:5999"},  # not used by the replay; a pod needs one
+                 "publish_endpoint": f"ipc://{tmp_path}/weights.ipc"},  # not used by the replay; a pod needs one
         algo={"groups_per_step": 100},
     )
     config_path = tmp_path / "config.yaml"

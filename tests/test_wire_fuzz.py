@@ -1,8 +1,8 @@
 """Wire fuzz: 10,000 seeded hostile messages into the replay of a live `async-rl train` run on TCP with CURVE on.
 
-The fuzzer holds the rollout key (a compromised or buggy worker: the worst a peer that got in can do) and sends
-NaN, inf, huge and negative values, out-of-range versions and members, forged outcomes for groups it never
-leased, num_stages=0, huge token ids, undecodable frames, messages of the wrong type, and learner messages
+The fuzzer holds a worker's key, rollout-1's (a compromised or buggy worker: the worst a peer that got in can
+do), and sends NaN, inf, huge and negative values, out-of-range versions and members, forged outcomes for groups
+it never leased, num_stages=0, huge token ids, undecodable frames, messages of the wrong type, and learner messages
 (BatchRequest, BatchAck) that its key may not send. It also leases groups of its own and poisons every member.
 Each message is built with one defect whose reason it knows. The run must finish with its invariants, and the
 replay must have refused exactly what should be refused, by reason, and nothing of the honest workers' traffic.
@@ -59,7 +59,7 @@ WINDOW = 500  # messages in flight before the fuzzer reads the replies (a ROUTER
 VOCAB = 100_000  # replay.vocab_size: far above the tiny model's vocabulary, so honest tokens pass
 MAX_SEQ_LEN = 256
 GROUP_SIZE = 4
-WORKER = "fuzz-worker"
+WORKER = "rollout-1"  # a worker of the keys that the run does not start (it runs rollout-0): its key, gone rogue
 HUGE_INTS = [2**31 - 1, 2**40, 2**62, -1, -(2**31), -(2**62)]
 BAD_FLOATS = [math.nan, math.inf, -math.inf]
 HUGE_FLOATS = [1e308, -1e308, 3.4e38, 1e-320]
@@ -298,7 +298,7 @@ def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
     run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     context = zmq.Context()
     config = config_from_dict({"security": {"curve_dir": str(keys)}})
-    dealer = connect_dealer(context, replay, "fuzz-0", load_keys(config, "rollout"))  # a worker's key, gone rogue
+    dealer = connect_dealer(context, replay, WORKER, load_keys(config, WORKER))  # a worker's own key, gone rogue
     link, fuzzer = Link(dealer), Fuzzer(seed=11)
     try:
         first_version, fuzz_s = fuzz(link, fuzzer, own_groups=8, run_dir=tmp_path / "t")
