@@ -57,6 +57,7 @@ from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
 from rollout.prepare import load_env, prepare_model_dir
+from rollout.sandbox import isolation_counts
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -312,6 +313,7 @@ class _Worker:
                     env_errors=runner.env_errors, plugin_timeouts=runner.plugin_timeouts,
                     hung_calls=runner.hung_calls(),
                     duplicate_acks=link.duplicate_acks, duplicate_lease_replies=link.duplicate_lease_replies,
+                    **isolation_counts(),  # agent code run by this worker, and how much of it without namespaces
                     **{f"rejected_{code}": n for code, n in link.rejected.items()})
         self.metrics.write(line)
 

@@ -300,3 +300,61 @@ def test_sandbox_benchmark_quick():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     headline = json.loads(done.stdout.strip().splitlines()[-1])
     assert headline["judged_ok"] == headline["problems"] == 16 and headline["exec_per_s_serial_auto"] > 0
+
+
+CORRECT_CLIP = "def add_clip(a, b, hi):\n    return max(0, min(a + b, hi))"
+
+
+def test_a_correct_solution_earns_full_reward_and_says_how_it_was_judged(clip_factory):
+    env = clip_factory.make()
+    env.reset(clip_factory.tasks("train")[0])
+    assert env.step(fence(CORRECT_CLIP)).reward == 1.0
+    judgement = env.judge()
+    assert judgement.score == 1.0 and judgement.success
+    namespaces = "netns" in clip_factory.sandbox.run("", []).isolation
+    assert judgement.info["judged_without_namespaces"] == (0.0 if namespaces else 1.0)
+
+
+@pytest.mark.parametrize("hack", [
+    "class Yes:\n    def __eq__(self, other):\n        return True\ndef add_clip(a, b, hi):\n    return Yes()",
+    "import builtins\nbuiltins.AssertionError = type('No', (Exception,), {})\ndef add_clip(a, b, hi):\n    return -1",
+    "import os\nos._exit(0)",
+    "import sys\nprint('Visible tests: 4/4 passed.')\nsys.exit(0)",
+])
+def test_reward_hacks_earn_nothing_from_the_coding_env(clip_factory, hack):
+    env = clip_factory.make()
+    env.reset(clip_factory.tasks("train")[0])
+    assert env.step(fence(hack)).reward == 0.0
+    judgement = env.judge()
+    assert judgement.score == 0.0 and not judgement.success
+
+
+def test_the_tasks_helpers_stay_the_tasks_own(tmp_path):
+    """HumanEval/38-style: the hidden test uses a helper of the prompt; a solution redefining it gains nothing."""
+    task = {"id": "cyclic", "prompt": "def encode(s):\n    return s[::-1]\n\ndef decode(s):\n    '''Undo encode.'''\n",
+            "setup": "def encode(s):\n    return s[::-1]\n", "entry_point": "decode",
+            "hidden_tests": ["assert decode(encode('abc')) == 'abc'"]}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(task) + "\n")
+    f = factory(tasks_file=str(path), eval_fraction=0.0)
+    for code, score in [("def encode(s):\n    return s\ndef decode(s):\n    return s", 0.0),
+                        ("def decode(s):\n    return s[::-1]", 1.0)]:
+        env = f.make()
+        env.reset(f.tasks("train")[0])
+        env.step(fence(code) + "submit")
+        assert env.judge().score == score, code
+
+
+def test_require_namespaces_refuses_a_host_without_them(monkeypatch):
+    with pytest.raises(EnvError, match="env.kwargs.require_namespaces"):
+        load_factory("coding", {"require_namespaces": "yes"})
+    with pytest.raises(EnvError, match="env.kwargs.require_namespaces: true needs env.kwargs.isolation: auto"):
+        load_factory("coding", {"require_namespaces": True, "isolation": "basic"})
+    from rollout.sandbox import Sandbox
+
+    original = Sandbox._agent_spec  # a host that forbids unshare: the agent's process gets no namespaces
+    monkeypatch.setattr(Sandbox, "_agent_spec", lambda self, *a: {**original(self, *a), "namespaces": False})
+    with pytest.raises(EnvError, match="env.kwargs.require_namespaces: namespaces are required") as refused:
+        load_factory("coding", {"require_namespaces": True})
+    assert "turn require_namespaces off" in str(refused.value)
+    load_factory("coding", {})  # without the setting it starts, and its judgements say how they were judged

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from project_commands import project_command
 from test_faults import killed_on_failure
+from test_sandbox import NAMESPACES
 
 pytestmark = pytest.mark.slow
 
@@ -269,5 +270,11 @@ def test_the_coding_environment_trains_end_to_end_through_real_processes(tmp_pat
     assert summary["trajectories_finished"] > 0 and summary["env_errors"] == 0  # judged through the sandbox
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["eval_tasks"] == 2 and result["eval_abandoned"] == 0 and "eval_hidden_fraction" in result
+    # how the sandbox isolated the agent's code is said: in the run's result and on every worker metrics line
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics" / "rollout-0.jsonl").read_text().splitlines()]
+    assert all("sandbox_executions_without_namespaces" in line for line in lines)
+    assert "eval_judged_without_namespaces" in result  # the random policy may never write code: counts can be 0
+    if NAMESPACES:
+        assert lines[-1]["sandbox_executions_without_namespaces"] == 0 and result["eval_judged_without_namespaces"] == 0
     assert_children_gone(tmp_path / "t")
     assert not _sandbox_processes()

@@ -1,5 +1,8 @@
 """The sandbox contains abuse: each attack ends with a clear outcome, no stray process, nothing changed outside.
 
+The tests are the judge's (trusted, in a process of its own): each attack is the agent's code, run when it loads or
+when a test calls one of its functions. Reward hacks against the judge: tests/test_sandbox_judge.py.
+
 Each attack runs in both isolation modes: "auto" (namespaces where the kernel allows them: what CI and the
 workers use here) and "basic" (no namespaces: the rlimits + uid + audit-hook fallback). After each one the
 `healthy` fixture checks that no process of a sandbox uid or with the test's marker survives and that a normal
@@ -25,7 +28,7 @@ import pytest
 import setuptools
 
 from rollout.sandbox import ERROR, FAILED, NOT_RUN, PASSED, TIMEOUT, Limits, Sandbox, Test, child
-from rollout.sandbox.parent import CHILD
+from rollout.sandbox.parent import CHILD, JUDGE
 
 # Generous times (the machine is shared: a 0.2 s test can take 2 s under load); the tests that expect a timeout
 # use FAST. nice 0: the child competes on equal terms with the load around it.
@@ -145,9 +148,9 @@ def test_syntax_error_is_a_load_error(sandbox):
 
 
 def test_stdlib_imports_work(sandbox):
-    code = "import fractions, decimal, zlib, json, collections, itertools\nx = zlib.crc32(b'a')\n"
-    r = sandbox.run(code, [Test("a", "assert x == 3904355907")])
-    r2 = sandbox.run(code + "import sqlite3\n", [Test("a", "assert x == 3904355907")])
+    code = "import fractions, decimal, zlib, json, collections, itertools\ndef crc():\n    return zlib.crc32(b'a')\n"
+    r = sandbox.run(code, [Test("a", "assert crc() == 3904355907")])
+    r2 = sandbox.run(code + "import sqlite3\n", [Test("a", "assert crc() == 3904355907")])
     if any("stdlib is not readable" in n for n in r.notes):
         # basic mode as root with the interpreter under a private home (/root 0700): only preloaded modules
         assert sandbox.isolation == "basic" and "ModuleNotFoundError" in r2.load_error
@@ -162,8 +165,9 @@ def test_infinite_loops(sandbox):
     t0 = time.monotonic()
     r = sandbox.run("def f():\n    while True:\n        pass\n", [Test("spin", "f()"), Test("after", "assert True")])
     assert [t.status for t in r.tests] == [TIMEOUT, PASSED]  # SIGALRM interrupts bytecode: the next test runs
-    r = sandbox.run("x = 1", [Test("c-level", "sum(range(10**13))"), Test("after", "assert True")])
-    assert r.status == "timeout" and r.tests[0].status == TIMEOUT and r.tests[1].status == NOT_RUN
+    # C: the alarm cannot interrupt it; the judge's own alarm times the test out, and the judge goes on
+    r = sandbox.run("def g():\n    return sum(range(10**13))\n", [Test("c-level", "g()"), Test("after", "assert True")])
+    assert r.status == "ok" and [t.status for t in r.tests] == [TIMEOUT, PASSED]
     r = sandbox.run("while True:\n    pass\n", [Test("a", "assert True")])
     assert r.status == "load_error" and "Timeout" in r.load_error
     assert time.monotonic() - t0 < 3 * FAST.wall_s + 3
@@ -180,29 +184,36 @@ def test_fork_bomb(sandbox, marker):
         "            os.fork()\n"
         "        except OSError as exc:\n"
         "            failures.append(type(exc).__name__)\n"
+        f"def run():  # {marker}\n"
+        "    bomb()\n"
+        "    return failures\n"
     )
-    r = sandbox.run(code, [Test("bomb", f"bomb()  # {marker}\nassert failures, 'every fork succeeded'")])
+    r = sandbox.run(code, [Test("bomb", "assert run(), 'every fork succeeded'")])
     assert r.status in ("ok", "timeout", "crash")
     assert r.tests[0].status == PASSED, r.tests[0]  # the forks hit RLIMIT_NPROC (auto) or the audit hook (basic)
 
 
 @pytest.mark.usefixtures("healthy")
 def test_memory_bomb(sandbox):
-    grow = "chunks = []\nwhile True:\n    chunks.append(bytearray(5 * 10**7))"
-    r = sandbox.run("x = 1", [Test("big", "b = bytearray(10**10)"), Test("grow", grow)])
+    code = ("def big():\n    return bytearray(10**10)\n"
+            "def grow():\n    chunks = []\n    while True:\n        chunks.append(bytearray(5 * 10**7))\n")
+    r = sandbox.run(code, [Test("big", "big()"), Test("grow", "grow()")])
     assert [t.status for t in r.tests] == [ERROR, ERROR]
     assert all("MemoryError" in t.detail for t in r.tests)
 
 
 @pytest.mark.usefixtures("healthy")
 def test_huge_output(sandbox):
-    tests = [
-        Test("print", "print('x' * 10**7)"),
-        Test("raw fd", "import os\nfor _ in range(200): os.write(1, b'y' * 10**5)"),
-        Test("flood", "for _ in range(10**5): print('z' * 1000)"),
-        Test("file", "open('big.txt', 'w').write('w' * (64 << 20))"),
-    ]
-    r = sandbox.run("x = 1", tests)
+    code = (
+        "import os\n"
+        "def big_print():\n    print('x' * 10**7)\n"
+        "def raw_fd():\n    for _ in range(200): os.write(1, b'y' * 10**5)\n"
+        "def flood():\n    for _ in range(10**5): print('z' * 1000)\n"
+        "def big_file():\n    open('big.txt', 'w').write('w' * (64 << 20))\n"
+    )
+    tests = [Test("print", "big_print()"), Test("raw fd", "raw_fd()"), Test("flood", "flood()"),
+             Test("file", "big_file()")]
+    r = sandbox.run(code, tests)
     assert [t.status for t in r.tests] == [PASSED, PASSED, PASSED, ERROR]
     assert "File too large" in r.tests[3].detail or "No space" in r.tests[3].detail
     assert len(r.stdout) <= LIMITS.output_chars and r.output_dropped > 10**8
@@ -269,12 +280,16 @@ for path in ["/proc/%s/environ" % p for p in pids]:
                 leaks.append(path)
     except OSError:
         pass
+def found():
+    return leaks
+def names():
+    return sorted(seen)
 """
     r = sandbox.run(
         code,
         [
-            Test("no leak", "assert not leaks, leaks"),
-            Test("env", "assert set(seen) <= {'PATH', 'LANG', 'LC_ALL', 'HOME'}, seen"),
+            Test("no leak", "assert not found(), found()"),
+            Test("env", "assert set(names()) <= {'PATH', 'LANG', 'LC_ALL', 'HOME'}, names()"),
         ],
     )
     assert r.status == "ok", r.load_error
@@ -289,9 +304,8 @@ def test_no_network(sandbox):
     listener.settimeout(0.2)
     port = listener.getsockname()[1]
     try:
-        code = "import socket\n"
-        test = f"socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'leak')"
-        r = sandbox.run("x = 1", [Test("connect", code + test)])
+        code = f"def connect():\n    import socket\n    socket.create_connection(('127.0.0.1', {port}), 1).send(b'x')\n"
+        r = sandbox.run(code, [Test("connect", "connect()")])
         assert r.tests[0].status == ERROR, r.tests[0]
         assert any(w in r.tests[0].detail for w in ("unreachable", "blocked", "refused", "Network")), r.tests[0].detail
         with pytest.raises(TimeoutError):
@@ -338,8 +352,10 @@ if os.getuid() not in (0, {parent_uid}):
         os.kill(-1, signal.SIGKILL)  # every process this uid may signal: only the sandbox's own
     except OSError:
         pass
+def sent():
+    return delivered
 """
-    r = sandbox.run(code, [Test("a", "assert not delivered, delivered")])
+    r = sandbox.run(code, [Test("a", "assert not sent(), sent()")])
     assert r.status in ("ok", "crash")  # kill(-1) may take the runner itself down: a crash, not a pass
     if r.status == "ok":
         assert r.passed == 1, r.tests
@@ -377,11 +393,8 @@ for fd in range(3, 30):
 os._exit(0)
 """
     r = sandbox.run(code, [Test("a", "assert False")])
-    assert r.status == "crash" and r.passed == 0
+    assert r.status == "crash" and r.passed == 0  # its fds 3 and 4 are the judge's pipes: lines there are no events
     assert r.tests[0].status == NOT_RUN
-    probe = "import sys, __main__\nassert __main__ is sys.modules['__main__'] and not hasattr(__main__, 'TOKEN')"
-    r = sandbox.run("x = 1", [Test("own __main__", probe)])
-    assert r.passed == 1, r.tests
 
 
 def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):
@@ -389,7 +402,7 @@ def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):
     slow = threading.Thread(target=sandbox.run, args=("while True: pass", [Test("a", "pass")]))
     slow.start()
     t0 = time.monotonic()
-    r = sandbox.run("x = 2", [Test("a", "assert x == 2")])
+    r = sandbox.run("def f():\n    return 2\n", [Test("a", "assert f() == 2")])
     quick_s = time.monotonic() - t0
     assert r.passed == 1 and quick_s < FAST.wall_s - 0.5, quick_s  # ran beside the spinning one, not after it
     slow.join()
@@ -407,9 +420,10 @@ def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):
                 running[0] -= 1
 
     sandbox._run = counted
+    nap = "import time\ndef nap():\n    time.sleep(0.2)\n"
     try:
         threads = [
-            threading.Thread(target=sandbox.run, args=("import time", [Test("a", "time.sleep(0.2)")])) for _ in range(5)
+            threading.Thread(target=sandbox.run, args=(nap, [Test("a", "nap()")])) for _ in range(5)
         ]
         for t in threads:
             t.start()
@@ -421,13 +435,15 @@ def test_concurrency_is_bounded_and_a_timeout_blocks_no_one(sandbox):
 
 
 def test_the_child_is_a_stdlib_only_module_run_isolated_and_shipped():
-    """The child is a real module of the package (linted, in the wheel), run by path with -I -S -B: it can import
-    nothing but the standard library, and its own directory is not on the agent's sys.path."""
-    tree = ast.parse(Path(child.__file__).read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
-    assert child.__file__ == CHILD and Path(CHILD).name == "child.py"
+    """The child and the judge (and the modules they load by path) are real modules of the package (linted, in the
+    wheel), run by path with -I -S -B: they can import nothing but the standard library, and their directory is not
+    on the agent's sys.path."""
+    for name in ("child", "judge", "isolation", "values"):
+        tree = ast.parse(Path(child.__file__).with_name(name + ".py").read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert imported - {"__future__"} <= set(sys.stdlib_module_names), (name, imported)
+    assert child.__file__ == CHILD and Path(CHILD).name == "child.py" and Path(JUDGE).parent == Path(CHILD).parent
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     assert "rollout.sandbox" in setuptools.find_packages(str(Path(__file__).parents[1]), include=include)

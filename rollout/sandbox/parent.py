@@ -1,11 +1,15 @@
-"""Run untrusted Python (an agent's code) against tests: one fresh, limited, offline process per execution.
+"""Run untrusted Python (an agent's code) against tests: per execution, one fresh, limited, offline process for the
+code and one for the tests.
 
-`Sandbox.run(code, tests)` starts a new interpreter, `python -I -S -B rollout/sandbox/child.py` (no site, no
-user path), hands it the code, the tests and the limits on stdin, and reads back one JSON line per event on a
-separate pipe. The child isolates itself before the agent's code runs (rlimits, network/mount/pid namespaces,
-its own uid, no_new_privs, or an audit hook where namespaces are not allowed: rollout/sandbox/child.py says how).
+`Sandbox.run(code, tests)` starts two new interpreters (no site, no user path): the agent's process,
+`python -I -S -B rollout/sandbox/child.py`, which isolates itself before the agent's code runs (rlimits,
+network/mount/pid namespaces, its own uid, no_new_privs, or an audit hook where namespaces are not allowed:
+rollout/sandbox/isolation.py says how), and the judge, `python -I -S -B rollout/sandbox/judge.py`, which runs the
+tests and calls the agent's functions over a pair of pipes, comparing plain values it decoded itself
+(rollout/sandbox/values.py). Each gets its part of the spec on stdin; the judge alone writes the events (one JSON
+line each) on a third pipe, which the agent's process never holds.
 
-This parent gives every execution a wall-clock deadline and then kills the process group, and, when the child
+This parent gives every execution a wall-clock deadline and then kills both process groups, and, when the child
 dropped to a slot uid (as root: `uid_base` + a slot claimed with a machine-wide lock file), every process of that
 uid (found in /proc), so a process that left the group (setsid, a double fork) dies too. Output is capped on
 both sides; the temporary directory is removed afterwards. Executions run concurrently up to `max_concurrent`
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import secrets
 import selectors
@@ -33,11 +38,55 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from async_rl.errors import AsyncRLError
+from rollout.sandbox.processes import force_rmtree, kill_uid, make_workdir, tasks_of_uid
 from rollout.sandbox.results import ExecutionResult, Limits, Test, assemble, parse_event
 
+log = logging.getLogger("rollout.sandbox")
+
 CHILD = str(Path(__file__).with_name("child.py"))  # run by path: the child imports nothing of the project
-RESULT_FLOOD_BYTES = 16 << 20  # more than this on the result pipe without a newline: not the child's doing
-STRAGGLER_S = 0.2  # after the child exits, how long a process still holding its pipes is waited for
+JUDGE = str(Path(__file__).with_name("judge.py"))
+RESULT_FLOOD_BYTES = 16 << 20  # more than this on the result pipe without a newline: not the judge's doing
+STRAGGLER_S = 0.2  # after the judge exits, how long a process still holding its pipes is waited for
+NAMESPACES = ("netns", "mountns")  # what `require_namespaces` asks for (a pid namespace is taken where allowed)
+
+
+class SandboxError(AsyncRLError):
+    """The sandbox cannot give what it was asked for (namespaces on a host without them)."""
+
+
+class _Counts:
+    """Executions in this process, and those whose agent's process ran without namespaces (the rollout worker puts
+    both on every metrics line: `sandbox_executions`, `sandbox_executions_without_namespaces`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.executions = 0
+        self.without_namespaces = 0
+        self.warned = False
+
+    def count(self, isolation: list[str], notes: list[str]) -> None:
+        if not isolation:
+            return  # the agent's process never said (it died at once): nothing ran
+        fallback = not all(n in isolation for n in NAMESPACES)
+        with self.lock:
+            self.executions += 1
+            self.without_namespaces += fallback
+            warn, self.warned = fallback and not self.warned, self.warned or fallback
+        if warn:
+            log.warning("sandbox: agent code runs WITHOUT namespaces here (%s; %s): the audit-hook fallback is no "
+                        "security boundary; env.kwargs.require_namespaces=true refuses to run so",
+                        "+".join(isolation), "; ".join(notes) or "isolation: basic")
+
+
+COUNTS = _Counts()
+
+
+def isolation_counts() -> dict[str, int]:
+    """This process's sandbox executions so far, and how many of them ran without namespaces."""
+    with COUNTS.lock:
+        return {"sandbox_executions": COUNTS.executions,
+                "sandbox_executions_without_namespaces": COUNTS.without_namespaces}
 
 
 class Sandbox:
@@ -45,6 +94,8 @@ class Sandbox:
 
     isolation: "auto" (namespaces where the kernel allows, else the audit fallback) or "basic" (never
     namespaces: rlimits, uid, process group and the audit hook only; for tests and for hosts that forbid unshare).
+    require_namespaces: no fallback: the constructor runs one empty execution and raises SandboxError if it got no
+    network and mount namespaces, and an execution that gets none later never loads the code and raises too.
     """
 
     def __init__(
@@ -56,9 +107,12 @@ class Sandbox:
         uid_count: int = 512,
         site_packages: bool = False,
         python: str | None = None,
+        require_namespaces: bool = False,
     ) -> None:
         if isolation not in ("auto", "basic"):
             raise ValueError(f"isolation: expected 'auto' or 'basic', got {isolation!r}")
+        if require_namespaces and isolation == "basic":
+            raise ValueError("require_namespaces: 'basic' isolation never uses namespaces; use 'auto'")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent: expected >= 1, got {max_concurrent}")
         self.limits = limits or Limits()
@@ -82,17 +136,40 @@ class Sandbox:
         paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
         paths.add(os.path.dirname(os.path.realpath(self.python)))
         self._expose = sorted(p for p in paths if not any(p.startswith(q + "/") for q in paths))
+        self.require_namespaces = require_namespaces
+        if require_namespaces:
+            self.run("", [])  # raises SandboxError where this host gives no namespaces
 
-    def run(self, code: str, tests: Sequence[Test], setup: str = "", explain: bool = True) -> ExecutionResult:
-        """Load `setup` then `code` as one module, run each test in a copy of its namespace; never raises for
-        anything the code does. `explain`: on a failed `assert a == b`, evaluate `a` and report what it gave."""
+    def run(
+        self,
+        code: str,
+        tests: Sequence[Test],
+        setup: str = "",
+        explain: bool = True,
+        entry_points: Sequence[str] | None = None,
+    ) -> ExecutionResult:
+        """Load `setup` then `code` as one module in the agent's process; the judge runs `setup` too, then each
+        test in a copy of its namespace where each of `entry_points` (default: every function the code defines)
+        calls the agent's function of that name. Never raises for anything the code does (SandboxError: namespaces
+        required and not given). `explain`: on a failed `assert a == b`, evaluate `a` and report what it gave."""
+        names = None if entry_points is None else [str(n) for n in entry_points]
         with self._slots:
             uid = self._claim_uid() if self.is_root else None
             try:
-                return self._run(code, list(tests), setup, explain, uid)
+                result = self._run(code, list(tests), setup, explain, names, uid)
             finally:
                 if uid is not None:
                     self._release_uid(uid)
+        COUNTS.count(result.isolation, result.notes)
+        if self.require_namespaces and not all(n in result.isolation for n in NAMESPACES):
+            raise SandboxError(
+                "namespaces are required (require_namespaces) and this host gave the sandbox none ("
+                + ("; ".join(result.notes) or f"the agent's process ended: {result.status}, {result.stderr[-300:]}")
+                + "): run the worker as root, or where unprivileged user namespaces are allowed (sysctl "
+                "kernel.unprivileged_userns_clone / AppArmor, a seccomp profile that allows unshare), or turn "
+                "require_namespaces off to accept the audit-hook fallback, which is no security boundary"
+            )
+        return result
 
     # -- uid slots: one uid per concurrent execution, machine-wide (a flock per uid), so a sweep kills only ours
 
@@ -112,7 +189,7 @@ class Sandbox:
                 with self._uid_lock:
                     self._uids_here.discard(uid)
                 continue
-            _kill_uid(uid)  # leftovers of an owner that died
+            kill_uid(uid)  # leftovers of an owner that died
             return uid, fd
         raise RuntimeError(f"sandbox: all {len(self._uid_range)} sandbox uids are in use")
 
@@ -125,82 +202,112 @@ class Sandbox:
     # -- one execution
 
     def _run(
-        self, code: str, tests: list[Test], setup: str, explain: bool, claimed: tuple[int, int] | None
+        self,
+        code: str,
+        tests: list[Test],
+        setup: str,
+        explain: bool,
+        entry_points: list[str] | None,
+        claimed: tuple[int, int] | None,
     ) -> ExecutionResult:
         uid = claimed[0] if claimed else None
-        base, workdir = _make_workdir(uid)
+        base, workdir = make_workdir(uid)
         token = secrets.token_hex(16)
-        spec = self._spec(code, tests, setup, explain, workdir, uid, token)
-        read_end, write_end = os.pipe()
+        request_r, request_w = os.pipe()  # judge -> agent: calls
+        reply_r, reply_w = os.pipe()  # agent -> judge: the isolation in force, the load, replies, output
+        result_r, result_w = os.pipe()  # judge -> here: the events
+        agent_spec = self._agent_spec(code, setup, workdir, uid, request_r, reply_w)
+        judge_spec = self._judge_spec(tests, setup, explain, entry_points, token, reply_r, request_w, result_w)
         started = time.monotonic()
-        proc = None
+        agent = judge = None
         watch = _Watch(token, self.limits.output_chars * 4)  # bytes, of UTF-8 text
         try:
             try:
-                proc = self._start(workdir, write_end)
+                agent = self._start(CHILD, workdir, (request_r, reply_w), subprocess.PIPE)
+                judge = self._start(JUDGE, workdir, (reply_r, request_w, result_w), subprocess.DEVNULL)
             finally:
-                os.close(write_end)
-            spec["result_fd"] = write_end  # same number in the child (pass_fds keeps it)
-            try:
-                proc.stdin.write(json.dumps(spec).encode())
-                proc.stdin.close()
-            except OSError:
-                pass  # it died at once; reported as a crash
-            watch.follow(proc, read_end, started + self.limits.wall_s)
+                for fd in (request_r, request_w, reply_r, reply_w, result_w):
+                    os.close(fd)
+            _hand(agent, agent_spec)
+            _hand(judge, judge_spec)
+            watch.follow(judge, agent, result_r, started + self.limits.wall_s)
         finally:
-            if proc is not None:
-                self._kill_all(proc, uid)
-                for stream in (proc.stdin, proc.stdout, proc.stderr):
-                    if stream is not None:
-                        stream.close()
-            os.close(read_end)
+            agent_exit = agent.poll() if agent is not None else None  # before the kill: its own end, if it ended
+            for proc in (agent, judge):
+                if proc is not None:
+                    self._kill_all(proc, uid)
+            os.close(result_r)
             shutil.rmtree(base, ignore_errors=True)
             if os.path.exists(base):  # a directory the agent made unreadable (basic mode, not root)
-                _force_rmtree(base)
+                force_rmtree(base)
+        if judge.returncode not in (0, -signal.SIGKILL) and not watch.timed_out:
+            log.error("sandbox: the judge exited with %s: %s", judge.returncode, bytes(watch.out["judge"][-2000:]))
         wall_s = time.monotonic() - started
-        return assemble(watch.events, tests, proc, watch.out, watch.dropped, watch.timed_out, wall_s, self.limits)
+        return assemble(watch.events, tests, agent_exit, watch.out, watch.dropped, watch.timed_out, wall_s,
+                        self.limits)
 
-    def _spec(
-        self, code: str, tests: list[Test], setup: str, explain: bool, workdir: str, uid: int | None, token: str
-    ) -> dict:
-        """What the child reads on stdin (rollout/sandbox/child.py), but for the result pipe's number."""
+    def _limits(self) -> dict:
         limits = self.limits
         return {
-            "token": token,
+            "test_s": limits.test_s,
+            "cpu_s": limits.cpu_s,
+            "memory": limits.memory_mb << 20,
+            "fsize": limits.file_size_mb << 20,
+            "disk_mb": limits.disk_mb,
+            "nofile": limits.open_files,
+            "output_chars": limits.output_chars,
+            "detail_chars": limits.detail_chars,
+            "nice": limits.nice,
+            "value_bytes": limits.value_bytes,
+        }
+
+    def _nproc(self, uid: int | None) -> int:
+        """RLIMIT_NPROC counts every process of the uid: the worker's own, when the code runs as the worker's uid."""
+        return self.limits.nproc if uid is not None else self.limits.nproc + tasks_of_uid(os.getuid())
+
+    def _agent_spec(self, code: str, setup: str, workdir: str, uid: int | None, request_fd: int,
+                    reply_fd: int) -> dict:
+        """What the agent's process reads on stdin (rollout/sandbox/child.py): no test, no token."""
+        return {
             "code": code,
             "setup": setup,
-            "tests": [{"name": t.name, "source": t.source} for t in tests],
-            "explain": explain,
             "workdir": workdir,
             "uid": uid,
             "namespaces": self.isolation == "auto",
+            "require_namespaces": self.require_namespaces,
             "expose": self._expose,
             "hide": ["/root", "/home"],
             "private_dirs": ["/tmp", "/var/tmp", "/dev/shm", "/run/lock"],
-            "limits": {
-                "test_s": limits.test_s,
-                "cpu_s": limits.cpu_s,
-                "memory": limits.memory_mb << 20,
-                "fsize": limits.file_size_mb << 20,
-                "disk_mb": limits.disk_mb,
-                "nproc": limits.nproc if uid is not None else limits.nproc + _tasks_of_uid(os.getuid()),
-                "nofile": limits.open_files,
-                "output_chars": limits.output_chars,
-                "detail_chars": limits.detail_chars,
-                "nice": limits.nice,
-            },
+            "limits": {**self._limits(), "nproc": self._nproc(uid)},
+            "request_fd": request_fd,  # the same numbers in the child (pass_fds keeps them)
+            "reply_fd": reply_fd,
         }
 
-    def _start(self, workdir: str, result_fd: int) -> subprocess.Popen:
-        """The child, in a process group of its own, with a bare environment and the result pipe's write end."""
+    def _judge_spec(self, tests: list[Test], setup: str, explain: bool, entry_points: list[str] | None, token: str,
+                    reply_fd: int, request_fd: int, result_fd: int) -> dict:
+        """What the judge reads on stdin (rollout/sandbox/judge.py)."""
+        return {
+            "token": token,
+            "setup": setup,
+            "tests": [{"name": t.name, "source": t.source} for t in tests],
+            "entry_points": entry_points,
+            "explain": explain,
+            "limits": self._limits(),
+            "reply_fd": reply_fd,
+            "request_fd": request_fd,
+            "result_fd": result_fd,
+        }
+
+    def _start(self, script: str, workdir: str, fds: tuple[int, ...], stdout: int) -> subprocess.Popen:
+        """`script` in a process group of its own, with a bare environment and its ends of the pipes."""
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir}
         flags = ["-I", "-B"] if self.site_packages else ["-I", "-S", "-B"]
         return subprocess.Popen(
-            [self.python, *flags, CHILD],
+            [self.python, *flags, script],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=stdout,
             stderr=subprocess.PIPE,
-            pass_fds=(result_fd,),
+            pass_fds=fds,
             env=env,
             cwd="/",
             process_group=0,
@@ -212,38 +319,51 @@ class Sandbox:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)  # reaped first: a zombie still shows its uid in /proc
         if uid is not None:
-            _kill_uid(uid)
+            kill_uid(uid)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
+
+def _hand(proc: subprocess.Popen, spec: dict) -> None:
+    """A process's spec on its stdin, then EOF."""
+    try:
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+    except OSError:
+        pass  # it died at once; reported as a crash
 
 
 class _Watch:
-    """One execution's pipes, read until the child's pipes close, it has exited (stragglers are not waited for) or
-    the deadline passes: its signed events, and its stdout/stderr up to a cap (the rest counted)."""
+    """One execution's pipes, read until they close, the judge has exited (stragglers are not waited for) or the
+    deadline passes: the judge's signed events, and the agent's stdout/stderr (and the judge's stderr) up to a cap
+    (the agent's rest counted)."""
 
     def __init__(self, token: str, cap_bytes: int) -> None:
         self.token = token
         self.cap = cap_bytes
         self.events: list[dict] = []
-        self.out = {"stdout": bytearray(), "stderr": bytearray()}
+        self.out = {"stdout": bytearray(), "stderr": bytearray(), "judge": bytearray()}
         self.dropped = 0
         self.timed_out = False
         self._buffer = b""
 
-    def follow(self, proc: subprocess.Popen, result_fd: int, deadline: float) -> None:
+    def follow(self, judge: subprocess.Popen, agent: subprocess.Popen, result_fd: int, deadline: float) -> None:
         with selectors.DefaultSelector() as sel:
             sel.register(result_fd, selectors.EVENT_READ, "result")
-            sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-            sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+            sel.register(agent.stdout, selectors.EVENT_READ, "stdout")
+            sel.register(agent.stderr, selectors.EVENT_READ, "stderr")
+            sel.register(judge.stderr, selectors.EVENT_READ, "judge")
             exited_at = None
             while sel.get_map():
                 now = time.monotonic()
                 if now >= deadline:
-                    self.timed_out = proc.poll() is None
+                    self.timed_out = judge.poll() is None
                     return
-                if exited_at is None and proc.poll() is not None:
+                if exited_at is None and judge.poll() is not None:
                     exited_at = now
                 if exited_at is not None and now - exited_at > STRAGGLER_S:
-                    return  # the child is gone; a straggler holding a pipe open is not waited for
+                    return  # the judge is done; the agent's process (or a straggler) holding a pipe is not waited for
                 for key, _ in sel.select(timeout=min(0.05, deadline - now)):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
@@ -266,72 +386,5 @@ class _Watch:
     def _output(self, kept: bytearray, chunk: bytes) -> None:
         room = max(0, self.cap - len(kept))
         kept += chunk[:room]
-        self.dropped += len(chunk) - min(room, len(chunk))
-
-
-def _make_workdir(uid: int | None) -> tuple[str, str]:
-    """A fresh temporary directory and the working directory inside it (owned by the slot uid, when one)."""
-    base = tempfile.mkdtemp(prefix="async-rl-sbx-")
-    workdir = os.path.join(base, "work")
-    os.mkdir(workdir, 0o700)
-    if uid is not None:
-        os.chmod(base, 0o711)  # the slot uid can enter `base` but not write there: `..` is not writable
-        os.chown(workdir, uid, uid)
-    return base, workdir
-
-
-def _proc_uids(pid: str, skip_zombies: bool = False) -> tuple[int, ...]:
-    """The real, effective, saved and fs uids of a process (empty if gone, or a zombie when `skip_zombies`)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if skip_zombies and line.startswith(b"State:") and line.split()[1:2] in ([b"Z"], [b"X"]):
-                    return ()
-                if line.startswith(b"Uid:"):
-                    return tuple(int(x) for x in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return ()
-
-
-def _tasks_of_uid(uid: int) -> int:
-    """Processes and threads whose real uid is `uid` (what RLIMIT_NPROC counts)."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            uids = _proc_uids(pid)
-            if uids and uids[0] == uid:
-                try:
-                    count += len(os.listdir(f"/proc/{pid}/task"))
-                except OSError:
-                    count += 1
-    return count
-
-
-def _kill_uid(uid: int, rounds: int = 50) -> int:
-    """SIGKILL every process any of whose uids is `uid` until none is left; returns how many were signalled."""
-    killed = 0
-    for _ in range(rounds):
-        found = [int(p) for p in os.listdir("/proc") if p.isdigit() and uid in _proc_uids(p, True)]
-        if not found:
-            return killed
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-        time.sleep(0.005)
-    return killed
-
-
-def _force_rmtree(path: str) -> None:
-    def onerror(func, p, exc):  # noqa: ARG001 - shutil's signature
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=onerror)
+        if kept is not self.out["judge"]:
+            self.dropped += len(chunk) - min(room, len(chunk))

@@ -1,16 +1,16 @@
-"""What a sandbox execution is given and reports: limits, tests, and the result assembled from the child's events.
+"""What a sandbox execution is given and reports: limits, tests, and the result assembled from the judge's events.
 
-The child (rollout/sandbox/child.py) writes one JSON line per event, each signed with the execution's token:
-`ready` (the isolation in force), `load`, then `start` and `test` for each test, `output`, `done`. `assemble`
-turns the events that arrived (and how the process ended) into an `ExecutionResult`: a test without an outcome
-is a timeout, an error or not run, each with the reason.
+The judge (rollout/sandbox/judge.py) writes one JSON line per event, each signed with the execution's token:
+`ready` (the isolation in force in the agent's process), `load`, then `start` and `test` for each test, `gone`
+(the agent's process ended early), `output`, `done`. `assemble` turns the events that arrived (and how the
+processes ended) into an `ExecutionResult`: a test without an outcome is a timeout, an error or not run, each with
+the reason.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from dataclasses import dataclass, field
 
 PASSED, FAILED, ERROR, TIMEOUT, NOT_RUN = "passed", "failed", "error", "timeout", "not_run"
@@ -29,6 +29,7 @@ class Limits:
     output_chars: int = 4096  # stdout and stderr each kept up to this; the rest is counted and dropped
     detail_chars: int = 800  # one test's failure detail (assertion, traceback) kept up to this
     nice: int = 10  # the child's niceness: agent code yields the CPU to the worker
+    value_bytes: int = 4 << 20  # the largest reply (a call's value as JSON) the judge reads; longer: the call fails
 
 
 @dataclass
@@ -36,7 +37,9 @@ class Test:
     __test__ = False  # not a pytest test class
 
     name: str
-    source: str  # Python statements run in a copy of the solution's namespace; passes if it raises nothing
+    # Python statements run by the judge in a copy of the setup's namespace, the entry points calling the agent's
+    # functions; passes if it raises nothing
+    source: str
 
 
 @dataclass
@@ -49,15 +52,17 @@ class TestOutcome:
 
 @dataclass
 class ExecutionResult:
-    status: str  # ok (the runner finished), load_error (the code raised), timeout (wall clock), crash (died early)
+    # ok (the judge finished), load_error (the code raised), timeout (wall clock), crash (the agent's process, or the
+    # judge, ended early)
+    status: str
     tests: list[TestOutcome]
     load_error: str = ""  # the exception of loading the code (a SyntaxError, ...), capped
     stdout: str = ""
     stderr: str = ""
     output_dropped: int = 0  # characters of stdout/stderr over the caps
-    exit_code: int | None = None  # of the runner; negative: killed by that signal
+    exit_code: int | None = None  # of the agent's process when it ended before the judge; negative: by that signal
     wall_s: float = 0.0
-    isolation: list[str] = field(default_factory=list)  # the mechanisms that were in force in the child
+    isolation: list[str] = field(default_factory=list)  # the mechanisms that were in force in the agent's process
     notes: list[str] = field(default_factory=list)  # mechanisms that were asked for and could not be set
 
     @property
@@ -75,7 +80,7 @@ def parse_event(line: bytes, token: str) -> dict | None:
     except ValueError:
         return None
     if not isinstance(event, dict) or event.pop("token", None) != token:
-        return None  # not the runner's (it signs each line with a token the agent's code never sees on stdin)
+        return None  # not the judge's (it signs each line with a token the agent's process never has)
     return event
 
 
@@ -93,6 +98,8 @@ class _Events:
     dropped: int = 0
     outcomes: dict[int, TestOutcome] = field(default_factory=dict)
     started: int | None = None  # the index of the last test begun
+    gone: bool = False  # the agent's process ended before the judge was done with it
+    gone_during: object = None  # the index of the test it ended in ("start", "load": before any)
 
     def fold(self, event: dict, tests: list[Test], limits: Limits) -> None:
         kind = event.get("event")
@@ -115,6 +122,8 @@ class _Events:
             self.stdout = str(event.get("stdout", ""))
             self.stderr = str(event.get("stderr", ""))
             self.dropped += int(event.get("dropped", 0))
+        elif kind == "gone":
+            self.gone, self.gone_during = True, event.get("during")
         elif kind == "done":
             self.done = True
 
@@ -122,14 +131,15 @@ class _Events:
 def assemble(
     events: list[dict],
     tests: list[Test],
-    proc: subprocess.Popen | None,
+    exit_code: int | None,
     out: dict[str, bytearray],
     dropped: int,
     timed_out: bool,
     wall_s: float,
     limits: Limits,
 ) -> ExecutionResult:
-    """The result of one execution: the child's events, its stdout/stderr as read from its pipes, how it ended."""
+    """The result of one execution: the judge's events, the agent's stdout/stderr as read from its pipes, and how it
+    ended (`exit_code`: of the agent's process if it ended on its own)."""
     seen = _Events(dropped=dropped)
     for event in events:
         seen.fold(event, tests, limits)
@@ -137,8 +147,9 @@ def assemble(
     fd_err = out["stderr"].decode("utf-8", "replace")[: limits.output_chars]
     stdout = (seen.stdout + fd_out)[: limits.output_chars]
     stderr = (seen.stderr + fd_err)[: limits.output_chars]
-    exit_code = proc.returncode if proc is not None else None
-    if seen.done:
+    if seen.gone:
+        status = "crash"
+    elif seen.done:
         status = "ok" if seen.loaded else "load_error"
     elif timed_out:
         status = "timeout"
@@ -150,7 +161,9 @@ def assemble(
 
 
 def _outcome(i: int, test: Test, status: str, seen: _Events, exit_code: int | None, limits: Limits) -> TestOutcome:
-    """Test `i`'s outcome: as the child reported it, else what the way the execution ended says of it."""
+    """Test `i`'s outcome: as the judge reported it, else what the way the execution ended says of it."""
+    if seen.gone and seen.gone_during == i:
+        return TestOutcome(test.name, ERROR, f"the process died during this test ({_exit_text(exit_code)})")
     if i in seen.outcomes:
         return seen.outcomes[i]
     started = seen.started
