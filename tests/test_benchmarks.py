@@ -86,25 +86,36 @@ def test_slow_judge_quick():
 
 @pytest.mark.slow
 def test_real_model_quick(smollm2):
-    """SmolLM2-135M-Instruct trained through real processes on the tasks env, both arms side by side (LoRA, 1 version
-    of one group of 2 each, no group started past it), evaluated before and after on the same eval task. Slow: a
-    135M-parameter model on the CPU (a learner step on a group of 2 takes 11-14 s here, generating an eval's 2
-    samples ~15 s) and five processes that each load it."""
-    result = run_benchmark("real_model.py", 900, "--model", str(smollm2))
+    """SmolLM2-135M-Instruct through the whole claim's pipeline on the chain recipe: 4 demonstrations, a warm start
+    of 4 LoRA SFT steps (after 1 step it called no tool, so no group held a reward to learn from and no version
+    came), held-out evals of the base and warmed-up models, then both arms side by side from the warmed-up model
+    (1 version of one group of 2 each, no group started past it), each evaluated held out on the same 2 episodes.
+    Slow: a 135M-parameter model on the CPU (an SFT or learner step 10-30 s here, an eval's episodes ~15 s) and
+    seven processes that each load it."""
+    result = run_benchmark("real_model.py", 1500, "--model", str(smollm2))
     assert result["vocab_size"] == 49152 and result["lora_rank"] == 8
-    assert 0.0 <= result["base_eval"]["eval_success_rate"] <= 1.0
-    assert set(result["arms"]) == {"immediate+correction", "outcome-only+step"}
-    for arm in result["arms"].values():
-        assert arm["versions"] >= 1 and arm["env_steps"] > 0
-        assert 0.0 <= arm["base_eval_success"] <= 1.0 and 0.0 <= arm["final_eval_success"] <= 1.0
-        assert arm["final_eval_version"] >= 1  # the trained weights were evaluated, not the base model
-        assert arm["rollout_lines"] >= 1 and arm["rollout_lines_with_tool_counts"] == arm["rollout_lines"]
-        assert arm["tool_calls"] >= 0 and arm["tool_call_errors"] >= 0
-        assert arm["ledger_residual_max"] < 1e-6
-        # the real model and its tokenizer: the run's model.path is the imported directory, and no record carried
-        # a token id outside its 49,152-token vocabulary (replay.vocab_size)
-        assert arm["model_path"] == str(smollm2.resolve()) and arm["records_rejected"] == 0
+    assert result["recipe"] == "configs/smollm2-chain.yaml"
+    sft = result["warm_start"]["sft"]
+    assert result["warm_start"]["demos"]["written"] == 4 and sft["steps"] == 4 and sft["conversations"] == 4
+    for model in ("base", "warm"):
+        held = result[model]
+        assert held["episodes"] == 2 and held["version"] == 0 and 0.0 <= held["called_tool"] <= 1.0
+        assert held["ci95"][0] <= held["success"] <= held["ci95"][1]
+    assert list(result["seeds"]) == ["0"] and set(result["seeds"]["0"]) == {"immediate+correction", "outcome-only+step"}
+    warm_model = Path(result["warm_start"]["sft"]["out_dir"])
+    for arm in result["seeds"]["0"].values():
+        assert arm["versions"] >= 1 and arm["env_steps"] > 0 and arm["stop_reason"] == "max_versions"
+        assert arm["held_out"]["version"] >= 1 and arm["held_out"]["episodes"] == 2  # the trained weights, held out
+        assert arm["delta_points"] == round(100 * (arm["held_out"]["success"] - result["warm"]["success"]), 1)
+        assert arm["rollout_lines"] >= 1 and arm["tool_calls"] >= 0 and arm["tool_call_errors"] >= 0
+        assert arm["ledger_residual_max"] < 1e-6 and len(arm["curve"]) >= 1
+        # RL started from the warm start's model, and no record carried a token id outside SmolLM2's 49,152-token
+        # vocabulary (replay.vocab_size)
+        assert arm["model_path"] == str(warm_model) and arm["records_rejected"] == 0
         assert arm["peak_rss_mib"] > 0 and arm["rollout_tokens_per_s"] > 0
+    assert {"held_out_gain_ratio", "train_time_to_target_ratio"} <= result.keys()
+    assert result["arms"]["immediate+correction"]["held_out_success"]["seeds"] == 1
+    assert (REPO / "benchmarks" / "out" / "real_model-quick" / "real_model.png").stat().st_size > 0
 
 
 @pytest.mark.slow
