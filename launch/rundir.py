@@ -47,12 +47,18 @@ def _local_endpoint(endpoint: str, socket_path: Path) -> str:
     return replacement
 
 
-def fresh_run_dir(config: Config) -> Config:
-    """Never write over an earlier run: `runs/local` becomes `runs/local-2`, `-3`, ..."""
+def fresh_run_name(config: Config) -> str:
+    """run.name, or the first of `<name>-2`, `-3`, ... that names no directory under run.dir yet."""
     name, n = config.run.name, 1
     while (Path(config.run.dir) / name).exists():
         n += 1
         name = f"{config.run.name}-{n}"
+    return name
+
+
+def fresh_run_dir(config: Config) -> Config:
+    """Never write over an earlier run: `runs/local` becomes `runs/local-2`, `-3`, ..."""
+    name = fresh_run_name(config)
     run_dir = Path(config.run.dir) / name
     replay = msgspec.structs.replace(
         config.replay, endpoint=_local_endpoint(config.replay.endpoint, run_dir / "replay.sock")

@@ -16,6 +16,7 @@ from async_rl.config import Config, configured_model_path
 from async_rl.config_load import dump_config, load_config
 from async_rl.errors import AsyncRLError
 from async_rl.hf_io import refuse_non_empty
+from launch.rundir import fresh_run_name
 
 DEMOS_HELP = ("Write solved episodes of the environment's train split (never its eval split) as OpenAI chat "
               "conversations, one JSON object a line, for `async-rl sft` (the env's demonstration member: "
@@ -89,11 +90,7 @@ def sft_run_config(args: argparse.Namespace) -> Config:
         if not (config.run_dir / "config.yaml").is_file():
             raise AsyncRLError(f"--resume: {config.run_dir} holds no earlier warm start (no config.yaml)")
         return config
-    name, n = config.run.name, 1
-    while (Path(config.run.dir) / name).exists():
-        n += 1
-        name = f"{config.run.name}-{n}"
-    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, name=name))
+    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, name=fresh_run_name(config)))
 
 
 def run_sft(args: argparse.Namespace) -> int:
