@@ -29,9 +29,17 @@ def token_logprobs_and_entropy(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` and, from the same log-softmax, H(π(· | tokens[:, :t])) per position (B, T−1)."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    chosen = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return chosen, (-(logp.exp() * logp).sum(-1) if entropy else None)
+    return chosen_logprobs_and_entropy(logits[:, :-1], tokens[:, 1:], temperature, entropy)
+
+
+def chosen_logprobs_and_entropy(
+    logits: torch.Tensor, chosen: torch.Tensor, temperature: float = 1.0, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(chosen) and, if asked, the entropy of π, from the logits that predict each chosen token: logits
+    (..., V), chosen (...) token ids; the log-softmax in fp32 at `temperature`."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    picked = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    return picked, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
 def importance_weights(

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgoConfig, Config
-from async_rl.loss import LossStats, aggregate, policy_loss, sft_loss, token_logprobs_and_entropy
+from async_rl.loss import LossStats, aggregate, policy_loss, sft_loss
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate, collate_micro_batch
 from learner.engine import rank, world_size
+from learner.logits import trained_logprobs
 from learner.pack import padding_fraction, plan_shards
 
 log = logging.getLogger("async_rl.learner")
@@ -126,9 +127,9 @@ def _inputs_finite(batch: TrainBatch) -> bool:
 def _logp(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π of the batch's tokens and, if asked, the policy's entropy at every position."""
-    logits = model(**batch.model_inputs()).logits
-    return token_logprobs_and_entropy(logits, batch.tokens, temperature, entropy=entropy)
+    """log π of the batch's trained tokens and, if asked, the policy's entropy there (learner/logits.py: the
+    output layer runs on those positions only)."""
+    return trained_logprobs(model, batch, temperature, entropy=entropy)
 
 
 def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:

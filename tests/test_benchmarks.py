@@ -140,6 +140,15 @@ def test_attention_quick():
     assert result["sequences_per_row"]["short"] > result["sequences_per_row"]["agent"] >= 1
 
 
+def test_trained_logits_quick():
+    """The learner's log-probs at the trained positions only against the full logits: both paths' loss and
+    gradients checked equal, then timed side by side; the trained-only path holds the smaller logits."""
+    result = run_benchmark("trained_logits.py", timeout_s=120)
+    assert result["model"] == "tiny" and 0 < result["trained_tokens"] < result["row_tokens"]
+    assert result["logits_mib"]["trained positions"] < result["logits_mib"]["full logits"]
+    assert result["speedup"] > 0 and all(s > 0 for s in result["seconds"].values())
+
+
 @pytest.mark.slow
 def test_hunt_quick():
     """Slow: a real `async-rl train env.name=hunt` run, then two `async-rl evaluate` runs (seeing and blind)."""
