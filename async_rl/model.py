@@ -22,7 +22,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from async_rl.config import Config, configured_model_path
 from async_rl.durable import fsync_path
@@ -134,7 +141,7 @@ def load_model(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -165,7 +172,7 @@ def tensors_crc(tensors: dict[str, torch.Tensor]) -> int:
     for name in sorted(tensors):
         tensor = tensors[name]
         crc = zlib.crc32(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode(), crc)
-        crc = zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+        crc = zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
     return crc
 
 

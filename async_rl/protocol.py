@@ -302,11 +302,14 @@ class WeightsPublished(Message, tag="weights_published"):
     format: Literal["safetensors", "hf-dir", "distributed"] = "safetensors"
 
 
+ErrorCode = Literal["malformed", "protocol_version", "unknown_group", "bad_state", "unauthorized"]
+
+
 class Error(Message, tag="error"):
     """Reply to a message the replay service rejected (it is counted and logged, never fatal)."""
 
     msg_id: int
-    code: Literal["malformed", "protocol_version", "unknown_group", "bad_state", "unauthorized"]
+    code: ErrorCode
     detail: str
 
 

@@ -145,6 +145,7 @@ def load_keys(config: Config, identity: str) -> CurveKeys | None:
     if not (directory / own).is_file():
         _refuse_legacy(directory, "point security.curve_dir at it")
     public, secret = _read(directory, own, secret=True)
+    assert secret is not None  # _read(secret=True) refuses a file without one
     workers: list[str] = []
     if identity in ("replay", "learner"):
         found = (WORKER.fullmatch(path.name.removesuffix(".key")) for path in directory.glob("rollout-*.key"))

@@ -53,7 +53,7 @@ class CurveServerSocket(zmq.Socket):
 
     def refused_handshakes(self) -> list[str]:
         """The handshakes refused since the last call, each by reason (HANDSHAKE_EVENTS); never blocks."""
-        reasons = []
+        reasons: list[str] = []
         while self._monitor is not None and self._monitor.poll(0):
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
             if event in HANDSHAKE_EVENTS:
@@ -189,7 +189,8 @@ def receive_from(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage, str | No
         peer = None
     else:
         parts = socket.recv_multipart(copy=False)
-        peer = parts[-1].get("User-Id")
+        user = parts[-1].get("User-Id")  # a string, set by our ZAP handler
+        peer = None if user is None else str(user)
         frames = [part.bytes for part in parts]
     identity = frames[0] if socket.type == zmq.ROUTER else None
     body = frames[1:] if identity is not None else frames

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -212,6 +213,7 @@ def _receive_one(
         if wal is not None:
             wal.append(Undecodable(exc.identity, str(exc), clock()))
         return service.reject_frame(exc.identity, str(exc))
+    assert identity is not None  # a ROUTER socket: every frame names its sender
     now = clock()
     if wal is not None:
         wal.append(Received(identity, now, encode(message), peer))
@@ -232,7 +234,7 @@ def handle_safely(
         return [(identity, Error(msg_id=getattr(message, "msg_id", -1), code="bad_state", detail=detail))]
 
 
-def _stop_on_signals(stop: threading.Event) -> dict[int, object]:
+def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
     """SIGTERM / SIGINT set `stop` (only the main thread may install handlers); returns the previous ones."""
     if threading.current_thread() is not threading.main_thread():
         return {}

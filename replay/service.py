@@ -34,6 +34,7 @@ from async_rl.protocol import (
     BatchAck,
     BatchRequest,
     Error,
+    ErrorCode,
     EvalReport,
     Heartbeat,
     LeaseRequest,
@@ -330,6 +331,7 @@ class ReplayService:
     def _finished(self, group: Group, message: Outcome) -> None:
         """A member's outcome: into the ledger, the length model and the success windows."""
         i, ledger, windows = message.member, group.ledger, self.state.outcomes
+        assert message.outcome is not None  # Group.outcome_problem refused a None outcome not marked abandoned
         ledger.add_outcome(i, message.outcome, message.num_stages)
         self.guard.forget(group.group_id)
         self.counters.trajectories_finished += 1
@@ -416,7 +418,7 @@ class ReplayService:
 
     # --- errors ---------------------------------------------------------------------------------------
 
-    def reject(self, msg_id: int, code: str, reason: str, detail: str) -> Error:
+    def reject(self, msg_id: int, code: ErrorCode, reason: str, detail: str) -> Error:
         """Count a refusal under `reason`, log it (rate-limited), and build the `Error` that answers it."""
         rejected = self.counters.rejected
         rejected[reason] = rejected.get(reason, 0) + 1
@@ -424,7 +426,7 @@ class ReplayService:
         return Error(msg_id=msg_id, code=code, detail=f"{reason}: {detail}")
 
     def _refuse(
-        self, identity: bytes, message: AnyMessage, code: str, reason: str, detail: str, now: float
+        self, identity: bytes, message: AnyMessage, code: ErrorCode, reason: str, detail: str, now: float
     ) -> list[Reply]:
         """A message with a value out of range: nothing of it is stored, and its trajectory (if real) is abandoned."""
         error = self.reject(getattr(message, "msg_id", -1), code, reason, detail)

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from async_rl.config import Config
-from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
+from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error, ErrorCode, Message
 from async_rl.staleness import correction_trainable, immediate_trainable
 from replay.edge import Edge
 from replay.group import Group
@@ -30,9 +30,9 @@ from replay.store import QueuedItem
 
 log = logging.getLogger("async_rl.replay")
 
-Reply = tuple[bytes, object]
+Reply = tuple[bytes, Message]
 Advance = Callable[[Group, float], None]  # the service's dispatch of a group's transitions
-Reject = Callable[[int, str, str, str], Error]  # (msg_id, code, reason, detail): count, log, answer
+Reject = Callable[[int, ErrorCode, str, str], Error]  # (msg_id, code, reason, detail): count, log, answer
 
 REQUEUED_KEPT = 16  # requeued batches whose late ack is still taken (a learner holds one batch at a time)
 

@@ -250,6 +250,8 @@ class ReplayLog:
 
     def _cut_back(self) -> None:
         """After a failed write: the segment back to its durable length (a shrink needs no space)."""
+        if self._fd is None:  # closed: nothing to cut back
+            return
         try:
             os.ftruncate(self._fd, self._end)
         except OSError as exc:  # the next write starts at _end all the same; recovery drops what follows it

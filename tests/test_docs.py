@@ -117,4 +117,4 @@ def test_ci_runs_the_readme_quick_start_as_printed_in_a_fresh_virtual_environmen
     created = next(n for n, line in enumerate(ci) if re.match(r"python3? -m venv ", line))
     activated = next(n for n, line in enumerate(ci) if re.match(r"(\.|source) \S+/bin/activate\"?$", line))
     assert created < activated < where[0] and where == sorted(where), ci
-    assert "ruff check ." in ci
+    assert "ruff check ." in ci and "mypy" in ci  # the linter, then the type checker on pyproject's [tool.mypy] files

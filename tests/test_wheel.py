@@ -10,6 +10,7 @@ import site
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,8 @@ def test_the_wheel_installed_outside_the_checkout_runs_the_readme_default(tmp_pa
                   "-w", str(tmp_path / "wheels")], tmp_path, timeout=300)
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "wheels").glob("async_rl-*.whl")
+    with zipfile.ZipFile(wheel) as archive:  # PEP 561: the package says it is typed
+        assert "async_rl/py.typed" in archive.namelist()
     venv = tmp_path / "venv"
     python, cli = venv_with_the_dependencies_only(venv), venv / "bin" / "async-rl"
     installed = _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
