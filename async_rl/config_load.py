@@ -182,7 +182,7 @@ def _lookup(raw: Any, dotted: list[str]) -> Any:
     return raw
 
 
-def _allowed(annotation: Any) -> str:
+def allowed(annotation: Any) -> str:
     """A short human description of what a field accepts."""
     origin = typing.get_origin(annotation)
     if origin is Annotated:
@@ -193,11 +193,11 @@ def _allowed(annotation: Any) -> str:
                 bound = getattr(meta, name, None)
                 if bound is not None:
                     bounds.append(f"{op} {bound}")
-        return f"{_allowed(base)} {' and '.join(bounds)}".strip()
+        return f"{allowed(base)} {' and '.join(bounds)}".strip()
     if origin is Literal:
         return "one of " + " | ".join(repr(v) for v in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_allowed(a) for a in typing.get_args(annotation))
+        return " or ".join(allowed(a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return "null"
     return getattr(annotation, "__name__", str(annotation))
@@ -223,8 +223,8 @@ def _explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
     key = ".".join(dotted) or "config"
     annotation = _field_annotation(dotted)
     got = _lookup(raw, dotted)
-    allowed = _allowed(annotation) if annotation is not None else message.split(" - at ")[0]
-    return f"{key}: expected {allowed}, got {got!r}"
+    accepted = allowed(annotation) if annotation is not None else message.split(" - at ")[0]
+    return f"{key}: expected {accepted}, got {got!r}"
 
 
 def _check_relations(config: Config) -> None:

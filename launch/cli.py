@@ -23,7 +23,7 @@ ROLES = {
     "learner": "Run the DeepSpeed learner (one pod, or every rank under torchrun).",
     "rollout": "Run one rollout worker (one pod each): environments, the inference engine, stage records.",
     "evaluate": "Evaluate the run's latest published weights on every task of the environment's eval split.",
-    "config": "Print the resolved, validated config.",
+    "config": "Print the resolved, validated config; --explain [KEY] says what each key means.",
 }
 KEYS_HELP = ("Write one CurveZMQ key pair per identity (replay, learner, and rollout-0 .. rollout-<N-1>, one per "
              "rollout worker) into DIR: <identity>.key (public) and <identity>.key_secret. Point security.curve_dir at "
@@ -58,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         if role == "evaluate":
             sub.add_argument("--blind", action="store_true",
                              help="replace every tool answer (observation after an action) by a fixed string")
+        if role == "config":
+            sub.add_argument("--explain", nargs="?", const="", default=None, metavar="KEY",
+                             help="what each key means, what it accepts and its default: every key, a section "
+                                  "(algo) or one key (algo.max_staleness)")
+            sub.add_argument("--markdown", action="store_true",
+                             help="with --explain: docs/configuration.md's key tables, as Markdown")
+            sub.add_argument("--schema", action="store_true",
+                             help="the config's JSON schema, each key's meaning as its description (for an editor)")
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
     keys = roles.add_parser("keys", help=KEYS_HELP.split(": ")[0], description=KEYS_HELP)
     keys.add_argument("dir", metavar="DIR", help="directory for the keys (created; existing keys are not overwritten)")
@@ -126,6 +134,24 @@ def print_config(config: Config) -> int:
     return 0
 
 
+def explain_config(args: argparse.Namespace) -> int:
+    """`config --explain [KEY] [--markdown]` and `config --schema`: the keys' meanings from async_rl/config.py."""
+    from async_rl import config_docs
+
+    if args.schema:
+        print(config_docs.schema())
+        return 0
+    if args.markdown:
+        print(config_docs.markdown())
+        return 0
+    try:
+        print(config_docs.explain(args.explain), end="")
+    except AsyncRLError as exc:
+        print(f"async-rl: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, load the config, refuse what can be refused before anything starts, then run the command; returns
     the exit code."""
@@ -149,6 +175,8 @@ def _run(argv: list[str] | None) -> int:
         from launch.tools import run_tool
 
         return run_tool(args)
+    if args.role == "config" and (args.explain is not None or args.schema):
+        return explain_config(args)
     try:
         config = load_command_config(args)
     except AsyncRLError as exc:

@@ -97,6 +97,7 @@ def documented_commands() -> list[tuple[str, str, str | None]]:
             pending = ""
             command = re.sub(r"\s+#\s.*$", "", line)
             command = re.sub(r"^(\w+=\S*\s+)+", "", command)  # PYTHONPATH=. async-rl ...
+            command = re.sub(r"\s+>\s*\S+$", "", command)  # async-rl config --schema > FILE: the shell's
             for part in re.split(r"\s*(?:&&|;)\s*", command):
                 module = re.search(r"(?:^|\s)-m (?:launch|async_rl)\.cli (.+)$", part)  # torchrun ... -m launch.cli
                 if part.startswith("async-rl ") or module:

@@ -70,6 +70,42 @@ def test_the_knob_table_defaults_are_the_packaged_local_config():
     assert wrong == {}, "docs/configuration.md's default (left) is not the local config's (right)"
 
 
+def test_the_key_tables_are_generated_from_the_meanings_beside_the_fields():
+    """docs/configuration.md's key tables are `async-rl config --explain --markdown`'s: a meaning changed in
+    async_rl/config.py and not regenerated here (or edited here by hand) fails; every key has a meaning."""
+    from async_rl import config_docs
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    begin, end = text.index(config_docs.GENERATED_BEGIN), text.index(config_docs.GENERATED_END)
+    assert text[begin : end + len(config_docs.GENERATED_END)] == config_docs.markdown(), (
+        "regenerate: async-rl config --explain --markdown")
+    keys = config_docs.keys()
+    assert {doc.key for doc in keys} == config_keys()
+    assert [doc.key for doc in keys if len(doc.meaning) < 8] == []
+
+
+def test_the_config_commands_docs_configuration_prints_run_as_printed(tmp_path):
+    """`async-rl config --explain KEY`, `--explain SECTION` and `--schema > FILE`, each as the page prints it."""
+    import json
+    import os
+    import subprocess
+
+    from project_commands import project_command
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    printed = [line.split("  #")[0].strip() for line in text.splitlines() if line.startswith("async-rl config --")]
+    assert len(printed) == 3, printed
+    env = dict(os.environ, PATH=f"{Path(project_command()).parent}{os.pathsep}{os.environ['PATH']}")
+    outputs = [subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+               for line in printed]
+    assert all(done.returncode == 0 for done in outputs), [done.stderr for done in outputs]
+    assert outputs[0].stdout.startswith("algo.max_staleness  (int >= 0; default 4)\n    admission bound")
+    assert outputs[1].stdout.count("\nlearner.") + outputs[1].stdout.startswith("learner.") > 25
+    schema = json.loads((tmp_path / "async-rl.schema.json").read_text())
+    algo = schema["$defs"]["AlgoConfig"]["properties"]["max_staleness"]
+    assert algo["minimum"] == 0 and algo["default"] == 4 and algo["description"].startswith("admission bound")
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a Markdown heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
