@@ -13,15 +13,12 @@ each batch (or the decision to stop) and every rank trains its share of the item
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import os
-import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
 from async_rl.security import load_keys
+from async_rl.signals import StopRequest, stop_on_signals
 from learner.batch import collate
 from learner.engine import (
     build_engine,
@@ -54,33 +52,6 @@ from learner.step import layout_metrics, train_on_items
 log = logging.getLogger("async_rl.learner")
 
 LEARNER_ID = "learner-0"
-
-
-class StopRequest:
-    """The caller's stop event plus, if one arrived, the signal that asked us to stop."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
-        self.signal_name: str | None = None
-
-    def handle(self, signum: int, _frame: object) -> None:
-        self.signal_name = signal.Signals(signum).name
-        log.info("%s received: finishing the current step, then stopping", self.signal_name)
-        self.event.set()
-
-
-@contextlib.contextmanager
-def _signals_handled(request: StopRequest) -> Iterator[None]:
-    """SIGTERM/SIGINT set the stop event instead of killing a step halfway (main thread only: Python's rule)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, request.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def stop_reason(config: Config, version: int, stats: ReplayStats, wall_s: float, request: StopRequest) -> str | None:
@@ -104,9 +75,8 @@ def stop_reason(config: Config, version: int, stats: ReplayStats, wall_s: float,
 
 def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
     """Train until a stop condition; returns (and on rank 0 writes to <run_dir>/summary.json) the summary."""
-    request = StopRequest(stop if stop is not None else threading.Event())
     started = float(os.environ.get("ASYNC_RL_RUN_START", time.time()))
-    with _signals_handled(request):
+    with stop_on_signals(stop) as request:  # a signal finishes the current step, then stops
         summary = _train(config, request, started)
     # With several ranks at ZeRO-3, a rank that exits while the engine's threads still hold the process group
     # aborts ("terminate called without an active exception"): free the engine, then leave together.

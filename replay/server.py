@@ -4,17 +4,16 @@ poll round's inputs logged (replay/wal.py) before its replies leave, and the met
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from async_rl.config import Config
 from async_rl.protocol import AnyMessage, Error, decode, encode
 from async_rl.security import load_keys
+from async_rl.signals import stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.log_format import Entry, Received, Refused, Started, Ticked, Undecodable
@@ -38,10 +37,12 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
     each poll round's inputs are written and fsynced before its replies are sent: started again with the same
     config after a crash, the replay goes on from the last acknowledged input. Every start begins a new epoch.
     A disk that refuses the log (full, failing) holds the replay until it takes it again (`hold_until_written`)."""
-    stop = stop if stop is not None else threading.Event()
-    service = service if service is not None else ReplayService(config)
+    with stop_on_signals(stop) as request:
+        _serve_until_stopped(config, service if service is not None else ReplayService(config), request.event)
+
+
+def _serve_until_stopped(config: Config, service: ReplayService, stop: threading.Event) -> None:
     wal, clock = open_log(config, service)
-    previous_handlers = _stop_on_signals(stop)
     context = zmq.Context()
     metrics = RoleMetrics(config, "replay", histograms=("queue_staleness_hist",))
     try:
@@ -59,8 +60,6 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
         metrics.write(metrics_line(service, clock()))
         metrics.close()
         context.term()
-        for signum, handler in previous_handlers.items():
-            signal.signal(signum, handler)
         if wal is not None:
             wal.close()
         log.info("replay service stopped: %s", service.stats_snapshot())
@@ -232,10 +231,3 @@ def handle_safely(
         service.counters.rejected["internal_error"] = service.counters.rejected.get("internal_error", 0) + 1
         detail = "internal error in the replay service (see its log)"
         return [(identity, Error(msg_id=getattr(message, "msg_id", -1), code="bad_state", detail=detail))]
-
-
-def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
-    """SIGTERM / SIGINT set `stop` (only the main thread may install handlers); returns the previous ones."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import signal
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from async_rl.protocol import (
     pack,
 )
 from async_rl.security import load_keys
+from async_rl.signals import stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
 from rollout.agent import EpisodeRunner
@@ -223,8 +223,11 @@ def published_files(weights_dir: Path, below: int | None) -> list[tuple[int, Pat
 
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:
     """Run rollout worker `rollout-<worker_index>` until `stop` is set (or SIGTERM/SIGINT in the main thread)."""
-    stop = stop or threading.Event()
-    restore_signals = _stop_on_signals(stop)
+    with stop_on_signals(stop) as request:
+        _run_until_stopped(config, worker_index, request.event)
+
+
+def _run_until_stopped(config: Config, worker_index: int, stop: threading.Event) -> None:
     torch.set_num_threads(config.run.threads_per_process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     worker = _Worker(config, worker_index, stop)
@@ -240,7 +243,6 @@ def run(config: Config, worker_index: int, stop: threading.Event | None = None) 
         _deliver_unacked(worker.link, STOP_DRAIN_S)
     finally:
         worker.close()
-        restore_signals()
 
 
 class _Worker:
@@ -356,18 +358,3 @@ def _deliver_unacked(link: ReplayLink, timeout_s: float) -> None:
     while link.unacked and time.monotonic() < deadline:
         link.handle_replies(IDLE_POLL_S)
         link.tick([])
-
-
-def _stop_on_signals(stop: threading.Event) -> Callable[[], None]:
-    """SIGTERM/SIGINT set `stop` (only possible from the main thread); returns a function restoring the old ones."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in previous:
-        signal.signal(sig, lambda *_: stop.set())
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
