@@ -193,13 +193,15 @@ def test_a_worker_that_never_finishes_holds_at_most_max_open_groups_and_the_run_
     """A stuck worker beside a real one: past replay.max_open_groups its oldest groups are given up, so the groups
     waiting for outcomes stay at most the cap (the replay's metrics line, every second), and the real worker's
     groups keep training to the budget."""
-    cap, versions = 12, 60  # the real worker alone holds up to ~8 groups here (8 trajectories, then their judges)
+    # The real worker alone holds up to ~8 groups here (8 trajectories, then their judges). 100 versions: the stuck
+    # worker's share of admission falls when the machine is loaded (16 grants in 60 versions at a load of 5-7)
+    cap, versions = 12, 100
     launcher, run_dir = start(tmp_path, f"replay.max_open_groups={cap}", "rollout.workers=1",
                               "rollout.max_inflight=8", max_versions=versions)
     try:
         wait_for_versions(run_dir, 1, launcher)
         with StuckWorker(load_config(run_dir / "config.yaml").replay.endpoint) as stuck:
-            wait_for_versions(run_dir, versions, launcher, timeout_s=240)
+            wait_for_versions(run_dir, versions, launcher, timeout_s=400)
             grants = len(stuck.grants)
     finally:
         finish(launcher)
