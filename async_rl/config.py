@@ -90,9 +90,9 @@ class ModelConfig(_Section):
 
 class EnvConfig(_Section):
     name: Annotated[str, doc(
-        "A built-in environment (`trap`, `hunt`, `coding`) or an import path `package.module:callable` returning "
-        "an EnvFactory (rollout/envs/base.py; docs/environments.md). Checked when a run starts, not here: the "
-        "kernel knows no environment."
+        "A built-in environment (`trap`, `hunt`, `chain`, `tasks`, `coding`, `agent`) or an import path "
+        "`package.module:callable` returning an EnvFactory (rollout/envs/base.py; docs/environments.md). "
+        "Checked when a run starts, not here: the kernel knows no environment."
     )] = "trap"
     kwargs: Annotated[dict[str, Any], doc(
         "keyword arguments of the environment's factory, e.g. `env.kwargs.stages=5` (each environment documents "
@@ -301,7 +301,9 @@ class LearnerConfig(_Section):
         "crash\")."
     )] = 50
     keep_checkpoints: Annotated[PosInt, doc(
-        "the newest N checkpoints are kept, and the newest N set aside as damaged (`v<N>.corrupt`)"
+        "the newest N checkpoints are kept, and the newest N set aside as damaged (`v<N>.corrupt`). A resume past "
+        "a damaged one falls back to the newest that passes and goes on at its version: the learner reports the "
+        "oldest it keeps to the replay, which keeps the acks above that one undoable"
     )] = 2
     log_item_ids: Annotated[bool, doc(
         "each metrics line lists the replay item ids it trained (the fault tests)"

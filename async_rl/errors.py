@@ -20,3 +20,8 @@ class ConfigError(AsyncRLError):
 
 class ProtocolError(AsyncRLError):
     """A message on the wire could not be decoded or is not valid for this protocol version."""
+
+
+class WeightsError(AsyncRLError, RuntimeError):
+    """A weights file that cannot be written (a full disk), read or trusted (torn, or changed after it was written):
+    the message names the file."""

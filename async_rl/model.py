@@ -33,17 +33,12 @@ from transformers import (
 
 from async_rl.config import Config, configured_model_path
 from async_rl.durable import fsync_path
-from async_rl.errors import AsyncRLError, ConfigError
+from async_rl.errors import AsyncRLError, ConfigError, WeightsError  # noqa: F401 - WeightsError: its old home
 
 log = logging.getLogger("async_rl.model")
 
 
 CRC_KEY = "async_rl.crc32"  # in a weights file's safetensors metadata: `tensors_crc` of its tensors, as hex
-
-
-class WeightsError(AsyncRLError, RuntimeError):
-    """A weights file that cannot be written (a full disk), read or trusted (torn, or changed after it was written):
-    the message names the file."""
 
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"

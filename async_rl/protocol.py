@@ -260,7 +260,8 @@ class ReplayStats(Message, tag="replay_stats"):
     immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
     immediate_before_outcome: int = 0  # in this batch: immediate items served before their trajectory's outcome
     guard_holds: int = 0  # times the correction-staleness guard held the learner back (algo.correction_guard)
-    guard_held_s: float = 0.0  # seconds a ready batch request was held by the guard, in all
+    guard_held_s: float = 0.0  # seconds a ready batch request was held by the guard, in all (a running hold too)
+    guard_hold_running_s: float = 0.0  # of guard_held_s: the hold still running when these stats were taken
     guard_leases_denied: int = 0  # leases the guard refused: their corrections could not have been trained in time
     guard_abandoned: int = 0  # trajectories abandoned because their group held the learner replay.guard_abandon_s
     sync_rounds: int = 0  # lock-step rounds trained (algo.mode=sync)

@@ -16,15 +16,20 @@ drawn from random.Random(--seed): its kind from a shuffled deck of the six, its 
   slow       any role's link shaped to 64 kbit/s both ways for 3-12 s (`tc qdisc ... tbf`; this kernel has no
              netem, so no packet loss or added delay beyond the bucket's queue: what it queues past 2 s is dropped)
   disk       the replay's or the learner's volume filled to ENOSPC for 2-10 s, then freed
-  torn       SIGKILL of the replay or the learner, then, before its restart, the last bytes of the replay's log or
-             of the newest checkpoint torn (tear_log, tear_checkpoint)
+  torn       SIGKILL of the replay or the learner, then, before its restart, the replay's log or the newest
+             checkpoint torn (tear_log: half the time, drawn, a frame cut off mid-write, half the time, and always
+             the first time, the last segment truncated at a random offset in its last 16 KiB, acknowledged frames
+             among what is cut, a copy kept in OUT/torn/ for the checker; tear_checkpoint: its largest file
+             truncated at a random offset)
 A fault whose target is down, or under a fault it has not recovered from (no learner version since its heal), goes
 to another role, or waits up to 10 s for one, or is skipped. When the window ends every fault is healed and the
 learner is restarted (SIGTERM, then the same command) with run.max_versions set 10 above its version: the run's
-budget, which it must reach. Then every role is stopped and benchmarks/chaos_check.py
-checks the history. One JSON summary is printed (and written to OUT/summary.json): the faults by kind, restarts,
-recovery times (heal, thaw or restart to the learner's next version), records acknowledged, trained and lost, the
-worst ledger residual, the checker's verdict, the seed and the command. Exit code 0 when the checker passed.
+budget, which it must reach. Then every role is stopped and benchmarks/chaos_check.py checks the history, joining
+the workers' ack journals (OUT/run/acks/) with the learner's per-item log. One JSON summary is printed (and written
+to OUT/summary.json): the faults by kind, restarts, recovery times (heal, thaw or restart to the learner's next
+version), acked stages trained, pending, given up by reason and lost, stages trained twice or without a sender,
+what the tears cut, corrections dropped by fault, the worst ledger residual, the checker's verdict, the seed and the
+command. Exit code 0 when the checker passed.
 
 Needs root (namespaces, tmpfs, tc). Every loop is bounded in time; namespaces, mounts and processes are removed
 on the way out, also after a failure.
@@ -163,6 +168,7 @@ class Soak:
         self.faults: list[Fault] = []
         self.active: list[tuple[float, Fault]] = []  # (heal time into the window, fault) of faults still on
         self.window_start = 0.0
+        self.window_start_unix: float | None = None  # the same moment on the wall clock (the pods' logs use it)
         self.versions: list[tuple[float, int]] = []  # (monotonic time, version) of each metrics line
         self.skipped: list[Fault] = []  # faults whose every target was down or under another fault
         self._metrics_offset = 0
@@ -264,8 +270,11 @@ class Soak:
         if fault.kind in ("kill", "torn"):
             self.pods[pod].kill()
             if fault.kind == "torn":
-                fault.detail = (tear_log(self.run_dir / "replay", self.rng) if pod == "replay"
-                                else tear_checkpoint(self.run_dir / "checkpoints", self.rng))
+                if pod == "replay":  # the first tear of the log truncates it: every soak, the short one too, has one
+                    first = not any(f.kind == "torn" and f.target == "replay" for f in self.faults if f is not fault)
+                    fault.detail = tear_log(self.run_dir / "replay", self.rng, self.work / "torn", truncate=first)
+                else:
+                    fault.detail = tear_checkpoint(self.run_dir / "checkpoints", self.rng)
             return
         if fault.kind == "pause":
             self.pods[pod].pause(True)
@@ -306,7 +315,7 @@ class Soak:
             self.step()
 
     def nemesis(self) -> float:
-        self.window_start = time.monotonic()
+        self.window_start, self.window_start_unix = time.monotonic(), time.time()
         window_s = self.args.minutes * 60
         planned = schedule(self.args.seed, window_s, self.args.gap_s)
         while self.now() < window_s:
@@ -385,16 +394,18 @@ def run(args: argparse.Namespace) -> dict:
         soak.close()
         atexit.unregister(soak.close)
     target = soak.budget if soak.budget != UNBOUNDED else max((v for _, v in soak.versions), default=0)
+    faults = soak.faults
+    (work / "faults.jsonl").write_text("".join(json.dumps(asdict(f)) + "\n" for f in faults))  # the checker reads it
+    (work / "summary.json").write_text(json.dumps({"window_start_unix": soak.window_start_unix}))
     numbers, problems = check(soak.run_dir, work / "replay-archive", work / "volumes" / "replay", target)
     problems = [failure] * (failure is not None) + problems
     problems += [f"{name} exited by itself with {pod.unexpected} (see {soak.logs / name}.log)"
                  for name, pod in soak.pods.items() if pod.unexpected]
-    faults = soak.faults
     summary = {
         "passed": not problems, "problems": problems,
         "command": shlex.join(["python", "benchmarks/chaos.py", *sys.argv[1:]]), "seed": args.seed,
         "wall_s": round(time.monotonic() - started, 1), "warm_up_s": warm_up_s, "window_s": window_s,
-        "drain_s": drain_s, "faults": len(faults),
+        "drain_s": drain_s, "window_start_unix": soak.window_start_unix, "faults": len(faults),
         "faults_by_kind": {kind: sum(1 for f in faults if f.kind == kind) for kind in KINDS},
         "faults_skipped": len(soak.skipped),
         "restarts": {name: len(pod.starts) - 1 for name, pod in soak.pods.items()},
@@ -403,7 +414,6 @@ def run(args: argparse.Namespace) -> dict:
         "recovery_to_next_version": recoveries(faults), "replay_files_archived": soak.archived, **numbers,
         "out": str(work),
     }
-    (work / "faults.jsonl").write_text("".join(json.dumps(asdict(f)) + "\n" for f in faults))
     (work / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

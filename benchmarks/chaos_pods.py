@@ -143,21 +143,40 @@ class Disk:
             self.mounted = False
 
 
-def tear_log(replay_dir: Path, rng: random.Random) -> str:
-    """What a node crash leaves at the end of the replay's log: a frame cut off mid-write (its header promises more
-    bytes than follow). Fsynced frames are not touched: they were acknowledged, and a disk that loses them lies."""
+TRUNCATE_WITHIN = 16384  # a truncating tear cuts the last segment at a random offset in its last this many bytes
+
+
+def tear_log(replay_dir: Path, rng: random.Random, keep: Path | None = None, truncate: bool = False) -> str:
+    """Tear the end of the replay's log (the replay is down), one of two ways, drawn half and half:
+    - frame: what a crash mid-write leaves, a frame cut off mid-write (its header promises more bytes than follow);
+      nothing acknowledged is touched;
+    - truncate: a disk that loses acknowledged bytes: the last segment cut at a random offset in its last
+      TRUNCATE_WITHIN bytes (mid-frame or not), fsynced and acknowledged frames among what is cut. A copy of the
+      segment as it was is written to `keep` first (`<n>-<segment name>`) so the checker can read what was cut.
+    `truncate`: truncate whatever the draw (the draw is made all the same, so the bytes that follow do not change).
+    Returns what was done (a line of the fault's detail: "truncate <name> <old size> -> <new size>" or "frame ...")."""
     segments = sorted(p for p in replay_dir.iterdir() if SEGMENT.fullmatch(p.name))
     if not segments:
         return "no segment to tear"
+    last = segments[-1]
+    size = last.stat().st_size
+    if (rng.random() < 0.5 or truncate) and size > 0:
+        cut = rng.randint(max(0, size - TRUNCATE_WITHIN), size - 1)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            n = len(list(keep.iterdir()))
+            (keep / f"{n:04d}-{last.name}").write_bytes(last.read_bytes())
+        os.truncate(last, cut)
+        return f"truncate {last.name} {size} -> {cut}"
     length = rng.randint(64, 4096)
-    with open(segments[-1], "ab") as f:
+    with open(last, "ab") as f:
         f.write(HEADER.pack(length, rng.getrandbits(32)) + rng.randbytes(rng.randint(0, length - 1)))
-    return f"{segments[-1].name}: a frame of {length} bytes cut off"
+    return f"frame {last.name}: a frame of {length} bytes cut off"
 
 
 def tear_checkpoint(directory: Path, rng: random.Random) -> str:
-    """The newest good checkpoint's largest file loses its last bytes (a node crash or a bad disk), when an older
-    good one is left to fall back to (the learner refuses to start with none: by design, not a finding)."""
+    """The newest good checkpoint's largest file truncated at a random offset (a node crash or a bad disk), when an
+    older good one is left to fall back to (the learner refuses to start with none: by design, not a finding)."""
     good = [v for v in sorted(checkpoint.versions(directory), reverse=True)
             if checkpoint.problem(directory / f"v{v}") is None]
     if len(good) < 2:
@@ -167,6 +186,6 @@ def tear_checkpoint(directory: Path, rng: random.Random) -> str:
                    key=lambda p: p.stat().st_size)
     victim = files[-1]
     size = victim.stat().st_size
-    cut = rng.randint(1, max(1, min(4096, size // 2)))
-    os.truncate(victim, size - cut)
-    return f"{victim.relative_to(directory)}: last {cut} of {size} bytes torn"
+    keep = rng.randint(0, max(0, size - 1))  # a random offset: anything from an empty file to one byte short
+    os.truncate(victim, keep)
+    return f"{victim.relative_to(directory)}: truncated {size} -> {keep} bytes"

@@ -26,6 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from async_rl.config import Config
+from async_rl.durable import write_atomically
 from launch import forkserver
 from launch.dashboard import Dashboard
 from launch.preflight import preflight
@@ -113,16 +114,50 @@ def _supervise(supervisor: Supervisor, config: Config, console: Console,
         supervisor.stop_all()
 
 
+ROLLOUT_COUNTS = ("sandbox_executions", "sandbox_executions_without_namespaces")  # rollout side, into the summary
+
+
 def _result(config: Config, learner: Child, console: Console) -> dict | None:
-    """The run's result from the summary the learner wrote, or None (said on the console) if it wrote none."""
+    """The run's result from the summary the learner wrote, or None (said on the console) if it wrote none. Once
+    every role has stopped, the rollout side's counts (`rollout_counts`) are added to summary.json and the result:
+    the learner cannot know them."""
     summary_path = config.run_dir / "summary.json"
     if not summary_path.exists():
         console.print(f"[red]the learner wrote no summary; see {learner.log_path}[/]")
         return None
     summary = json.loads(summary_path.read_text())
+    counts = rollout_counts(config.run_dir / "metrics")
+    if any(summary.get(key) != value for key, value in counts.items()):
+        summary.update(counts)
+        write_atomically(summary_path, json.dumps(summary, indent=2), durable=False)
     result = {key: summary.get(key) for key in ("final_success_rate", "env_steps", "versions", "wall_s", "run_dir")}
     result["stop_reason"] = summary.get("stop_reason")
+    result.update(counts)
     return result
+
+
+def rollout_counts(metrics_dir: Path) -> dict[str, int]:
+    """The rollout workers' cumulative counts (ROLLOUT_COUNTS) over the run, from their metrics lines: per worker
+    file, the last count of each process (a restarted worker counts from 0 again: a count that went down began a
+    new process), summed over workers. A torn last line is skipped."""
+    totals = dict.fromkeys(ROLLOUT_COUNTS, 0)
+    for path in sorted(metrics_dir.glob("rollout-*.jsonl")):
+        last: dict[str, int] = {}
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            for key in ROLLOUT_COUNTS:
+                value = record.get(key) if isinstance(record, dict) else None
+                if not isinstance(value, int):
+                    continue
+                if value < last.get(key, 0):  # a new process: the one before it ended at `last`
+                    totals[key] += last[key]
+                last[key] = value
+        for key, value in last.items():
+            totals[key] += value
+    return totals
 
 
 def _evaluate(config: Config, console: Console, forks: forkserver.ForkServer | None, env: dict[str, str],

@@ -6,79 +6,48 @@ DeepSpeed writes a checkpoint's files into `<dir>/v<N>/` (learner/engine.py `sav
 records its size and crc32 in `v<N>/manifest.json`, and only then points `latest` at `v<N>` (a temporary, fsynced,
 renamed). A node crash, a bad disk or a full one can leave a checkpoint torn or changed: `resumable` checks the one
 `latest` names against its manifest, and when it fails (or `latest` itself is torn) falls back to the newest older
-one that passes, with a warning naming each one skipped. A checkpoint with no manifest is trusted only when
-`latest` names it (one written before manifests existed).
+one that passes, with a warning naming each one skipped, and the learner goes on at THAT checkpoint's version. A
+checkpoint with no manifest is trusted only when `latest` names it (one written before manifests existed).
+
+So that the replay can roll back to any checkpoint a resume may fall back to, the learner reports as durable not its
+newest checkpoint but the oldest one it keeps (`rollback_point`): the acks at or below it are final, the ones above
+it stay undoable (replay/rollback.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import shutil
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_rl.durable import write_atomically
+from async_rl.durable import MANIFEST, manifest_problem, write_atomically, write_manifest
 from async_rl.errors import AsyncRLError
 
 log = logging.getLogger("async_rl.learner")
 
-MANIFEST = "manifest.json"
 LATEST = "latest"
 TAG = re.compile(r"v(\d+)")
 WRITTEN = re.compile(r"v(\d+)(?:\.corrupt)?")  # a checkpoint directory, or one set aside
 SET_ASIDE = re.compile(r"v(\d+)\.corrupt")
-CHUNK = 1 << 22
 
 
 class CheckpointError(AsyncRLError):
     """A checkpoint that exists but cannot be resumed from."""
 
 
-def _crc32(path: Path, sync: bool) -> tuple[int, int]:
-    """(size, zlib.crc32) of a file, read in chunks; `sync`: fsync it too."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-        if sync:
-            os.fsync(f.fileno())
-    return size, crc
-
-
 def commit(directory: Path, version: int) -> None:
     """Checkpoint v`version`'s files are all written (every rank's): fsync them, record them in its manifest, then
     point `latest` at it. OSError when the disk refuses (`latest` then still names the one before)."""
-    tag = directory / f"v{version}"
-    files = {str(p.relative_to(tag)): list(_crc32(p, sync=True))
-             for p in sorted(tag.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    write_atomically(tag / MANIFEST, json.dumps({"version": version, "files": files}, indent=1))
+    write_manifest(directory / f"v{version}", {"version": version})
     write_atomically(directory / LATEST, f"v{version}")
 
 
 def problem(tag: Path) -> str | None:
     """Why checkpoint directory `tag` does not match its manifest (None: it does)."""
-    try:
-        files = json.loads((tag / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        return "no manifest"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"its manifest cannot be read ({exc})"
-    for name, (size, crc) in sorted(files.items()):
-        path = tag / name
-        try:
-            actual = _crc32(path, sync=False)
-        except OSError as exc:
-            return f"{name}: {exc.strerror or exc}"
-        if actual[0] != size:
-            return f"{name} has {actual[0]} bytes, its manifest {size} (torn)"
-        if actual[1] != crc:
-            return f"{name} does not match its checksum (changed after it was written)"
-    return None
+    return manifest_problem(tag)
 
 
 def latest(directory: Path) -> tuple[bool, int | None]:
@@ -94,11 +63,11 @@ def latest(directory: Path) -> tuple[bool, int | None]:
 
 @dataclass
 class Resume:
-    """What a resume loads, and the version it goes on at (`resumable`)."""
+    """What a resume loads, and what it skipped (`resumable`)."""
 
-    version: int  # the checkpoint to load
-    at: int  # `version`, or the newest checkpoint written when that one failed its check (see `resumable`)
-    skipped: list[Path]  # checkpoint directories that failed it: `set_aside` once the load is done
+    version: int  # the checkpoint to load, and the version the learner goes on at
+    skipped: list[Path]  # checkpoint directories that failed their check: `set_aside` once the load is done
+    damage: str = ""  # each checkpoint (or `latest`) skipped and why ("": none)
 
 
 def resumable(directory: Path) -> Resume | None:
@@ -106,10 +75,10 @@ def resumable(directory: Path) -> Resume | None:
     newest other one that does (a warning names each one skipped and why). None: a fresh start (no `latest`, and no
     checkpoint that passes). CheckpointError when `latest` exists but no checkpoint passes.
 
-    A resume from an older checkpoint than the newest one written goes on at the newest one's version N: the replay
-    may have been told of N, and can roll back only to it (docs/architecture.md, "Resume after a crash"). The
-    weights, optimizer and RNG are the older checkpoint's: the updates of the versions between are lost, and their
-    items stay trained once (nothing is trained twice, versions stay continuous)."""
+    A resume from an older checkpoint than the newest one written goes on at the older one's version: its weights,
+    optimizer and RNG, and its version numbering, so the versions after it are trained again. The replay rolls back
+    to it: the learner reported it (or an older one) as its rollback point (`rollback_point`); a replay that cannot
+    roll back that far refuses the resume (`bad_resume`), and the learner stops naming `damage`."""
     tags = versions(directory)
     exists, named = latest(directory)
     if not exists and not tags:
@@ -123,12 +92,16 @@ def resumable(directory: Path) -> Resume | None:
         tag = directory / f"v{version}"
         found = problem(tag) if tag.is_dir() else "missing"
         if found is None or (found == "no manifest" and version == named):  # the latter: written before manifests
-            at = max([version, *written, *({named} - {None})])
+            newest = max([version, *written, *({named} - {None})])
+            # a restart after an earlier resume set them aside still names them (the replay may refuse it too)
+            earlier = [f"{directory / f'v{v}.corrupt'}: set aside as damaged" for v in versions(directory, SET_ASIDE)
+                       if v > version]
+            damage = "; ".join(reasons + earlier)
             if reasons:
-                log.warning("resuming from checkpoint v%d%s; skipped: %s", version, "" if at == version else (
-                    f" as version {at}: the updates of versions {version + 1}..{at} are lost from the weights, "
-                    "their items stay trained once"), "; ".join(reasons))
-            return Resume(version, at, skipped)
+                log.warning("resuming from checkpoint v%d at version %d%s; skipped: %s", version, version,
+                            "" if newest == version else f" (versions {version + 1}..{newest} are trained again)",
+                            "; ".join(reasons))
+            return Resume(version, skipped, damage)
         reasons.append(f"{tag}: {found}")
         skipped += [tag] if tag.is_dir() else []
     if not exists:  # none was ever complete: a save cut short before the first `latest`
@@ -136,6 +109,15 @@ def resumable(directory: Path) -> Resume | None:
         return None
     raise CheckpointError(f"no checkpoint in {directory} can be resumed from: {'; '.join(reasons)}. Restore the "
                           "directory from a backup, or move it away to start this learner again from v0")
+
+
+def rollback_point(directory: Path, version: int, keep: int) -> int:
+    """The version the learner at `version` reports to the replay as its durable checkpoint: the oldest of the newest
+    `keep` checkpoints at or below `version` (a resume may fall back to any of them when a newer one is damaged), or
+    `version` when there is none on disk (a checkpoint whose directory is gone cannot be fallen back to either)."""
+    below = [v for v in versions(directory) if v <= version][:max(keep, 1)]  # as `prune` keeps them
+    kept = [v for v in below if (directory / f"v{v}" / MANIFEST).exists()]  # each complete once
+    return kept[-1] if kept else version
 
 
 def versions(directory: Path, pattern: re.Pattern = TAG, keep: Callable[[Path], bool] = Path.is_dir) -> list[int]:

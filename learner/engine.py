@@ -300,11 +300,17 @@ def _abandon_checkpoint(tag: Path, version: int, failure: BaseException | None) 
 
 
 def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int | None:
+    """`resume_checkpoint`'s version to go on at (the loaded checkpoint's own), or None (a fresh start)."""
+    resume = resume_checkpoint(engine, directory)
+    return None if resume is None else resume.version
+
+
+def resume_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> checkpoint.Resume | None:
     """Restore the checkpoint in `directory` that `latest` names, or the newest other one whose files match their
     manifest when it does not (learner/checkpoint.py `resumable`; the ones that failed are set aside): weights,
-    optimizer, RNG states. The version to go on at (its own, or the newest written one's: see `resumable`), or
-    None when there is none (a fresh start). Every rank must call it. A checkpoint written with the entropy floor
-    (removed) also carries that controller's state under "learner": it is ignored."""
+    optimizer, RNG states. What was loaded (its version is the one to go on at, also past a damaged newer one) and
+    what was skipped, or None when there is none (a fresh start). Every rank must call it. A checkpoint written with
+    the entropy floor (removed) also carries that controller's state under "learner": it is ignored."""
     resume = checkpoint.resumable(directory)
     if resume is None:
         return None
@@ -325,7 +331,7 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> int |
         if rank() == 0:
             checkpoint.set_aside(resume.skipped)
     log.info("resumed from checkpoint v%d in %s", version, directory)
-    return resume.at
+    return resume
 
 
 def _check_lora_signature(checkpoint: Path, expected: dict | None) -> None:

@@ -90,13 +90,14 @@ class ReplayClient:
         return None
 
     def ack(self, batch: Batch, version: int, trained: bool = True,
-            should_stop: Callable[[], bool] = lambda: False) -> bool:
+            should_stop: Callable[[], bool] = lambda: False, hopeless: Callable[[], bool] = lambda: False) -> bool:
         """Tell the replay the batch is trained (its credit is now `issued`), or with `trained=False` that its step
         was refused, and wait for its answer; True once acknowledged. Unanswered, the ack is sent again every
         ACK_TIMEOUT_S: a replay killed before it logged the ack (or held by a full disk, then killed) has the batch
         in flight still, and would requeue it after replay.batch_ack_timeout_s, and the learner would train its
         items twice. An Ack to any of the copies counts; an Error (e.g. batch_not_in_flight: an earlier copy was
-        taken) ends it. Only a stop (`should_stop`) ends the wait unanswered, after ACK_GIVE_UP_S."""
+        taken) ends it. Only a stop (`should_stop`) ends the wait unanswered, after ACK_GIVE_UP_S, or at once when
+        no answer can come (`hopeless`: the launcher that started this learner, and its replay, are gone)."""
         sent: set[int] = set()
         started = time.monotonic()
         while True:
@@ -104,23 +105,24 @@ class ReplayClient:
             sent.add(msg_id)
             send(self._socket, BatchAck(learner_id=self.learner_id, msg_id=msg_id, batch_id=batch.batch_id,
                                         policy_version=version, trained=trained))
-            answer = self._ack_answer(batch, sent)
+            answer = self._ack_answer(batch, sent, lambda: should_stop() and hopeless())
             if answer is not None:
                 self._acked_copies.extend(sent)
                 return answer
-            if should_stop() and time.monotonic() - started >= ACK_GIVE_UP_S:
-                log.error("no Ack for batch %d after %.0f s, stopping: the replay may requeue it and its items be "
-                          "trained again", batch.batch_id, time.monotonic() - started)
+            if should_stop() and (hopeless() or time.monotonic() - started >= ACK_GIVE_UP_S):
+                log.error("no Ack for batch %d after %.1f s, stopping%s: the replay may requeue it and its items be "
+                          "trained again", batch.batch_id, time.monotonic() - started,
+                          " (the launcher that started this learner is gone, its replay with it)" if hopeless() else "")
                 return False
             self.resent_acks += 1
             log.warning("no Ack for batch %d within %.0f s: sending it again (%d so far)", batch.batch_id,
                         ACK_TIMEOUT_S, self.resent_acks)
 
-    def _ack_answer(self, batch: Batch, sent: set[int]) -> bool | None:
-        """The replay's answer to the copies `sent` of a BatchAck within ACK_TIMEOUT_S: True (Ack), False (Error),
-        None (none)."""
+    def _ack_answer(self, batch: Batch, sent: set[int], give_up: Callable[[], bool]) -> bool | None:
+        """The replay's answer to the copies `sent` of a BatchAck within ACK_TIMEOUT_S (or until `give_up()`):
+        True (Ack), False (Error), None (none)."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not give_up():
             reply = self._receive(POLL_SLICE_S)
             if isinstance(reply, Ack) and reply.msg_id in sent:
                 return True

@@ -30,6 +30,8 @@ import zmq
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from async_rl.config import Config, SGLangConfig
+from async_rl.durable import write_manifest
+from async_rl.hf_io import prune_stale_load_views
 from async_rl.model import WeightsError, save_weights
 from async_rl.protocol import WeightsPublished
 from async_rl.security import CurveKeys, load_keys, sglang_headers
@@ -46,7 +48,9 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per reques
 
 
 def write_hf_dir(state_dict: dict[str, torch.Tensor], model_dir: Path, target: Path) -> Path:
-    """An HF model directory SGLang can load: the model's config files and the new weights, made atomically."""
+    """An HF model directory SGLang can load: the model's config files and the new weights, with a manifest of their
+    sizes and crc32s (checked by the rollout worker before a server loads it: rollout/engines/sglang.py), made
+    atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -54,6 +58,7 @@ def write_hf_dir(state_dict: dict[str, torch.Tensor], model_dir: Path, target: P
             if (model_dir / name).exists():
                 shutil.copy(model_dir / name, staging / name)
         save_weights(state_dict, staging / "model.safetensors")
+        write_manifest(staging)
     except OSError as exc:  # a full disk: WeightsError names the weights file, this the copy
         shutil.rmtree(staging, ignore_errors=True)
         raise WeightsError(f"{staging}: could not write the model directory: {exc}") from None
@@ -183,7 +188,8 @@ class SGLangWeightPublisher(WeightPublisher):
     def _prune(self) -> None:
         dirs = sorted(self.weights_dir.glob("hf-v*"), key=lambda p: int(p.name[4:]))
         for old in dirs[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)  # a worker loading it reads its own links (rollout/engines/sglang)
+        prune_stale_load_views(self.weights_dir)
 
     def close(self) -> None:
         if self.sync is not None:

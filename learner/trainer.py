@@ -28,24 +28,26 @@ import torch.distributed as dist
 import zmq
 
 from async_rl.config import Config
+from async_rl.evidence import trained_item
 from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
 from async_rl.security import load_keys
 from async_rl.signals import StopRequest, stop_on_signals
 from learner.batch import collate
+from learner.checkpoint import rollback_point
 from learner.engine import (
     build_engine,
     full_state_dict,
     leave_distributed,
-    load_checkpoint,
     rank,
+    resume_checkpoint,
     save_checkpoint,
     world_size,
 )
 from learner.metrics import MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher
-from learner.replay_client import ReplayClient
+from learner.replay_client import ReplayClient, ResumeRefused
 from learner.sglang_sync import make_publisher
 from learner.step import layout_metrics, train_on_items
 
@@ -143,7 +145,7 @@ class _Rank:
     def ack(self, batch: Batch, version: int, trained: bool) -> None:
         pass
 
-    def resumed(self, version: int) -> None:
+    def resumed(self, version: int, damage: str) -> None:
         pass
 
     def checkpointed(self, version: int) -> None:
@@ -175,6 +177,8 @@ class _Leader(_Rank):
         self.metrics = MetricsLog(config, config.run_dir)
         self.stats = ReplayStats()
         self.reason: str | None = None  # why the loop stopped
+        self.damage = ""  # the damaged checkpoints a resume skipped (named if the replay refuses the resume)
+        self.parent = os.getppid()  # under `async-rl train` the launcher (or its fork server): the replay's too
 
     def _stop_reason(self, progress: _Progress) -> str | None:
         return stop_reason(self.config, progress.version, self.stats, progress.wall_s(), self.request)
@@ -184,25 +188,45 @@ class _Leader(_Rank):
         self.reason = self._stop_reason(progress)
         if self.reason is not None:
             return None
-        batch = self.client.next_batch(progress.version, self.config.learner,
-                                       lambda: self._stop_reason(progress) is not None, self.publisher.republish_if_due)
+        try:
+            batch = self.client.next_batch(progress.version, self.config.learner,
+                                           lambda: self._stop_reason(progress) is not None,
+                                           self.publisher.republish_if_due)
+        except ResumeRefused as exc:
+            if not self.damage:
+                raise
+            raise ResumeRefused(f"{exc}; this learner resumed from checkpoint v{progress.checkpointed} because the "
+                                f"newer one failed its check ({self.damage}): restore the damaged checkpoint from a "
+                                "backup, or restart the replay with the learner") from None
         if batch is None:
             self.reason = self._stop_reason(progress)
         return batch
 
     def ack(self, batch: Batch, version: int, trained: bool) -> None:
-        self.client.ack(batch, version, trained=trained, should_stop=self.request.event.is_set)
+        self.client.ack(batch, version, trained=trained, should_stop=self.request.event.is_set,
+                        hopeless=self.orphaned)
         self.stats = batch.stats
 
-    def resumed(self, version: int) -> None:
-        self.client.checkpoint = version
-        # weights of versions above the checkpoint died with the learner that wrote them
+    def orphaned(self) -> bool:
+        """Whether the process that started this learner is gone (it was reparented). Under `async-rl train` that is
+        the launcher, killed: its parent-death signal stopped every role, the replay among them, so a stopping
+        learner waits for no Ack (it outlived the launcher by ACK_GIVE_UP_S). In a pod the parent stays."""
+        return os.getppid() != self.parent
+
+    def resumed(self, version: int, damage: str) -> None:
+        self.damage = damage
+        self.checkpointed(version)
+        # weights of versions above the checkpoint died with the learner that wrote them (or are a damaged
+        # checkpoint's versions, trained again)
         for dead in (self.config.run_dir / "weights").glob("v*.safetensors"):
             if dead.stem[1:].isdigit() and int(dead.stem[1:]) > version:
                 dead.unlink(missing_ok=True)
 
     def checkpointed(self, version: int) -> None:
-        self.client.checkpoint = version  # the next BatchRequest reports it durable
+        """The next BatchRequest reports durable the oldest checkpoint kept, not `version`: the replay keeps the acks
+        above it undoable, so a resume that falls back past a damaged newer checkpoint can be rolled back to."""
+        learner = self.config.learner
+        self.client.checkpoint = rollback_point(self.config.run_dir / "checkpoints", version, learner.keep_checkpoints)
 
     def log_step(self, engine: Any, items: list[TrainItem], trained_at: int, losses: list[tuple[float, LossStats]],
                  step_s: float, progress: _Progress) -> None:
@@ -221,6 +245,7 @@ class _Leader(_Rank):
             torch.cuda.reset_peak_memory_stats(engine.device)
         if config.learner.log_item_ids:
             line["item_ids"] = [item.item_id for item in items]
+            line["items"] = [trained_item(item) for item in items]  # what each trained, for the soak's join
         self.metrics.write(line)
         log.info("v%d loss %.4f success %.3f env_steps %d", progress.version, line["loss"], stats.success_rate,
                  stats.env_steps)
@@ -255,11 +280,11 @@ def _resume(engine: Any, side: _Rank, config: Config, started: float) -> _Progre
     later versions acked). Its weights are published again: the workers may hold weights of versions that died
     with the learner."""
     progress = _Progress(started)
-    resumed = load_checkpoint(engine, config.run_dir / "checkpoints")
-    if resumed is not None:
-        progress.version = progress.checkpointed = progress.published = resumed
-        side.resumed(resumed)
-        _publish(engine, side.publisher, resumed)
+    resume = resume_checkpoint(engine, config.run_dir / "checkpoints")
+    if resume is not None:
+        progress.version = progress.checkpointed = progress.published = resume.version
+        side.resumed(resume.version, resume.damage)
+        _publish(engine, side.publisher, resume.version)
     return progress
 
 

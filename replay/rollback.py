@@ -1,9 +1,10 @@
 """Resume after a learner crash (docs/architecture.md, "Resume after a crash"): the journal of trained acks above
-the learner's latest reported checkpoint, which groups may close, and the rollback to that checkpoint.
+the learner's latest reported checkpoint, which groups may close, and the rollback to a checkpoint at or above it.
 
-With learner checkpoints on, trained acks above the learner's latest reported checkpoint stay undoable (the
-journal), and a group whose items were acked above it stays open, so a learner that comes back at that checkpoint
-can be rolled back to it exactly.
+With learner checkpoints on, trained acks above the learner's latest reported checkpoint (the oldest one it keeps:
+learner/checkpoint.py `rollback_point`) stay undoable (the journal), and a group whose items were acked above it
+stays open, so a learner that comes back at any checkpoint it keeps (the newest, or an older one past a damaged
+newest) can be rolled back to it exactly.
 """
 
 from __future__ import annotations
@@ -66,15 +67,18 @@ class Rollback:
         return freed
 
     def problem(self, version: int) -> str | None:
-        """Why a learner restarted at `version` (below the replay's) cannot be rolled back to, or None. The only
-        target is the learner's latest reported checkpoint: a forged restart can at most undo the acks above it
-        (they are trained again), never a group that closed."""
+        """Why a learner restarted at `version` (below the replay's) cannot be rolled back to, or None. A target
+        at or above the learner's reported checkpoint (its rollback point: the oldest checkpoint it keeps, so that a
+        resume past a damaged newer one lands here too) is exact, every ack above it being in the journal; below it
+        the acks are final. A forged restart can at most undo the acks above the reported checkpoint (they are
+        trained again), never a group that closed."""
         if not self.retaining():
             return (f"the learner restarted at version {version} below {self.state.learner.policy_version}, and "
                     "with learner.checkpoint_every 0 the replay keeps nothing to roll back: restart the replay as well")
-        if version != self.own.checkpointed:
+        if version < self.own.checkpointed:
             return (f"the learner restarted at version {version}, but its latest reported checkpoint is "
-                    f"{self.own.checkpointed}: the replay can only roll back to that one")
+                    f"{self.own.checkpointed}: the acks up to it are final, the replay can only roll back to a "
+                    "version at or above it")
         return None
 
     def roll_back(self, version: int) -> list[Group]:

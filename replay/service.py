@@ -138,8 +138,9 @@ class ReplayService:
     def batch_tokens(self) -> int:
         return self.state.guard.batch_tokens
 
-    def stats_snapshot(self) -> ReplayStats:
-        return self.state.stats()
+    def stats_snapshot(self, now: float | None = None) -> ReplayStats:
+        """The stats (`ReplayState.stats`); `now`: with the guard's running hold counted."""
+        return self.state.stats(now)
 
     # --- the two entry points ---------------------------------------------------------------------
 
@@ -212,6 +213,11 @@ class ReplayService:
         state.serving.parked.clear()
         state.epoch = epoch
         state.group_ids, state.item_ids, state.batch_ids = Ids(epoch), Ids(epoch), Ids(epoch)
+        # The learner's first word after a restart is trusted again, as a fresh replay's is (replay/edge.py): a log
+        # that lost acknowledged bytes (a disk that lies; the chaos soak truncates it) forgot batches the learner
+        # trained, and a ceiling rebuilt from it would refuse the learner's true version for good (version_ahead:
+        # the soak's run stalled after its first truncation). Only the learner's key may send a BatchRequest.
+        state.learner.version_ceiling = None
 
     def reject_frame(self, identity: bytes | None, detail: str) -> list[Reply]:
         """A frame that did not decode: count it, log it, answer `Error` when the sender is known."""
@@ -230,6 +236,7 @@ class ReplayService:
     def advance(self, group: Group, now: float) -> None:
         """The dispatch of a group's transitions: `Group.advance` says what they produced, this applies it."""
         state = self.state
+        self.serving.hold_late_claims(group)  # before A_final is fixed: a late ack may still make credit issued
         step = group.advance(now, self.algo, self.config.replay, state.item_ids, self.rollback.confirmed)
         queue, tally = state.serving.queue, state.tally(group.group_id)
         for item in step.immediates:

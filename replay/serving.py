@@ -4,11 +4,15 @@ requeue of unacked batches, and a learner's new session (docs/algorithm.md, "Bat
 Delivery of credit is at most once per item: only the ack of the batch currently holding an item counts. A batch
 not acked within `replay.batch_ack_timeout_s` is put back at the front of the queue. A late ack for it (a learner
 frozen or cut off past the timeout, then back) takes the items still waiting in the queue as trained, so a learner
-that did train the batch does not get them again (`late_batch_acks`); items already served again, or superseded by
-their group's correction, are not its any more, and an ack with none left is refused (`Error bad_state`), so the
-ledger never counts an item twice. The price: if the learner vanished for good after training the batch, or came back
-after its items were served again, those tokens are trained again; the ledger then records what was acknowledged,
-not everything the optimizer saw.
+that did train the batch does not get them again (`late_batch_acks`); items already served again are not its any
+more, and an ack with none left is refused (`Error bad_state`), so the ledger never counts an item twice. Such an
+immediate is never superseded by its group's correction while that late ack may still come: a group whose outcomes
+are all in holds it out of the queue (`held`) and finalizes only once the ack made its credit issued, or said it
+was not trained, or can no longer come (a new learner process, REQUEUED_KEPT newer requeued batches); then C =
+A_final − issued carries exactly the rest, where a correction made earlier would have carried that credit a second
+time. The price: if the learner vanished for good after training the batch, or came back after its items were
+served again, those tokens are trained again; the ledger then records what was acknowledged, not everything the
+optimizer saw.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 from collections.abc import Callable
 
 from async_rl.config import Config
+from async_rl.ledger import corrections_on
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error, ErrorCode, Message
 from async_rl.staleness import correction_trainable, immediate_trainable
 from replay.edge import Edge
@@ -121,7 +126,7 @@ class Serving:
         batch_id = next(self.state.batch_ids)
         self.own.in_flight[batch_id] = InFlightBatch(served, now)
         self.edge.served(request.policy_version)
-        stats = self.state.stats()
+        stats = self.state.stats(now)  # the guard's hold this batch ends (released after it) counts
         stats.immediate_before_outcome = sum(self._before_outcome(queued) for queued in served)
         self.state.counters.ledger_residual_max = 0.0  # reported once: the max since the previous batch
         return Batch(msg_id=request.msg_id, batch_id=batch_id, items=[q.item for q in served], stats=stats)
@@ -189,25 +194,67 @@ class Serving:
 
     def _late_ack(self, ack: BatchAck, now: float) -> Ack | Error | None:
         """The ack of a batch requeued after replay.batch_ack_timeout_s: its items still in the queue (served to no
-        one since, not superseded) leave it as trained, since the learner trained them. None: nothing of it is left
-        (the ack is refused as for any batch not in flight)."""
-        item_ids = self.own.requeued.pop(ack.batch_id, None)
-        queue = self.own.queue
-        items = [queued for queued in map(queue.get, item_ids or ()) if queued is not None]
-        if not items:
+        one since) or held for it (`hold_late_claims`) leave it as trained, since the learner trained them. None:
+        nothing of it is left (the ack is refused as for any batch not in flight)."""
+        item_ids = self.own.requeued.pop(ack.batch_id, None) or []
+        queue, held = self.own.queue, self.own.held
+        items = [queued for queued in map(queue.get, item_ids) if queued is not None]
+        claimed = [held[item_id] for item_id in item_ids if item_id in held]
+        if not items and not claimed:
             return None
         problem = self.edge.take_version(ack.policy_version, acked=True)
         if problem is not None:
+            self._release_held(item_ids, now)  # refused: this ack will not come again
             return self.reject(ack.msg_id, "bad_state", *problem)
-        if ack.trained:  # else nothing was trained: the items wait in the queue as they are
-            log.warning("late ack of batch %d (requeued after %.1f s): %d of its %d items were still queued and "
-                        "count as trained", ack.batch_id, self.config.replay.batch_ack_timeout_s, len(items),
-                        len(item_ids or ()))
-            self.state.counters.late_batch_acks += 1
-            for queued in items:
-                queue.remove(queued.item_id)
-            self._trained(items, ack.policy_version, now)
+        if not ack.trained:  # nothing was trained: the items wait in the queue as they are, the held ones again
+            self._release_held(item_ids, now)
+            return Ack(msg_id=ack.msg_id)
+        log.warning("late ack of batch %d (requeued after %.1f s): %d of its %d items were still queued or held for "
+                    "it and count as trained", ack.batch_id, self.config.replay.batch_ack_timeout_s,
+                    len(items) + len(claimed), len(item_ids))
+        self.state.counters.late_batch_acks += 1
+        for queued in items:
+            queue.remove(queued.item_id)
+        for queued in claimed:
+            del held[queued.item_id]
+        self._trained(items + claimed, ack.policy_version, now)
         return Ack(msg_id=ack.msg_id)
+
+    def hold_late_claims(self, group: Group) -> None:
+        """Before `group` finalizes (its outcomes all in, corrections on): its queued immediates that a requeued
+        batch's late ack may still claim leave the queue and count as in flight, so A_final − issued is not fixed
+        while that ack could still make their credit issued (the correction would carry it a second time)."""
+        own = self.own
+        if (not own.requeued or group.finalized or not group.queued_immediates
+                or not corrections_on(self.algo.updates) or not group.ledger.outcomes_complete()):
+            return
+        claimable = {item_id for item_ids in own.requeued.values() for item_id in item_ids}
+        for item_id in sorted(group.queued_immediates & claimable):
+            queued = own.queue.get(item_id)
+            if queued is None:
+                continue
+            own.queue.remove(item_id)
+            own.held[item_id] = queued
+            group.queued_immediates.discard(item_id)
+            group.in_flight_immediates.add(item_id)
+
+    def _release_held(self, item_ids: list[int], now: float) -> None:
+        """The late ack that could claim these items will not come (or said untrained): the held ones go back to
+        the front of the queue, and their groups finalize over them (superseded: the correction carries them)."""
+        touched: dict[str, Group] = {}
+        for item_id in item_ids:
+            queued = self.own.held.pop(item_id, None)
+            if queued is None:
+                continue
+            self.own.queue.push_front([queued])
+            group = self.state.groups.get(queued.group_id)
+            if group is not None:
+                group.in_flight_immediates.discard(item_id)
+                group.queued_immediates.add(item_id)
+                touched[group.group_id] = group
+        for group in touched.values():
+            if group.group_id in self.state.groups:
+                self.advance(group, now)
 
     def _trained(self, items: list[QueuedItem], version: int, now: float) -> None:
         """Acked items: their credit is trained (and journaled, for a rollback to `version`'s checkpoint)."""
@@ -252,6 +299,7 @@ class Serving:
         timeout_s, in_flight = self.config.replay.batch_ack_timeout_s, self.own.in_flight
         expired = [batch_id for batch_id, batch in in_flight.items() if everything or now - batch.sent_at >= timeout_s]
         touched: dict[str, Group] = {}
+        no_late_ack: list[int] = []  # item ids of requeued batches whose late ack is no longer taken
         for batch_id in reversed(expired):  # the oldest batch ends up first
             batch = in_flight.pop(batch_id)
             if everything:
@@ -264,7 +312,7 @@ class Serving:
                 requeued = self.own.requeued
                 requeued[batch_id] = [queued.item_id for queued in batch.items]
                 for old in list(requeued)[:-REQUEUED_KEPT]:
-                    del requeued[old]
+                    no_late_ack += requeued.pop(old)
             for queued in batch.items:
                 group = self.state.groups.get(queued.group_id)
                 if group is not None and queued.kind == "immediate":
@@ -273,6 +321,7 @@ class Serving:
                     touched[group.group_id] = group
         for group in touched.values():
             self.advance(group, now)
+        self._release_held(no_late_ack, now)
         return bool(expired)
 
     # --- a learner's session (replay/rollback.py) ---
@@ -295,7 +344,10 @@ class Serving:
         log.info("learner session %d starts at version %d (the replay had %d, checkpoint %d)",
                  request.session, r, learner.policy_version, own.checkpointed)
         own.session = request.session
-        self.own.requeued.clear()  # a new learner process: the old one's late acks are not its lineage's
+        # a new learner process: the old one's late acks are not its lineage's
+        no_late_ack = [item_id for item_ids in self.own.requeued.values() for item_id in item_ids]
+        self.own.requeued.clear()
+        self._release_held(no_late_ack, now)
         self.requeue_unacked(now, everything=True)
         if r < learner.policy_version:
             for group in self.rollback.roll_back(r):

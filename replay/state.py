@@ -73,6 +73,10 @@ class ServeState(msgspec.Struct):
     # batch id -> its item ids, for the latest batches requeued after replay.batch_ack_timeout_s (a frozen learner's
     # late ack takes the items still queued: replay/serving.py), oldest first, at most REQUEUED_KEPT
     requeued: dict[int, list[int]] = {}
+    # item id -> a queued immediate of a group whose outcomes are all in, that a requeued batch's late ack may still
+    # claim: out of the queue, and in its group's in_flight_immediates, so the group finalizes only once that ack
+    # (its credit issued) or the end of its window (the correction carries it) settles it (replay/serving.py)
+    held: dict[int, QueuedItem] = {}
 
 
 class GuardState(msgspec.Struct):
@@ -159,9 +163,12 @@ class ReplayState(msgspec.Struct):
             del self.item_tally[group_id]
             self.counters.groups_empty += tally[1] == 0
 
-    def stats(self) -> ReplayStats:
-        """The cumulative counters with the windowed fields filled in (a copy)."""
+    def stats(self, now: float | None = None) -> ReplayStats:
+        """The cumulative counters with the windowed fields filled in (a copy); at `now`, the guard's hold still
+        running counts in `guard_held_s` too (`guard_hold_running_s`), not only the holds released."""
         windows = self.outcomes
+        since = self.guard.since
+        running = max(now - since, 0.0) if now is not None and since is not None else 0.0
         finished = windows.finished
         successes = sum(success for success, _, _ in finished)
         reward_sum = sum(rewards for _, rewards, _ in finished)
@@ -175,6 +182,8 @@ class ReplayState(msgspec.Struct):
             items_queued=len(self.serving.queue),
             correction_bound=self.guard.auto_bound,
             rejected=dict(self.counters.rejected),
+            guard_held_s=self.counters.guard_held_s + running,
+            guard_hold_running_s=running,
         )
 
 

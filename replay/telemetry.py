@@ -12,7 +12,7 @@ from replay.service import ReplayService
 
 
 def metrics_line(service: ReplayService, now: float) -> dict[str, Any]:
-    stats = service.stats_snapshot()
+    stats = service.stats_snapshot(now)  # a hold still running counts (guard_held_s, guard_hold_running_s)
     queued = list(service.queue)
     kinds = Counter(q.kind for q in queued)
     staleness = [max(service.policy_version - q.oldest_version, 0) for q in queued]

@@ -26,6 +26,10 @@ there and is judged as it stands.
 
 An environment that raises, or breaks its contract (rollout/envs/base.py), abandons that trajectory only:
 the sink hears `env_error: ...` naming the env and the method.
+
+A token-level env (`reset_tokens`/`step_tokens`, rollout/envs/base.py: the `agent` env) goes through the same
+phases but hands over tokens: its `Prompt`s are the observation tokens as they are (it renders them itself), its
+step gets the action's `Generation` (tokens, not text), and a Prompt may cap the next action's tokens.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ from rollout.envs.base import (
     Action,
     EnvError,
     EnvFactory,
+    Prompt,
     StepResult,
     Task,
     checked_judge,
     checked_make,
     checked_reset,
+    checked_reset_tokens,
     checked_step,
+    checked_step_tokens,
+    token_level,
     tools_of,
 )
 from rollout.episode import Episode, Sink
@@ -135,6 +143,10 @@ class EpisodeRunner:
         self.stats = RunnerStats()
         self.no_room_streak = 0  # trajectories in a row abandoned for their first observation's length
         self.longest_first_observation = 0
+        bind = getattr(factory, "bind", None)  # a factory that renders and decodes itself (the `agent` env)
+        if callable(bind):
+            bind(tokenizer=tokenizer, parse_tools=self.parse_tools, stop=list(params.stop),
+                 step_timeout_s=step_timeout_s)
 
     @classmethod
     def from_config(
@@ -193,7 +205,8 @@ class EpisodeRunner:
                 self._abandon(episode, f"env_error: {exc}")
                 continue
             episode.since = time.monotonic()
-            self.steps[self.pool.submit(checked_reset, self.env_name, episode.env, task)] = episode
+            reset = checked_reset_tokens if token_level(episode.env) else checked_reset
+            self.steps[self.pool.submit(reset, self.env_name, episode.env, task)] = episode
 
     def pump(self, wait_s: float, generate: bool = True) -> None:
         """One round, never blocking longer than `wait_s`: hand finished resets/steps/judges and a finished engine
@@ -266,7 +279,12 @@ class EpisodeRunner:
                 continue
             (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(
                 getattr(future, "elapsed_s", time.monotonic() - episode.since))
-            if episode.phase == "reset":
+            if episode.phase == "reset" and isinstance(result, Prompt):  # a token-level env: tokens as they are
+                episode.observation_tokens = result.tokens
+                episode.max_new_tokens = result.max_new_tokens
+                episode.context = list(episode.observation_tokens)
+                episode.phase = "act"
+            elif episode.phase == "reset":
                 try:
                     episode.tools = tools_of(self.env_name, episode.env)
                 except EnvError as exc:
@@ -287,14 +305,19 @@ class EpisodeRunner:
         if result.done:
             self._judge(episode)
             return
-        observation = blinded(result.observation, BLIND_OBSERVATION) if self.blind else (result.observation or "")
-        episode.observation_tokens = self.prompter.next(observation)
+        if isinstance(result.observation, Prompt):  # a token-level env's tokens, as they are
+            episode.observation_tokens = result.observation.tokens
+            episode.max_new_tokens = result.observation.max_new_tokens
+        else:
+            observation = blinded(result.observation, BLIND_OBSERVATION) if self.blind else (result.observation or "")
+            episode.observation_tokens = self.prompter.next(observation)
         episode.context += generation.token_ids + episode.observation_tokens
         episode.phase = "act"
 
     def _room(self, episode: Episode) -> int:
-        """Action tokens that still fit under model.max_seq_len."""
-        return min(self.params.max_new_tokens, self.max_seq_len - len(episode.context))
+        """Action tokens that still fit under model.max_seq_len (and a token-level env's cap for this turn)."""
+        budget = min(self.params.max_new_tokens, episode.max_new_tokens or self.params.max_new_tokens)
+        return min(budget, self.max_seq_len - len(episode.context))
 
     def _truncate_if_full(self, episode: Episode) -> bool:
         """Not one more action token fits in model.max_seq_len: the trajectory ends here and is judged as it is."""
@@ -361,8 +384,11 @@ class EpisodeRunner:
                 episode.generation = generation
                 episode.phase = "step"
                 episode.since = time.monotonic()
-                action = self._action(episode, generation)
                 assert episode.env is not None
+                if token_level(episode.env):  # the tokens themselves: the env decodes and parses them
+                    self.steps[self.pool.submit(checked_step_tokens, self.env_name, episode.env, generation)] = episode
+                    continue
+                action = self._action(episode, generation)
                 self.steps[self.pool.submit(checked_step, self.env_name, episode.env, action)] = episode
 
     def _expire(self, now: float) -> None:

@@ -32,6 +32,7 @@ class Episode:
     generation: Generation | None = None  # the action whose step is under way
     since: float = 0.0  # when the current reset, step or judge began (its latency, for the metrics)
     tools: list[dict] | None = None  # the env's tool specs, asked after reset (None: an env without tools())
+    max_new_tokens: int | None = None  # a token-level env's budget for the next action (None: the runner's)
 
     @property
     def trajectory_id(self) -> str:

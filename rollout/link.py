@@ -32,6 +32,7 @@ from async_rl.protocol import (
 )
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.transport import BadFrame, poll, receive, send
+from rollout.ack_journal import AckJournal
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -48,8 +49,10 @@ class _Unacked:
 
 
 class ReplayLink:
-    def __init__(self, socket: zmq.Socket, worker_id: str, ack_timeout_s: float, heartbeat_s: float) -> None:
+    def __init__(self, socket: zmq.Socket, worker_id: str, ack_timeout_s: float, heartbeat_s: float,
+                 journal: AckJournal | None = None) -> None:
         self.socket = socket
+        self.journal = journal  # what was sent and acked, journalled first (rollout/ack_journal.py)
         self.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a full queue: an unsent record is resent later
         self.worker_id = worker_id
         self.ack_timeout_s = ack_timeout_s
@@ -76,6 +79,8 @@ class ReplayLink:
         return self._next_msg_id
 
     def send_reliably(self, message: StageRecord | Outcome) -> None:
+        if self.journal is not None:
+            self.journal.sent(message)
         self.unacked[message.msg_id] = _Unacked(message, self._read_clock)
         self._send(message)
 
@@ -104,7 +109,9 @@ class ReplayLink:
                 log.warning("ignoring a malformed reply from replay: %s", exc)
                 continue
             if isinstance(reply, Ack):
-                self.unacked.pop(reply.msg_id, None)
+                acked = self.unacked.pop(reply.msg_id, None)
+                if acked is not None and self.journal is not None:
+                    self.journal.acked(acked.message)
                 self.duplicate_acks += reply.duplicate
             elif isinstance(reply, LeaseGrant | LeaseDenied):
                 if self.lease_request is not None and reply.msg_id == self.lease_request.msg_id:

@@ -48,11 +48,12 @@ from async_rl.security import load_keys
 from async_rl.signals import stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
+from rollout.ack_journal import AckJournal, journal_path
 from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
-from rollout.envs.base import Judgement, Task, checked_tasks
+from rollout.envs.base import Judgement, Task, checked_tasks, env_metrics
 from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
@@ -262,7 +263,9 @@ class _Worker:
         curve = load_keys(config, worker_id)  # its own key: the replay holds it to this worker id and its leases
         self.dealer = connect_dealer(self.context, config.replay.endpoint, worker_id, curve)
         self.subscriber = connect_subscriber(self.context, config.learner.publish_endpoint, curve)
-        self.link = ReplayLink(self.dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s)
+        self.journal = AckJournal(journal_path(config.run_dir, worker_id))
+        self.link = ReplayLink(self.dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s,
+                               self.journal)
         self.weights = WeightsFollower(self.subscriber, self.engine, config.run_dir)
         sink = ReplaySink(worker_id, self.link.send_reliably, self.link.next_msg_id)
         self.runner = EpisodeRunner.from_config(config, self.factory, self.engine, self.tokenizer, sink)
@@ -314,14 +317,18 @@ class _Worker:
         line.update(policy_version=self.engine.version, resends=link.resends, unacked=len(link.unacked),
                     env_errors=runner.env_errors, plugin_timeouts=runner.plugin_timeouts,
                     hung_calls=runner.hung_calls(),
-                    duplicate_acks=link.duplicate_acks, duplicate_lease_replies=link.duplicate_lease_replies,
+                    weights_refused=getattr(self.engine.engine, "weights_refused", 0),  # failed their checksum
+                    duplicate_acks=link.duplicate_acks, acks_journalled=self.journal.written,
+                    ack_journal_dropped=self.journal.dropped, duplicate_lease_replies=link.duplicate_lease_replies,
                     **isolation_counts(),  # agent code run by this worker, and how much of it without namespaces
+                    **env_metrics(self.config.env.name, self.factory),  # the env's own counts (agent_*)
                     **{f"rejected_{code}": n for code, n in link.rejected.items()})
         self.metrics.write(line)
 
     def close(self) -> None:
         self.write_metrics()
         self.metrics.close()
+        self.journal.close()
         self.runner.close()
         self.engine.close()
         self.engine.engine.close()

@@ -4,6 +4,7 @@ disk that fills; the session's pool of two real SGLang servers (tests/sglang_ser
 xdist group "sglang" (test_sglang.py and the sglang_interrupt benchmark's quick form): a server start costs 30-45 s
 of these 2 cores."""
 
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 from project_commands import project_command
-from sglang_server import Pool, build_venv
+from sglang_server import Pool, build_venv, under_ci
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -67,13 +68,17 @@ def small_disk(tmp_path: Path, request):
 @pytest.fixture(scope="session")
 def pool(tmp_path_factory) -> Pool:
     """Two real SGLang servers on the tiny model's version-0 directory, started once per worker process (mark the
-    tests that use them `xdist_group("sglang")` so that one worker starts them); skipped only if the server venv
-    cannot be built."""
+    tests that use them `xdist_group("sglang")` so that one worker starts them). A server venv that cannot be built
+    fails them under CI (env CI=true: a skip would hide that no SGLang test ran) and skips them elsewhere, naming
+    why (tests/test_sglang_env.py)."""
     from async_rl.config_load import load_config
     from rollout.prepare import prepare_model_dir
 
     venv, reason = build_venv()
     if venv is None:
+        if under_ci():
+            pytest.fail(f"no SGLang server environment, and under CI (CI={os.environ['CI']}) the SGLang tests must "
+                        f"run: {reason}", pytrace=False)
         pytest.skip(f"no SGLang server environment: {reason}")
     root = tmp_path_factory.mktemp("sglang")
     model_dir = prepare_model_dir(load_config(None, [f"run.dir={root}", "run.name=base"]))

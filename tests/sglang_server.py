@@ -22,6 +22,11 @@ import httpx
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
+def under_ci() -> bool:
+    """Whether the tests run under CI: env CI set to true (what CI services set, and .ci/run itself), 1, yes or on."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes", "on")
+
+
 def build_venv() -> tuple[Path | None, str]:
     """The venv path, or None and why it could not be built (build takes 1-2 min when missing)."""
     try:
@@ -72,6 +77,19 @@ class SGLangServer:
 
     def model_info(self) -> dict:
         return httpx.get(self.url + "/get_model_info", timeout=10).json()
+
+    def requests_in_flight(self) -> int:
+        """Requests the server is running or has queued (its /v1/loads, as its scheduler counts them)."""
+        loads = httpx.get(self.url + "/v1/loads", params={"include": "core"}, timeout=10).json()["loads"]
+        return sum(load.get("num_running_reqs", 0) + load.get("num_waiting_reqs", 0) for load in loads)
+
+    def wait_for_requests(self, timeout_s: float = 30.0) -> None:
+        """Until the server has requests in flight (what a test that must interrupt generation waits for, in place
+        of a fixed sleep that raced it)."""
+        deadline = time.monotonic() + timeout_s
+        while self.requests_in_flight() == 0:
+            assert time.monotonic() < deadline, f"{self.url}: no request in flight after {timeout_s} s"
+            time.sleep(0.02)
 
 
 def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path) -> list[SGLangServer]:

@@ -81,15 +81,22 @@ def test_the_judge_pool_reuses_idle_threads_and_runs_slow_calls_side_by_side():
     for n in range(50):  # one after the other: one thread does them all
         assert pool.submit(lambda x: x * 2, n).result(timeout=5) == n * 2
     assert pool.threads() == 1
-    gate = threading.Event()
-    slow = [pool.submit(gate.wait, 5) for _ in range(8)]  # eight at once: eight threads, none waits for another
-    time.sleep(0.2)
+    gate, started = threading.Event(), threading.Semaphore(0)
+
+    def blocked() -> bool:
+        started.release()
+        return gate.wait(5)
+
+    slow = [pool.submit(blocked) for _ in range(8)]  # eight at once: eight threads, none waits for another
+    assert all(started.acquire(timeout=5) for _ in slow), "not all eight calls started: one waited for another"
+    all_started = time.monotonic()
     assert pool.threads() == 8 and not any(f.done() for f in slow)
     hung = pool.submit(time.sleep, 3)  # a call that does not return soon holds its thread, not the next call
     assert pool.submit(lambda: "next").result(timeout=2) == "next"
+    opened = time.monotonic()
     gate.set()
     assert all(f.result(timeout=5) for f in slow)
-    assert all(f.elapsed_s >= 0.2 for f in slow)
+    assert all(f.elapsed_s >= opened - all_started for f in slow), "each call's time covers its wait"
     deadline = time.monotonic() + 5
     while pool.threads() > 1 and time.monotonic() < deadline:  # idle threads end after idle_s; the hung one stays
         time.sleep(0.05)

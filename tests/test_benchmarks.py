@@ -484,3 +484,12 @@ def test_quick_start_quick():
     assert other["versions"] == 2 and other["stop_reason"] == "max_versions"
     assert result["against"] == ["run.max_versions=2"]
     assert result["ratio_median"] == round(run["wall_s"] / other["wall_s"], 3)
+
+
+@pytest.mark.slow
+def test_agent_endpoint_quick():
+    """Slow: 8 conversations x 2 turns, three ways (the engine alone, the runner with a text env, agents through the
+    OpenAI-compatible endpoint), every completion made in each (~15 s idle)."""
+    result = run_benchmark("agent_endpoint.py", timeout_s=300)
+    assert set(result["completions_per_s"]) == {"engine", "runner", "endpoint"}
+    assert result["endpoint_vs_engine"] > 0 and result["endpoint_vs_runner"] > 0

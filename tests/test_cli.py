@@ -145,3 +145,33 @@ def test_every_documented_async_rl_command_parses_and_its_config_loads(where, co
         with pytest.raises(ConfigError) as info:
             load_config(args.config, args.overrides)
         assert str(info.value) == error, where
+
+
+def test_the_runs_summary_carries_the_rollout_sides_sandbox_counts(tmp_path):
+    """summary.json (the learner's) gets, from the launcher once every role stopped, the sandbox executions of the
+    rollout workers and how many ran without namespaces (each worker's cumulative count on its metrics lines; a
+    worker restarted counts from 0 again, so each process's last count is summed), and so does the printed result."""
+    import json
+
+    from rich.console import Console
+
+    from async_rl.config_load import load_config
+    from launch.supervise import Child
+    from launch.train import _result
+
+    config = load_config(None, [f"run.dir={tmp_path}", "run.name=t"])
+    run_dir = config.run_dir
+    (run_dir / "metrics").mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"versions": 3, "stop_reason": "max_versions"}))
+
+    def lines(*counts: tuple[int, int]) -> str:
+        return "".join(json.dumps({"sandbox_executions": n, "sandbox_executions_without_namespaces": w}) + "\n"
+                       for n, w in counts)
+
+    (run_dir / "metrics" / "rollout-0.jsonl").write_text(lines((2, 1), (5, 4)))
+    (run_dir / "metrics" / "rollout-1.jsonl").write_text(lines((3, 3), (7, 6), (1, 1), (2, 2)) + '{"torn')  # restarted
+    result = _result(config, Child("learner", None, run_dir / "logs" / "learner.log", None), Console(quiet=True))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sandbox_executions"] == 5 + 7 + 2 and summary["sandbox_executions_without_namespaces"] == 4 + 6 + 2
+    assert summary["versions"] == 3 and summary["stop_reason"] == "max_versions"
+    assert result["sandbox_executions_without_namespaces"] == 12 and result["sandbox_executions"] == 14

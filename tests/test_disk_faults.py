@@ -29,6 +29,7 @@ from async_rl.telemetry import RoleMetrics
 from learner.checkpoint import CheckpointError
 from learner.engine import build_engine, load_checkpoint, save_checkpoint
 from learner.publisher import WeightPublisher
+from learner.replay_client import ResumeRefused
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine
 from rollout.prepare import prepare_model_dir
@@ -47,6 +48,42 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {"layer.weight": torch.randn(64, 64, generator=generator),
             "layer.bias": torch.randn(64, generator=generator)}
+
+
+# --- SGLang's hf-v<N>/ directories ---------------------------------------------------------------------------
+
+
+def test_an_hf_dir_load_view_reads_the_checked_files_after_the_directory_is_pruned(tmp_path: Path):
+    """What a rollout worker hands an SGLang server (rollout/engines/sglang.py): hard links to an hf-v<N>/'s files,
+    checked against its manifest; the learner's prune of the directory leaves the view whole, a damaged file
+    shows in the check, a directory without a manifest cannot be checked, and stale views are pruned."""
+    from async_rl.durable import manifest_problem
+    from async_rl.hf_io import load_view, prune_stale_load_views
+    from async_rl.model import WeightsError
+    from learner.sglang_sync import write_hf_dir
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    path = write_hf_dir(weights(0), model_dir, tmp_path / "weights" / "hf-v1")
+    view = load_view(path)
+    shutil.rmtree(path)  # the learner's prune, while a server reads the view
+    assert manifest_problem(view) is None and torch.equal(read_weights(view / "model.safetensors")["layer.bias"],
+                                                          weights(0)["layer.bias"])
+    damaged = write_hf_dir(weights(1), model_dir, tmp_path / "weights" / "hf-v2")
+    damage(damaged / "model.safetensors", "flipped")
+    assert "model.safetensors does not match its checksum" in manifest_problem(load_view(damaged))
+    (damaged / "manifest.json").unlink()
+    with pytest.raises(WeightsError, match="hf-v2: no manifest.json"):
+        load_view(damaged)
+    with pytest.raises(FileNotFoundError):
+        load_view(tmp_path / "weights" / "hf-v3")  # pruned before: nothing to link
+    views = sorted(p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith(".sglang-load-"))
+    assert len(views) == 2, views  # the failed ones removed their own
+    prune_stale_load_views(tmp_path / "weights", older_than_s=3600)
+    assert len([p for p in (tmp_path / "weights").iterdir() if p.name.startswith(".sglang-load-")]) == 2
+    prune_stale_load_views(tmp_path / "weights", older_than_s=-1)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["hf-v2"]
 
 
 # --- weights files -------------------------------------------------------------------------------------------
@@ -206,16 +243,16 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path:
         step_weights(engine, 2)
         damage(directory / "v4" / "mp_rank_00_model_states.pt", how)
         with caplog.at_level(logging.WARNING, logger="async_rl.learner"):
-            # v4 may have been reported to the replay, which rolls back only to it: v2's state goes on as v4
-            assert load_checkpoint(engine, directory) == 4
+            # v2's state goes on as version 2, never as v4 with v4's updates lost (the replay rolls back to v2)
+            assert load_checkpoint(engine, directory) == 2
         assert all(torch.equal(v, module_weights(engine)[k]) for k, v in at_v2.items()), "v2's weights, exactly"
         warning = next(r.getMessage() for r in caplog.records if "resuming from checkpoint v2" in r.getMessage())
         assert str(directory / "v4") in warning and "mp_rank_00_model_states.pt" in warning, warning
-        assert "as version 4: the updates of versions 3..4 are lost" in warning, warning
+        assert "at version 2" in warning and "as version 4" not in warning, warning
         assert sorted(p.name for p in directory.iterdir()) == ["latest", "v2", "v4.corrupt"], "set aside"
 
         (directory / "latest").write_text("v")  # a torn `latest` too: the newest checkpoint that passes
-        assert load_checkpoint(engine, directory) == 4
+        assert load_checkpoint(engine, directory) == 2
         damage(directory / "v2" / "mp_rank_00_model_states.pt", how)
         with pytest.raises(CheckpointError, match=r"no checkpoint in .*ck can be resumed from: .*latest: names no "
                                                   r"checkpoint .*v2: mp_rank_00_model_states.pt .* Restore the "
@@ -261,22 +298,45 @@ def test_a_checkpoint_the_full_disk_refuses_names_its_directory_and_the_previous
         assert load_checkpoint(engine, directory) == 6
 
 
-def test_a_learner_resumed_past_a_damaged_checkpoint_goes_on_at_its_version_from_the_one_before(tmp_path: Path):
-    """The trainer's side: v4 (the newest checkpoint, reported to the replay) damaged, the learner restarts with v2's
-    weights, optimizer and RNG as version 4, the one version the replay rolls back to; it publishes them as v4."""
+def test_a_learner_resumed_past_a_damaged_checkpoint_goes_on_from_the_version_of_the_one_before(tmp_path: Path):
+    """The trainer's side: v4 (the newest checkpoint) damaged, the learner restarts with v2's weights, optimizer and
+    RNG as version 2, never as v4 with the updates of versions 3..4 lost: it reports v2 as its checkpoint (the oldest
+    it keeps, the replay's rollback point all along), trains versions 3.. again and publishes them anew."""
     keep = {"checkpoint_every": 2, "keep_checkpoints": 2, "keep_weights": 10}
-    first = LearnerRun(learner_config(tmp_path, learner=keep)).start().finish()
+    first = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 6})).start().finish()
     checkpoints, published = first.run_dir / "checkpoints", first.run_dir / "weights"
-    assert (checkpoints / "latest").read_text() == "v4" and first.replay.requests[-1].checkpoint == 2
-    damage(checkpoints / "v4" / "mp_rank_00_model_states.pt", "flipped")
+    assert (checkpoints / "latest").read_text() == "v6"
+    # the rollback point it reports is the oldest checkpoint it keeps: v4 is written after the ack of v4, so the
+    # request for v5 says v2, the one for v6 says v2 (v4 and v2 kept), never more than a fallback could reach
+    assert [r.checkpoint for r in first.replay.requests] == [-1, -1, 2, 2, 2, 2][:len(first.replay.requests)]
+    damage(checkpoints / "v6" / "mp_rank_00_model_states.pt", "flipped")
     resumed = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 6})).start().finish()
     request = resumed.replay.requests[0]
-    assert (request.policy_version, request.checkpoint) == (4, 4)
+    assert (request.policy_version, request.checkpoint) == (4, 4), "v4's version, and v4 reported as it"
     assert request.session > first.replay.requests[0].session
-    assert [ack.policy_version for ack in resumed.replay.acks] == [5, 6], "versions go on without a gap"
-    v2, v4 = read_weights(published / "v2.safetensors"), read_weights(published / "v4.safetensors")
-    assert v2.keys() == v4.keys() and all(torch.equal(v2[k], v4[k]) for k in v2), "v4 now holds v2's weights"
-    assert (checkpoints / "v4.corrupt").is_dir() and (checkpoints / "latest").read_text() == "v6"
+    assert [ack.policy_version for ack in resumed.replay.acks] == [5, 6], "versions 5 and 6 trained again"
+    assert (published / "v6.safetensors").exists(), "published anew by the resumed learner"
+    assert (checkpoints / "v6.corrupt").is_dir() and (checkpoints / "latest").read_text() == "v6"
+    assert resumed.summary is not None and resumed.summary["versions"] == 6
+
+
+def test_a_learner_the_replay_cannot_roll_back_to_its_fallback_stops_naming_the_damage(tmp_path: Path):
+    """A replay that made the acks above the learner's fallback checkpoint final (it refuses the resume,
+    `bad_resume`) stops the learner with an error that names the checkpoint skipped and what is wrong with it."""
+    keep = {"checkpoint_every": 2, "keep_checkpoints": 2, "keep_weights": 10}
+    first = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 4})).start().finish()
+    checkpoints = first.run_dir / "checkpoints"
+    damage(checkpoints / "v4" / "mp_rank_00_model_states.pt", "torn")
+    refused = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 6}),
+                         refuse_resume="the learner restarted at version 2, but its latest reported checkpoint is 4")
+    with pytest.raises(ResumeRefused, match=r"bad_resume: .* checkpoint is 4.*resumed from checkpoint v2 because "
+                                            r".*v4: mp_rank_00_model_states.pt has \d+ bytes, its manifest \d+ "
+                                            r"\(torn\)"):
+        refused.start().finish()
+    again = LearnerRun(learner_config(tmp_path, learner=keep, run={"max_versions": 6}),  # restarted by the launcher
+                       refuse_resume="the learner restarted at version 2, but its latest reported checkpoint is 4")
+    with pytest.raises(ResumeRefused, match=r"resumed from checkpoint v2 because .*v4.corrupt: set aside as damaged"):
+        again.start().finish()
 
 
 def test_a_metrics_line_the_full_disk_refuses_is_dropped_whole_and_named_not_fatal(small_disk: Path, caplog):

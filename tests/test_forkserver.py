@@ -46,16 +46,20 @@ def test_a_role_dies_with_a_signal_or_with_the_server(tmp_path):
                                       "learner": {"publish_endpoint": f"ipc://{tmp_path}/weights.sock"}}))
     forks = ForkServer(dict(os.environ))
     try:
+        def wait_listening(times: int, role) -> None:  # noqa: ANN001 - ForkedProcess
+            deadline = time.monotonic() + 60
+            log = tmp_path / "replay.log"
+            while not log.exists() or log.read_text().count("replay service listening") < times:
+                assert role.poll() is None, f"the role exited ({role.returncode}) before it listened"
+                assert time.monotonic() < deadline, (tmp_path / "replay.log").read_text()[-2000:]
+                time.sleep(0.05)
+
         first = forks.start(["replay", "--config", str(config)], str(tmp_path / "replay.log"), dict(os.environ))
-        time.sleep(1.0)
-        assert first.poll() is None
+        wait_listening(1, first)  # up and serving (a fixed 1 s sleep guessed it)
         first.kill()
         assert first.wait(timeout=30) == -signal.SIGKILL
         second = forks.start(["replay", "--config", str(config)], str(tmp_path / "replay.log"), dict(os.environ))
-        deadline = time.monotonic() + 60
-        while (tmp_path / "replay.log").read_text().count("replay service listening") < 2:
-            assert time.monotonic() < deadline, (tmp_path / "replay.log").read_text()[-2000:]
-            time.sleep(0.2)
+        wait_listening(2, second)
     finally:
         forks.process.kill()
         forks.process.wait()

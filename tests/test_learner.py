@@ -139,17 +139,40 @@ class Sequences:
         return items
 
 
+class Count:
+    """A count another thread raises, to wait on (`wait(n)`) instead of sleeping and hoping."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.changed = threading.Condition()
+
+    def add(self) -> None:
+        with self.changed:
+            self.n += 1
+            self.changed.notify_all()
+
+    def wait(self, n: int, timeout_s: float) -> bool:
+        """Whether the count reached `n` within `timeout_s`."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.n >= n, timeout_s)
+
+
 class FakeReplay(threading.Thread):
     """A real ROUTER socket that plays the replay service's part of the learner conversation."""
 
     def __init__(self, endpoint: str, items: list[TrainItem], reject_first: bool = False, serve: bool = True,
-                 delay_s: float = 0.0, garbage_first: bool = False, poison_first: bool = False):
+                 delay_s: float = 0.0, garbage_first: bool = False, poison_first: bool = False,
+                 refuse_resume: str | None = None, answer_acks: bool = True):
         super().__init__(daemon=True)
         self.endpoint, self.items, self.reject_first, self.serve = endpoint, items, reject_first, serve
         self.delay_s = delay_s  # like a replay waiting for items; gives a subscriber time to connect
         self.garbage_first = garbage_first  # one undecodable frame before the first batch
         self.poison_first = poison_first  # the first batch's advantages are NaN (its loss is not finite)
+        self.refuse_resume = refuse_resume  # every request refused as the replay refuses a resume (`bad_resume`)
+        self.answer_acks = answer_acks  # False: a replay that never answers a BatchAck (killed, say)
         self.requests: list[BatchRequest] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each request's arrival
+        self.arrived = Count()  # requests so far, to wait on
         self.acks: list[BatchAck] = []
         self.done = threading.Event()
         self.ready = threading.Event()
@@ -165,7 +188,12 @@ class FakeReplay(threading.Thread):
             identity, message = receive(router)
             if isinstance(message, BatchRequest):
                 self.requests.append(message)
-                if self.reject_first and len(self.requests) == 1:
+                self.arrivals.append(time.monotonic())
+                self.arrived.add()
+                if self.refuse_resume is not None:
+                    send(router, Error(msg_id=message.msg_id, code="bad_state",
+                                       detail=f"bad_resume: {self.refuse_resume}"), identity)
+                elif self.reject_first and len(self.requests) == 1:
                     send(router, Error(msg_id=message.msg_id, code="bad_state", detail="not yet"), identity)
                 elif self.serve:
                     if self.garbage_first and batch_id == 0:
@@ -177,9 +205,27 @@ class FakeReplay(threading.Thread):
                                        stats=stats_for(batch_id)), identity)
             elif isinstance(message, BatchAck):
                 self.acks.append(message)
-                send(router, Ack(msg_id=message.msg_id), identity)
+                if self.answer_acks:
+                    send(router, Ack(msg_id=message.msg_id), identity)
         router.close(linger=0)
         context.term()
+
+
+class Notices:
+    """The notices a Subscriber heard, to wait on a condition over them."""
+
+    def __init__(self, notices: list[WeightsPublished]) -> None:
+        self.notices = notices
+        self.changed = threading.Condition()
+
+    def add(self, notice: WeightsPublished) -> None:
+        with self.changed:
+            self.notices.append(notice)
+            self.changed.notify_all()
+
+    def wait(self, condition, timeout_s: float) -> bool:  # noqa: ANN001 - Callable[[list], bool]
+        with self.changed:
+            return self.changed.wait_for(lambda: condition(self.notices), timeout_s)
 
 
 class Subscriber(threading.Thread):
@@ -187,6 +233,7 @@ class Subscriber(threading.Thread):
         super().__init__(daemon=True)
         self.endpoint = endpoint
         self.notices: list[WeightsPublished] = []
+        self.heard = Notices(self.notices)
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -194,7 +241,7 @@ class Subscriber(threading.Thread):
         sub = connect_subscriber(context, self.endpoint)
         while not self.done.is_set():
             if poll(sub, 0.05):
-                self.notices.append(receive(sub)[1])
+                self.heard.add(receive(sub)[1])
         sub.close(linger=0)
         context.term()
 
@@ -229,7 +276,9 @@ class LearnerRun:
     def finish(self, timeout_s: float = 120.0) -> LearnerRun:
         self.thread.join(timeout_s)
         assert not self.thread.is_alive(), "learner did not stop"
-        time.sleep(0.2)  # let the last notice reach the subscriber
+        if self.summary is not None:  # until the last notice reached the subscriber (PUB drops none once joined)
+            self.subscriber.heard.wait(lambda notices: any(n.version == self.summary["versions"] for n in notices),
+                                       timeout_s=5)
         self.replay.done.set()
         self.subscriber.done.set()
         self.replay.join(5)
@@ -392,13 +441,15 @@ def test_kl_to_the_initial_policy_is_zero_at_first_then_grows(tmp_path):
 
 
 def test_stop_event_ends_a_run_waiting_for_a_batch(tmp_path):
-    config = make_config(tmp_path)
+    """A request with no batch is held, not re-sent, until learner.request_timeout_s (measured between the two
+    arrivals, not guessed by a sleep); a stop event then ends the wait."""
+    config = make_config(tmp_path, learner={"request_timeout_s": 1.5})
     waiting = LearnerRun(config, serve=False).start()
-    deadline = time.monotonic() + 60
-    while not waiting.replay.requests and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    assert len(waiting.replay.requests) == 1  # held, not re-sent
+    assert waiting.replay.arrived.wait(2, timeout_s=60), "the request was never re-sent"
+    first, second = waiting.replay.requests[:2]
+    held = waiting.replay.arrivals[1] - waiting.replay.arrivals[0]
+    assert 1.5 <= held < 5, f"re-sent after {held:.2f} s"  # held for the timeout, not re-sent before it
+    assert (first.policy_version, second.policy_version) == (0, 0) and second.msg_id != first.msg_id
     waiting.stop.set()
     waiting.finish(timeout_s=30)
     assert waiting.summary["stop_reason"] == "stop_requested"
@@ -592,6 +643,61 @@ def test_sigterm_finishes_the_step_writes_the_summary_and_exits_zero(tmp_path):
     assert summary["stop_reason"] == "signal:SIGTERM"
     assert summary["wall_s"] >= 1000  # measured from the launcher's start time
     assert summary["versions"] == replay.acks[-1].policy_version
+
+
+LAUNCHER_SCRIPT = """
+import subprocess, sys
+from launch.supervise import _stop_with_launcher
+import os
+child = subprocess.Popen(sys.argv[1:], preexec_fn=_stop_with_launcher(os.getpid()), stdout=subprocess.DEVNULL)
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_learner_whose_launcher_is_killed_mid_ack_exits_promptly(tmp_path):
+    """A learner waiting for the Ack of its batch when its launcher is SIGKILLed (the parent-death signal stops it,
+    and the replay with it, so no Ack will come) stops at once: it waited ACK_GIVE_UP_S (30 s) for a dead replay
+    (tests/test_pipeline.py::test_a_killed_launcher_takes_its_children_with_it, found there). It still leaves its
+    summary and final checkpoint."""
+    config = make_config(tmp_path, run={"max_versions": 50})
+    replay = FakeReplay(config.replay.endpoint, Sequences(config).items(config), answer_acks=False)
+    replay.start()
+    replay.ready.wait(5)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, sys.executable, "-c", LEARNER_SCRIPT,
+                                 *command_line(config)], env=learner_process_env(), cwd=tmp_path,
+                                stdout=subprocess.PIPE, text=True)
+    learner_pid = int(launcher.stdout.readline())
+    try:
+        deadline = time.monotonic() + 90
+        while not replay.acks and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        assert replay.acks, "the learner did not train a batch"
+        launcher.kill()  # while the learner waits for the Ack of its first batch
+        launcher.wait()
+        killed = time.monotonic()
+        while running(learner_pid) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        outlived = time.monotonic() - killed
+    finally:
+        if running(learner_pid):
+            os.kill(learner_pid, signal.SIGKILL)
+        replay.done.set()
+        replay.join(5)
+    assert outlived < 10, f"the learner outlived its launcher by {outlived:.1f} s"
+    summary = json.loads((config.run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "signal:SIGTERM" and summary["versions"] == 1
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (the learner's parent is gone: nobody reaps it at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow

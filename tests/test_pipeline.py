@@ -130,13 +130,23 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     _wait_for(tmp_path / "t" / "metrics.jsonl")
     launcher.kill()
     launcher.wait()
+    killed = time.monotonic()
     pids = json.loads((tmp_path / "t" / "processes.json").read_text())
-    deadline = time.monotonic() + 60
-    while (alive := [name for name, pid in pids.items() if running(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    gone_after: dict[str, float] = {}
+    deadline = killed + 60
+    while len(gone_after) < len(pids) and time.monotonic() < deadline:
+        gone_after.update({name: round(time.monotonic() - killed, 1) for name, pid in pids.items()
+                           if name not in gone_after and not running(pid)})
+        time.sleep(0.1)
+    alive = [name for name in pids if name not in gone_after]
     for name in alive:  # do not leave them behind for the rest of the suite
         os.kill(pids[name], signal.SIGKILL)
-    assert not alive, f"still running after the launcher was killed: {alive}"
+    assert not alive, f"still running 60 s after the launcher was killed: {alive}"
+    # Promptly: a learner stopping with its replay gone waited ACK_GIVE_UP_S (30 s) for the Ack of its last batch.
+    assert max(gone_after.values()) < LAUNCHER_DEATH_EXIT_S, gone_after
+
+
+LAUNCHER_DEATH_EXIT_S = 10.0  # a role outliving a killed launcher longer than this was waiting on the dead
 
 
 def running(pid: int) -> bool:
@@ -274,6 +284,9 @@ def test_the_coding_environment_trains_end_to_end_through_real_processes(tmp_pat
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics" / "rollout-0.jsonl").read_text().splitlines()]
     assert all("sandbox_executions_without_namespaces" in line for line in lines)
     assert "eval_judged_without_namespaces" in result  # the random policy may never write code: counts can be 0
+    last = [json.loads(path.read_text().splitlines()[-1]) for path in (tmp_path / "t" / "metrics").glob("rollout-*")]
+    for key in ("sandbox_executions", "sandbox_executions_without_namespaces"):  # in the run's summary too
+        assert summary[key] == result[key] == sum(line[key] for line in last), key
     if NAMESPACES:
         assert lines[-1]["sandbox_executions_without_namespaces"] == 0 and result["eval_judged_without_namespaces"] == 0
     assert_children_gone(tmp_path / "t")

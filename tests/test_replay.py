@@ -596,6 +596,81 @@ def test_an_unacked_batch_is_requeued_and_its_late_ack_refused():
     assert isinstance(ack_batch(service, second, version=1, now=7.0), Ack)
 
 
+def trained_credit(batches: list[Batch]) -> dict[tuple[int, int], float]:
+    """Per (member, stage): the credit the learner's optimizer saw, over the batches it trained."""
+    credit: dict[tuple[int, int], float] = {}
+    for batch in batches:
+        for item in batch.items:
+            member = int(item.trajectory_id.split("/")[1])
+            for k, a in stage_credit(item).items():
+                credit[(member, k)] = credit.get((member, k), 0.0) + a
+    return credit
+
+
+def train_the_rest(service: ReplayService, version: int, now: float) -> tuple[list[Batch], int]:
+    """Serve and ack every batch until the queue is empty: (the batches, the version reached)."""
+    batches = []
+    while len(service.queue):
+        batch = request_batch(service, version=version, now=now)
+        assert isinstance(batch, Batch), batch
+        version += 1
+        assert isinstance(ack_batch(service, batch, version=version, now=now), Ack)
+        batches.append(batch)
+    return batches, version
+
+
+@pytest.mark.parametrize("window", ["late_ack", "untrained_ack", "new_session", "evicted"])
+def test_a_superseded_immediate_acked_late_gets_its_credit_once(window: str):
+    """A learner frozen past replay.batch_ack_timeout_s holds a batch of immediates; they are requeued, and meanwhile
+    their group's outcomes all arrive. Superseded by the correction then, their late ack (the learner did train them)
+    gave their credit twice: once in the immediates, once in the correction. The group now waits for that ack
+    before it finalizes, the immediates out of the queue (nobody trains them again): the late ack makes them issued
+    and C = A_final - issued carries the rest; an ack that says untrained, a new learner process or the batch's late
+    ack no longer taken (REQUEUED_KEPT newer requeued batches) lets the correction carry them instead. Either way
+    the optimizer sees A_final per stage, exactly."""
+    config = make_config(replay={"batch_ack_timeout_s": 5.0}, learner={"checkpoint_every": 0})  # groups close at once
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    send_all(service, stage_records(worker, grant))
+    first = request_batch(service, version=0, now=0.0)
+    assert isinstance(first, Batch) and {item.kind for item in first.items} == {"immediate"}
+    service.tick(5.0)  # the learner is frozen: its batch goes back to the front of the queue
+    assert len(service.queue) == len(first.items)
+    send_all(service, outcome_messages(worker, grant), now=5.5)
+    waiting = len(service.queue)  # the held immediates are served to nobody, and no correction is made yet
+    trained = []
+    if window == "late_ack":
+        late = ack_batch(service, first, version=1, now=6.0)
+        trained.append(first)  # the learner trained it, whatever the replay answers
+    elif window == "untrained_ack":
+        ack = BatchAck(learner_id="learner", msg_id=9, batch_id=first.batch_id, policy_version=0, trained=False)
+        assert isinstance(only_reply(service.handle(LEARNER, ack, 6.0), LEARNER), Ack)
+    elif window == "new_session":  # a new learner process: the old one's late ack is not taken
+        batch = session_request(service, 0, 5, -1)
+        assert isinstance(batch, Batch) and isinstance(ack_batch(service, batch, version=1, now=6.0), Ack)
+        trained.append(batch)
+    else:  # sixteen newer batches requeued after a timeout: the first's late ack is no longer taken
+        other = lease(service, worker, now=6.0)
+        send_all(service, stage_records(worker, other), now=6.0)
+        for n in range(16):
+            assert isinstance(request_batch(service, version=0, now=10.0 * n + 10, max_tokens=1), Batch)
+            service.tick(10.0 * n + 15)
+        assert first.batch_id not in service.state.serving.requeued
+    batches, _ = train_the_rest(service, len(trained), now=500.0)
+    trained += batches
+    if window == "evicted":  # the other group's items: only this group's credit is checked
+        trained = [Batch(msg_id=b.msg_id, batch_id=b.batch_id, stats=b.stats,
+                         items=[item for item in b.items if item.group_id == grant.group_id]) for b in trained]
+    seen = trained_credit(trained)
+    expected = expected_final_credit(service.config)
+    assert {stage: round(a, 9) for stage, a in seen.items() if abs(a) > 1e-12} == {
+        stage: round(a, 9) for stage, a in expected.items() if abs(a) > 1e-12}, "each stage's credit once"
+    stats = service.stats_snapshot()
+    assert stats.ledger_residual_max < 1e-9 and grant.group_id not in service.groups
+    assert stats.immediate_superseded == (0 if window == "late_ack" else len(first.items))
+    assert waiting == 0 and (window != "late_ack" or isinstance(late, Ack))
+
+
 def test_a_batch_respects_the_token_budget_and_min_items():
     service, worker = ReplayService(make_config()), Worker()
     grant = lease(service, worker)
@@ -1134,6 +1209,35 @@ def test_a_resume_below_or_above_the_reported_checkpoint_is_refused():
     assert service.policy_version == 2
     error = session_request(service, 2, 1, 2)  # the dead process's session: older than the resumed one
     assert isinstance(error, Error) and "old_session" in error.detail
+
+
+def test_a_resume_above_the_reported_checkpoint_rolls_back_only_the_acks_above_it():
+    """A learner reports the oldest checkpoint it keeps (its rollback point: a damaged newer one falls back to it);
+    restarted at a newer checkpoint it still has, the replay takes back only the acks above that one's version,
+    exactly: the ones between stay trained once."""
+    config = make_config(learner={"checkpoint_every": 2})
+    service, worker = ReplayService(config), Worker()
+    first = lease(service, worker)
+    send_all(service, stage_records(worker, first))
+    ack_batch(service, session_request(service, 0, 1, -1), 1)  # first's immediates at v1
+    second = lease(service, worker)
+    send_all(service, stage_records(worker, second))
+    ack_batch(service, session_request(service, 1, 1, -1), 2)  # second's immediates at v2; checkpoint v2
+    send_all(service, outcome_messages(worker, first))
+    ack_batch(service, session_request(service, 2, 1, 2), 3)  # first's corrections at v3
+    third = lease(service, worker)
+    send_all(service, stage_records(worker, third))
+    ack_batch(service, session_request(service, 3, 1, 2), 4)  # third's immediates at v4; checkpoint v4, v2 kept
+    send_all(service, outcome_messages(worker, third))
+    ack_batch(service, session_request(service, 4, 1, 2), 5)  # third's corrections at v5
+    assert service.checkpointed == 2 and service.policy_version == 5
+    batch = session_request(service, 4, 2, 4)  # restarted at v4: only third's corrections (acked at v5) come back
+    assert isinstance(batch, Batch) and {(item.group_id, item.kind) for item in batch.items} == {
+        (third.group_id, "correction")}, batch
+    assert service.counters.rollbacks == 1 and service.counters.items_rolled_back == len(batch.items)
+    assert service.policy_version == 4 and service.checkpointed == 4
+    error = session_request(service, 2, 3, 2)  # below the checkpoint it reported since: refused
+    assert isinstance(error, Error) and "bad_resume" in error.detail, error
 
 
 def test_without_learner_checkpoints_a_restart_below_the_acked_version_is_refused():

@@ -74,6 +74,29 @@ def test_the_guard_holds_immediates_until_the_outcome_and_no_correction_is_dropp
     assert stats.ledger_residual_max < 1e-9
 
 
+def test_a_hold_still_running_is_reported_not_only_a_released_one():
+    """`guard_held_s` counted a hold only once it was released: a learner held at the end of a run (or between two
+    metrics lines) showed none of it. The replay's metrics line, a snapshot taken at a time and the batch that
+    ends a hold report the running hold too (`guard_hold_running_s`: the part of it still running)."""
+    from replay.telemetry import metrics_line
+
+    config = make_config(algo={"max_correction_staleness": 2})
+    service, worker = ReplayService(config), Worker()
+    grant = lease(service, worker)
+    step_through_immediates(service, worker, grant)
+    send_all(service, stage(worker, grant, 2, version=2))
+    assert request_batch(service, version=2, now=1.0) is None  # held from t=1
+    line = metrics_line(service, 4.0)
+    assert line["guard_holds"] == 1 and line["guard_held_s"] == pytest.approx(3.0), line
+    assert line["guard_hold_running_s"] == pytest.approx(3.0)
+    assert service.stats_snapshot(now=5.5).guard_held_s == pytest.approx(4.5)
+    corrections = send_all(service, outcome_messages(worker, grant), now=6.0)  # the hold ends with this batch
+    assert len(corrections) == 1 and corrections[0].stats.guard_held_s == pytest.approx(5.0)
+    assert corrections[0].stats.guard_hold_running_s == pytest.approx(5.0), "it ran until this batch was served"
+    line = metrics_line(service, 9.0)
+    assert line["guard_held_s"] == pytest.approx(5.0) and line["guard_hold_running_s"] == 0.0
+
+
 def test_the_guard_abandons_a_group_whose_outcome_never_comes():
     config = make_config(algo={"max_correction_staleness": 2}, replay={"guard_abandon_s": 60.0})
     service, worker = ReplayService(config), Worker()

@@ -520,6 +520,16 @@ def test_a_replay_whose_disk_fills_holds_its_acks_and_resumes_when_space_comes_b
     config = make_config(run={"dir": str(small_disk), "name": "run"},
                          replay={"endpoint": f"ipc://{tmp_path}/replay.ipc", "lease_timeout_s": 2.0})
     service, stop = ReplayService(config), threading.Event()
+    ticks, ticked, tick = [0], threading.Condition(), service.tick
+
+    def counted_tick(now: float) -> list:  # the loop's timer rounds, to wait on
+        replies = tick(now)
+        with ticked:
+            ticks[0] += 1
+            ticked.notify_all()
+        return replies
+
+    service.tick = counted_tick  # type: ignore[method-assign]
     thread = threading.Thread(target=server.run, args=(config, stop, service), daemon=True)
     thread.start()
     context = zmq.Context()
@@ -544,7 +554,9 @@ def test_a_replay_whose_disk_fills_holds_its_acks_and_resumes_when_space_comes_b
             assert held and "ENOSPC" in held[0] and str(config.run_dir / "replay" / "wal-") in held[0], held
         filler.unlink()
         assert reply(10.0) == Ack(msg_id=report.msg_id), "acked once the disk took it"
-        time.sleep(0.5)  # a few rounds of timers after the hold
+        with ticked:  # a few rounds of timers after the hold (each one past the lease, had the hold counted)
+            after = ticks[0]
+            assert ticked.wait_for(lambda: ticks[0] >= after + 3, 10), "the replay loop stopped ticking"
     finally:
         stop.set()
         thread.join(timeout=20)

@@ -310,6 +310,16 @@ def test_a_dropped_ack_is_resent_with_the_same_msg_id(tmp_path, zmq_context, pub
     assert len(copies) == 2 and copies[0] == copies[1]
     others = [m.msg_id for _, m in replay.arrivals if isinstance(m, StageRecord) and m.msg_id != dropped]
     assert len(others) == len(set(others)), "acked records are never resent"
+    # The worker's journal (rollout/ack_journal.py) holds each record once as sent, as it was sent, and once as
+    # acked (the one whose ack was dropped too: acked on its resend).
+    from rollout.ack_journal import entry, journal_path, read_journal
+
+    journalled, unreadable = read_journal(journal_path(config.run_dir, "rollout-0"))
+    sent = {m.msg_id: m for _, m in replay.arrivals if isinstance(m, StageRecord | Outcome)}
+    records = [line for line in journalled if line["k"] != "ack"]
+    assert unreadable == 0 and sorted(line["m"] for line in records) == sorted(sent)
+    assert all(line == entry(sent[line["m"]]) for line in records)
+    assert sorted(line["m"] for line in journalled if line["k"] == "ack") == sorted(sent)
 
 
 def test_a_slow_outcome_does_not_block_the_next_group(tmp_path, zmq_context, publisher):

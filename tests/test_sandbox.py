@@ -113,7 +113,6 @@ def _sandbox_uid_processes() -> list[int]:
 def healthy(sandbox, marker):
     """After the test: no stray process (by uid and by marker), and the sandbox still runs code normally."""
     yield
-    time.sleep(0.05)
     strays = [pid for pid, cmd in _cmdlines().items() if marker in cmd and pid != os.getpid()]
     assert not strays, f"processes with the marker survived: {strays}"
     if ROOT:

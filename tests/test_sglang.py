@@ -12,6 +12,7 @@ about 5e-6 on this model; the tests allow LOGPROB_TOL.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from sglang_server import free_port
 
 from async_rl.config import SGLangConfig
 from async_rl.loss import token_logprobs
-from async_rl.model import load_model
+from async_rl.model import WeightsError, load_model
 from learner.sglang_sync import DistributedWeightSync, write_hf_dir
 from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
@@ -108,7 +109,8 @@ def test_disk_sync_moves_every_server_to_the_new_weights(servers, tmp_path):
     before = engine.generate(PROMPTS * 4, params)
     favoured = 7
     path = write_hf_dir(learner_step(model, favoured), servers.model_dir, tmp_path / "weights" / "hf-v1")
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "generation_config.json", "manifest.json",
+                                                      "model.safetensors"]
 
     engine.update_weights(1, str(path))
 
@@ -134,6 +136,68 @@ def test_disk_sync_moves_every_server_to_the_new_weights(servers, tmp_path):
     assert engine.version == 3 and all(s.model_info()["weight_version"] == "3" for s in servers.servers)
     engine.close()
     other.close()
+
+
+def flip_a_byte(path: Path) -> None:
+    """A bad disk's work: one byte in the middle of the file changed (the tensors' bytes, not the header)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flipped", "torn", "config"])
+def test_a_damaged_hf_dir_is_refused_before_any_server_loads_it(servers, tmp_path, how):
+    """An hf-v<N>/ whose files do not match the checksums the learner wrote with them (a byte of the weights
+    changed, the weights file torn, its config.json changed) is never sent to a server: the servers keep their
+    version, the engine counts it (`weights_refused`, on the worker's metrics line) and says which file."""
+    engine = engine_for(servers.urls)
+    path = write_hf_dir(learner_step(load_model(servers.model_dir), 7), servers.model_dir,
+                        tmp_path / "weights" / "hf-v1")
+    if how == "flipped":
+        flip_a_byte(path / "model.safetensors")
+    elif how == "torn":
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        (path / "config.json").write_text((path / "config.json").read_text().replace("}", ', "x": 1}', 1))
+    with pytest.raises(WeightsError, match=r"hf-v1.*(model.safetensors|config.json)"):
+        engine.update_weights(1, str(path))
+    assert engine.weights_refused == 1
+    assert [s.model_info()["weight_version"] for s in servers.servers] == ["0", "0"] and engine.version == 0
+    with pytest.raises(WeightsError):  # the same damaged directory again: refused again, counted once
+        engine.update_weights(1, str(path))
+    assert engine.weights_refused == 1
+    good = write_hf_dir(learner_step(load_model(servers.model_dir), 7), servers.model_dir,
+                        tmp_path / "weights" / "hf-v2")
+    engine.update_weights(2, str(good))
+    assert engine.version == 2 and [s.model_info()["weight_version"] for s in servers.servers] == ["2", "2"]
+    assert all(server.alive() for server in servers.servers)
+    engine.close()
+
+
+def test_a_directory_pruned_between_the_check_and_the_servers_read_kills_no_server(servers, tmp_path):
+    """The learner prunes hf-v<N>/ (learner.keep_weights) at the worst moment: after the worker checked it, before
+    the server read it (here: just as /update_weights_from_disk leaves). SGLang, told of a path that is gone, took
+    it for a Hub repo id and its scheduler died. The engine loads from its own hard links to the checked files, so
+    the server reads exactly what was checked, pruned or not; the links are gone after the load."""
+    engine = engine_for(servers.urls)
+    weights = tmp_path / "weights"
+    path = write_hf_dir(learner_step(load_model(servers.model_dir), 7), servers.model_dir, weights / "hf-v1")
+    pruned = []
+
+    def prune_on_load(request) -> None:  # noqa: ANN001 - httpx.Request
+        if request.url.path == "/update_weights_from_disk" and path.exists():
+            shutil.rmtree(path)  # as SGLangWeightPublisher._prune does
+            pruned.append(json.loads(request.content)["model_path"])
+
+    engine.http.event_hooks = {"request": [prune_on_load], "response": []}
+    engine.update_weights(1, str(path))
+    assert pruned and not path.exists(), "the directory was pruned while the first server loaded"
+    assert engine.version == 1 and [s.model_info()["weight_version"] for s in servers.servers] == ["1", "1"]
+    assert all(server.alive() for server in servers.servers)
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))[0].versions == [1, 1]
+    assert sorted(p.name for p in weights.iterdir()) == [], "the engine's links are removed after the load"
+    engine.close()
 
 
 def test_distributed_sync_pushes_the_learners_tensors_to_every_server(servers):
@@ -171,7 +235,7 @@ def test_an_aborted_request_is_sent_again_and_carries_the_new_version(servers, t
     generating = threading.Thread(target=lambda: result.setdefault(
         "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
     generating.start()
-    time.sleep(0.3)
+    servers.servers[0].wait_for_requests()  # the update lands on requests in flight (a fixed 0.3 s guessed it)
     updater.update_weights(1, str(path))
     generating.join(60)
     assert engine.stages_retried > 0 and engine.preemptions > 0
@@ -469,15 +533,16 @@ def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
         if request.url.port == victim.port and request.url.path == "/generate":
             sent.set()
 
-    # Killed 50 ms after its /generate left (a fixed 0.3 s after the call raced the server on an idle machine: its
-    # 20 rows were sometimes done before the kill, and nothing was retried); 200 tokens take it far longer.
+    # Killed once its /generate left and the server counts it running (a fixed 0.3 s after the call raced the
+    # server on an idle machine: its 20 rows were sometimes done before the kill, and nothing was retried; then a
+    # fixed 50 ms after the send); 200 tokens take it far longer.
     engine.http.event_hooks = {"request": [on_request], "response": []}
     result = {}
     generating = threading.Thread(target=lambda: result.setdefault(
         "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
     generating.start()
     assert sent.wait(30), "the engine sent nothing to the second server"
-    time.sleep(0.05)
+    victim.wait_for_requests()  # running there (a fixed 50 ms after the send guessed it)
     victim.stop(signal.SIGKILL)
     generating.join(60)
     assert [len(g.token_ids) for g in result["g"]] == [200] * len(PROMPTS) * 8

@@ -40,6 +40,7 @@ class Generation:
 
 class InferenceEngine(Protocol):
     version: int  # policy version of the weights currently loaded
+    weights_refused: int  # published weights refused for failing their checksum (torn, changed), never loaded
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
 

@@ -28,16 +28,19 @@ failed on `max_retries` + 1 attempts. Only a finished batch is returned, so a st
 all; on `EngineUnavailable` the agent reports the affected trajectories abandoned.
 
 Weight sync: with `weight_sync: disk` the engine loads each published HF directory into every server with
-`/update_weights_from_disk` (pause_mode abort: with `abort_all_requests`, so the running requests are preempted;
-in_place: they finish on the old weights first); servers already at that version (another worker sharing them
-got there first) are skipped, and a server that rejoins behind the latest version loads it. With
-`weight_sync: distributed` the learner pushes the weights itself and the engine only reads the servers' new
-version.
+`/update_weights_from_disk`, from hard links of its own to the directory's files (`async_rl.hf_io.load_view`: the
+learner may prune the directory while a server reads it) after checking them against the directory's manifest (a
+torn or changed file is refused, never sent, and counted in `weights_refused`). pause_mode abort: with
+`abort_all_requests`, so the running requests are preempted; in_place: they finish on the old weights first.
+Servers already at that version (another worker sharing them got there first) are skipped, and a server that
+rejoins behind the latest version loads it. With `weight_sync: distributed` the learner pushes the weights itself
+and the engine only reads the servers' new version.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -48,7 +51,9 @@ from typing import Any, Literal
 import httpx
 
 from async_rl.config import SGLangConfig
-from async_rl.hf_io import published_versions
+from async_rl.durable import manifest_problem
+from async_rl.errors import WeightsError
+from async_rl.hf_io import load_view, published_versions
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import sglang_headers
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
@@ -62,6 +67,8 @@ PREEMPT_BACKOFF_S = (0.05, 1.0)  # first and largest wait before preempted rows 
 UNAVAILABLE_BACKOFF_S = (0.5, 5.0)  # first and largest wait between probes while no server answers (doubling)
 LOG_EVERY_S = 10.0  # preemption and waiting lines: at most one per kind this often
 POLL_S = 0.1  # a waiting generate looks at its stop event at least this often
+CHECKS_KEPT = 64  # hf-v<N>/ checks remembered (the newest)
+VIEW_ATTEMPTS = 3  # an hf-v<N>/ pruned while the engine links it: the newest beside it is tried, this often at most
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the worker's log
 
@@ -82,6 +89,12 @@ def loadable_dir(version: int, path: str) -> tuple[int, str] | None:
     newer = [(n, str(file.parent)) for n, file in published_versions(here.parent).items()
              if n > version and file.name == "model.safetensors"]
     return newer[-1] if newer else None
+
+
+def _identity(file: Path) -> tuple[int, int, int, int]:
+    """What tells a file's content apart without reading it, for files written once and renamed into place."""
+    st = file.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def parse_version(label: str | int | None) -> int:
@@ -149,6 +162,9 @@ class SGLangEngine:
         self.tokens_kept = 0  # tokens of preempted rows kept as the prefix of their continuation
         self.tokens_discarded = 0  # tokens of preempted rows thrown away (partial_rollouts: false)
         self.failures = 0  # rows a server failed (or refused) and that were sent elsewhere
+        self.weights_refused = 0  # hf-v<N>/ directories refused: torn, changed, or without a manifest to check
+        self.refused_paths: set[str] = set()
+        self.checked: dict[tuple, str | None] = {}  # the files' identity -> their check's problem (None: good)
         for server in self.servers:
             try:
                 self._get(server, "/health_generate", timeout=min(HEALTH_TIMEOUT_S, config.request_timeout_s))
@@ -328,12 +344,15 @@ class SGLangEngine:
         live, nothing happens now (the next `generate` waits for one; a server that rejoins catches up)."""
         if self.config.weight_sync == "disk":
             self.latest_disk = (version, path)
-        for server in self._live():
-            try:
-                if self.config.weight_sync == "disk" and self._server_version(server) < version:
-                    self._load_from_disk(server, version, path)  # servers already there are skipped: idempotent
-            except ServerFailed:
-                continue  # marked dead; later batches go to the others
+            behind = []
+            for server in self._live():
+                try:
+                    if self._server_version(server) < version:  # servers already there are skipped: idempotent
+                        behind.append(server)
+                except ServerFailed:
+                    continue  # marked dead; later batches go to the others
+            if behind:
+                self._load_from_disk(behind, version, path)
         versions = self._live_versions(wait=False)
         if not versions:
             log.warning("policy version %d: no SGLang server answers now; generation waits for one", version)
@@ -341,27 +360,75 @@ class SGLangEngine:
         self.version = min(versions)
         log.info("policy version %d on %d server(s)", self.version, len(self._live()))
 
-    def _load_from_disk(self, server: Server, version: int, path: str) -> None:
-        """in_place: SGLang's update waits for the running requests to finish on the old weights, then loads.
+    def _load_from_disk(self, servers: list[Server], version: int, path: str) -> None:
+        """Load hf-v<N>/ `path` into `servers`, from one view of hard links to its files (`load_view`) made and
+        checked against its manifest before any server reads it, and removed after the last: every server reads
+        exactly the files checked, also when the learner prunes the directory meanwhile (learner.keep_weights). A
+        directory that fails the check is sent to none (WeightsError, counted in `weights_refused`). A server that
+        fails is marked dead and skipped.
+        in_place: SGLang's update waits for the running requests to finish on the old weights, then loads.
         abort: the same call with `abort_all_requests`: the running requests come back aborted (their owners
         continue them on the new weights) and the load follows at once.
         No pause is used: a *paused* server loads without its update lock, and two loads at once (workers sharing
         a server) then crash it (InvalidStateError in SGLang's tokenizer manager, docs/sglang-notes.md); an
         in_place pause would also make another worker's update wait forever on the requests it froze."""
-        loadable = loadable_dir(version, path)
-        if loadable is None:
-            raise FileNotFoundError(f"{path} holds no model.safetensors (pruned by learner.keep_weights: this worker "
-                                    f"fell behind) and no newer hf-v<N> is beside it; not sent to {server.url}")
-        if loadable[0] != version:
-            log.warning("%s is gone (pruned by learner.keep_weights: this worker fell behind); loading policy version "
-                        "%d from %s in its place", path, *loadable)
-            version, path = loadable
-            self.latest_disk = max(self.latest_disk or loadable, loadable)
-        body = {"model_path": path, "weight_version": str(version)}
-        if self.config.pause_mode == "abort":
-            body["abort_all_requests"] = True
-        self._post(server, "/update_weights_from_disk", body)
-        log.info("%s: policy version %d loaded from %s", server.url, version, path)
+        for attempt in range(VIEW_ATTEMPTS):
+            loadable = loadable_dir(version, path)
+            if loadable is None:
+                raise FileNotFoundError(f"{path} holds no model.safetensors (pruned by learner.keep_weights: this "
+                                        f"worker fell behind) and no newer hf-v<N> is beside it; not sent to "
+                                        f"{', '.join(server.url for server in servers)}")
+            if loadable[0] != version:
+                log.warning("%s is gone (pruned by learner.keep_weights: this worker fell behind); loading policy "
+                            "version %d from %s in its place", path, *loadable)
+                version, path = loadable
+                self.latest_disk = max(self.latest_disk or loadable, loadable)
+            try:
+                view = load_view(Path(path))
+            except FileNotFoundError:  # pruned as the links were made: the newest directory beside it, once more
+                if attempt == VIEW_ATTEMPTS - 1:
+                    raise
+                continue
+            except WeightsError as exc:  # no manifest to check it against
+                self._refused(path, str(exc))
+                raise
+            break
+        try:
+            self._check(view, path)
+            body = {"model_path": str(view), "weight_version": str(version)}
+            if self.config.pause_mode == "abort":
+                body["abort_all_requests"] = True
+            for server in servers:
+                try:
+                    self._post(server, "/update_weights_from_disk", body)
+                except ServerFailed:
+                    continue  # marked dead; later batches go to the others
+                log.info("%s: policy version %d loaded from %s", server.url, version, path)
+        finally:
+            shutil.rmtree(view, ignore_errors=True)  # the servers hold the weights in memory (or failed)
+
+    def _check(self, view: Path, path: str) -> None:
+        """The view's files (hard links to `path`'s: what the server will read) against `path`'s manifest; a file
+        checked once is not read again (the same inode, size and mtime: every server, every worker sharing it).
+        WeightsError naming the file when one is torn or changed: refused, counted once per directory."""
+        key = tuple((file.name, *_identity(file)) for file in sorted(view.iterdir()))
+        if key in self.checked:
+            problem = self.checked[key]
+        else:
+            problem = self.checked[key] = manifest_problem(view)
+            while len(self.checked) > CHECKS_KEPT:
+                del self.checked[next(iter(self.checked))]
+            if problem is not None:
+                self._refused(path, problem)
+        if problem is not None:
+            raise WeightsError(f"{path}: {problem}; not loaded into any server (policy version stays "
+                               f"{self.version})")
+
+    def _refused(self, path: str, problem: str) -> None:
+        if path not in self.refused_paths:
+            self.refused_paths.add(path)
+            self.weights_refused += 1
+            log.error("SGLang weights %s fail their check (%s): refused, never sent to a server", path, problem)
 
     def _live_versions(self, wait: bool) -> list[int]:
         while True:
@@ -401,7 +468,7 @@ class SGLangEngine:
             version, path = self.latest_disk
             try:
                 if self._server_version(server) < version:
-                    self._load_from_disk(server, version, path)
+                    self._load_from_disk([server], version, path)
             except (ServerFailed, RuntimeError, OSError) as exc:  # pruned, nothing newer: its tokens carry its version
                 log.warning("%s rejoined behind version %d and could not load it: %s", server.url, version, exc)
         return server.alive

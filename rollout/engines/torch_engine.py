@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from async_rl.config import RolloutConfig
+from async_rl.errors import WeightsError
 from async_rl.model import load_model, load_tokenizer, load_weights, resolve_device
 from rollout.engines.base import EngineStopped, Generation, SamplingParams
 from rollout.engines.prefix_cache import KV, Entry, PrefixCache
@@ -48,6 +49,7 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.pad_id = self.model.config.pad_token_id or 0  # any id works: padding is masked out
         self.version = 0  # the model directory holds the version-0 weights
+        self.weights_refused = 0  # published files that failed their checksum, never loaded
         self.cache = PrefixCache(int(cache_mib * 2**20))
         # transformers 5 names the forward's cache argument `cache`; 4.x `past_key_values`
         forward_args = inspect.signature(self.model.forward).parameters
@@ -177,8 +179,14 @@ class TorchEngine:
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
     def update_weights(self, version: int, path: str) -> None:
-        """Load a safetensors file written by the learner; tokens sampled from now on carry `version`."""
-        load_weights(self.model, Path(path))
+        """Load a safetensors file written by the learner; tokens sampled from now on carry `version`. One that fails
+        its checksum (WeightsError) is not loaded, and counted in `weights_refused`."""
+        try:
+            load_weights(self.model, Path(path))
+        except WeightsError:
+            if Path(path).exists():  # there, but torn or changed (a pruned file is no damage)
+                self.weights_refused += 1
+            raise
         self.version = version
         self.cache.clear()  # cached keys and values were computed by the old weights
         log.info("policy version %d loaded from %s", version, path)

@@ -13,9 +13,9 @@ These names and signatures are the public API: code outside the project is writt
 `ToolResult`) live in the kernel, async_rl/env_types.py, and are exported by `async_rl` itself; they are
 re-exported here. Optional members a factory or an env may add are listed in `EnvFactory` and `Env`.
 
-`env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`, `tasks`) or an import path
-`package.module:callable`; the callable is called with `env.kwargs` as keyword arguments and returns the factory
-(`load_factory`). Everything a plugin does is checked: a wrong path, a missing attribute, an object without the
+`env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`, `tasks`, `chain`, `agent`) or an
+import path `package.module:callable`; the callable is called with `env.kwargs` as keyword arguments and returns the
+factory (`load_factory`). Everything a plugin does is checked: a wrong path, a missing attribute, an object without the
 methods, an exception inside `reset`/`step`/`judge`, a reward that is not a finite number: each raises `EnvError`
 naming the env and the method. Inside a trajectory that abandons the trajectory (counted), never the worker.
 """
@@ -28,6 +28,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -57,7 +58,28 @@ BUILTIN = {
     "coding": "rollout.envs.coding:factory",
     "tasks": "rollout.envs.tasks:factory",
     "chain": "rollout.envs.chain:factory",
+    "agent": "rollout.envs.agent:factory",
 }
+
+
+def load_callable(path: str, what: str, expected: str = "expected a function") -> Any:
+    """The callable at `package.module:attribute`; an EnvError that starts with `what` when it cannot be had."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise EnvError(f"{what}: expected MODULE:FUNCTION, got {path!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvError(f"{what}: cannot import module {module_name!r}: {exc} (is it on PYTHONPATH?)") from None
+    except Exception as exc:
+        raise EnvError(f"{what}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise EnvError(f"{what}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise EnvError(f"{what}: {path} is not callable ({expected})")
+    return target
 
 
 def load_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> EnvFactory:
@@ -68,19 +90,7 @@ def load_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> EnvFacto
         raise EnvError(
             f"env.name {name!r}: expected a built-in ({', '.join(BUILTIN)}) or an import path package.module:callable"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EnvError(f"env {name!r}: cannot import module {module_name!r}: {exc} (is it on PYTHONPATH?)") from None
-    except Exception as exc:
-        raise EnvError(f"env {name!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-    target: Any = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise EnvError(f"env {name!r}: module {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise EnvError(f"env {name!r}: {path} is not callable (expected a function or class returning the factory)")
+    target = load_callable(path, f"env {name!r}", "expected a function or class returning the factory")
     kwargs = dict(kwargs or {})
     _check_kwargs(name, target, kwargs)
     try:
@@ -242,11 +252,75 @@ def checked_tasks(env_name: str, factory: EnvFactory, split: str) -> list[Task]:
 
 def checked_make(env_name: str, factory: EnvFactory) -> Env:
     env = env_call(env_name, "make", factory.make)
-    missing = [m for m in ("reset", "step", "judge") if not callable(getattr(env, m, None))]
+    needed = ("reset_tokens", "step_tokens", "judge") if token_level(env) else ("reset", "step", "judge")
+    missing = [m for m in needed if not callable(getattr(env, m, None))]
     if missing:
         calls = ", ".join(m + "()" for m in missing)
         raise EnvError(f"env {env_name!r}: make() returned {type(env).__name__}, which has no {calls}")
     return env
+
+
+# --- token-level environments ------------------------------------------------------------------------------------
+# An env whose `reset_tokens(task) -> Prompt` and `step_tokens(generation) -> StepResult` (observation a Prompt or
+# None) replace `reset` and `step` hands the runner tokens, not text: it renders its own observations and sees the
+# model's sampled tokens as they are (the `agent` env, rollout/envs/agent.py, which serves them to an outside agent
+# over an OpenAI-compatible endpoint). An internal seam, not the public one: its Prompt tokens are appended to the
+# trajectory's context unchanged.
+
+
+@dataclass
+class Prompt:
+    """What a token-level env shows the model next: tokens appended to the trajectory's context as they are, and the
+    most action tokens the next turn may take (None: the runner's own budget)."""
+
+    tokens: list[int]
+    max_new_tokens: int | None = None
+
+
+def token_level(env: Any) -> bool:
+    return callable(getattr(env, "step_tokens", None)) and callable(getattr(env, "reset_tokens", None))
+
+
+def _checked_prompt(env_name: str, method: str, prompt: Any) -> Prompt:
+    if not isinstance(prompt, Prompt):
+        raise EnvError(f"env {env_name!r}: {method} returned {type(prompt).__name__}, expected Prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt.tokens):
+        raise EnvError(f"env {env_name!r}: {method} returned a Prompt whose tokens are not token ids")
+    if prompt.max_new_tokens is not None and (not isinstance(prompt.max_new_tokens, int) or prompt.max_new_tokens < 1):
+        raise EnvError(f"env {env_name!r}: {method} returned a Prompt with max_new_tokens {prompt.max_new_tokens!r}")
+    return Prompt(list(prompt.tokens), prompt.max_new_tokens)
+
+
+def checked_reset_tokens(env_name: str, env: Any, task: Task) -> Prompt:
+    return _checked_prompt(env_name, "reset", env_call(env_name, "reset", env.reset_tokens, task))
+
+
+def checked_step_tokens(env_name: str, env: Any, generation: Any) -> StepResult:
+    """`env.step_tokens(generation)` checked: a StepResult whose observation is a Prompt, or None when done."""
+    result = env_call(env_name, "step", env.step_tokens, generation)
+    if not isinstance(result, StepResult):
+        raise EnvError(f"env {env_name!r}: step returned {type(result).__name__}, expected StepResult")
+    reward = finite_number(env_name, "step", "reward", result.reward)
+    observation = None if result.observation is None else _checked_prompt(env_name, "step", result.observation)
+    if observation is None and not result.done:
+        raise EnvError(f"env {env_name!r}: step returned no Prompt for a trajectory that goes on")
+    return StepResult(observation, reward, bool(result.done))  # type: ignore[arg-type]
+
+
+def env_metrics(env_name: str, factory: EnvFactory) -> dict[str, float]:
+    """The factory's own counts for the rollout metrics line (optional member `metrics() -> dict[str, number]`); {}
+    when it has none. A factory whose metrics() raises or returns something else costs only its counts (logged)."""
+    report = getattr(factory, "metrics", None)
+    if not callable(report):
+        return {}
+    try:
+        counts = report()
+        return {str(k): finite_number(env_name, "metrics", f"count {k!r}", v) for k, v in dict(counts).items()}
+    except Exception as exc:
+        import logging
+
+        logging.getLogger("async_rl.rollout").warning("env %r: metrics() failed: %s", env_name, exc)
+        return {}
 
 
 def vocabulary_of(env_name: str, factory: EnvFactory) -> list[str] | None:

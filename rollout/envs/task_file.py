@@ -17,16 +17,16 @@ from rollout.envs.base import EnvError, Task
 SETTING = "env.kwargs.tasks_file"
 
 
-def read_task_file(path: str | Path, parse: Callable[[dict, int], Task]) -> list[Task]:
+def read_task_file(path: str | Path, parse: Callable[[dict, int], Task], setting: str = SETTING) -> list[Task]:
     """The tasks of `path`: `parse(record, line_number)` makes each line's JSON object a Task, or raises ValueError
-    saying what is wrong with it; task ids must be unique."""
+    saying what is wrong with it; task ids must be unique. Errors name `setting` (the env's key for the file)."""
     tasks: list[Task] = []
     ids: set[str] = set()
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"{SETTING}: {path} line {number}"
+            where = f"{setting}: {path} line {number}"
             try:
                 record = json.loads(line)
             except ValueError as exc:
