@@ -12,7 +12,9 @@ routing identity is bound to its secret key (`security.routing_id`).
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Iterator
 
 import zmq
 import zmq.utils.monitor
@@ -204,3 +206,34 @@ def receive_from(socket: zmq.Socket) -> tuple[bytes | None, AnyMessage, str | No
 
 def poll(socket: zmq.Socket, timeout_s: float) -> bool:
     return bool(socket.poll(int(timeout_s * 1000)))
+
+
+class Inbox:
+    """A client socket's receive loop, shared by the roles (the worker's replies and weights notices, the learner's
+    replies): poll, receive, and count and log what is not a message for us instead of raising, since a role never
+    crashes on a bad frame (`bad`: malformed frames and unexpected messages together)."""
+
+    def __init__(self, socket: zmq.Socket, source: str, logger: logging.Logger) -> None:
+        self.socket, self.source, self.log = socket, source, logger
+        self.bad = 0
+
+    def messages(self, timeout_s: float) -> Iterator[AnyMessage]:
+        """Every message waiting, waiting up to `timeout_s` for the first; a malformed frame is counted and skipped."""
+        while poll(self.socket, timeout_s):
+            timeout_s = 0.0
+            try:
+                _, message = receive(self.socket)
+            except BadFrame as exc:
+                self.bad += 1
+                self.log.warning("ignoring a malformed message from %s (%d so far): %s", self.source, self.bad, exc)
+                continue
+            yield message
+
+    def next(self, timeout_s: float) -> AnyMessage | None:
+        """One message within `timeout_s`, or None (none came, or what came was malformed)."""
+        return next(self.messages(timeout_s), None)
+
+    def unexpected(self, message: AnyMessage) -> None:
+        """A well-formed message this receiver has no use for: counted and logged."""
+        self.bad += 1
+        self.log.warning("ignoring an unexpected %s from %s", type(message).__name__, self.source)

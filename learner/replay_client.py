@@ -25,7 +25,7 @@ from async_rl.errors import AsyncRLError
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import CurveKeys
-from async_rl.transport import BadFrame, connect_dealer, poll, receive, send
+from async_rl.transport import Inbox, connect_dealer, send
 
 log = logging.getLogger("async_rl.learner")
 
@@ -46,10 +46,10 @@ class ReplayClient:
                  curve: CurveKeys | None = None) -> None:
         self.learner_id = learner_id
         self.request_timeout_s = request_timeout_s
-        self.bad_messages = 0
         self.resent_requests = 0
         self.resent_acks = 0
         self._socket = connect_dealer(context, endpoint, learner_id, curve)
+        self._inbox = Inbox(self._socket, "replay", log)
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)
         self._acked_copies: deque[int] = deque(maxlen=OPEN_REQUESTS)  # of acks answered: late replies to the rest
@@ -150,14 +150,12 @@ class ReplayClient:
                          "restarted replay loses parked requests)", msg_id, self.request_timeout_s)
 
     def _receive(self, timeout_s: float) -> object | None:
-        if not poll(self._socket, timeout_s):
-            return None
-        try:
-            return receive(self._socket)[1]
-        except BadFrame as exc:
-            self.bad_messages += 1
-            log.warning("bad message from replay (%d so far): %s", self.bad_messages, exc)
-            return None
+        return self._inbox.next(timeout_s)
+
+    @property
+    def bad_messages(self) -> int:
+        """Malformed frames from the replay so far."""
+        return self._inbox.bad
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -31,7 +31,7 @@ from async_rl.protocol import (
     StageRecord,
 )
 from async_rl.ratelimit import RateLimitedLog
-from async_rl.transport import BadFrame, poll, receive, send
+from async_rl.transport import Inbox, send
 from rollout.ack_journal import AckJournal
 
 log = logging.getLogger("async_rl.rollout")
@@ -68,7 +68,7 @@ class ReplayLink:
         self._read_clock = 0.0  # seconds during which replies could be read (the resend timers' clock)
         self._last_read = time.monotonic()
         self.resends = 0
-        self.bad_replies = 0
+        self.inbox = Inbox(socket, "replay", log)  # its `bad`: malformed or unexpected replies
         self.duplicate_lease_replies = 0
         self.duplicate_acks = 0  # acks saying the replay already had the record (a resend it had stored)
         self.rejected: Counter[str] = Counter()  # Error replies by code
@@ -100,14 +100,7 @@ class ReplayLink:
         """Handle every reply waiting (up to `timeout_s` for the first); return the answers to our lease request."""
         replies: list[LeaseReply] = []
         self._advance_read_clock(reading=False)
-        while poll(self.socket, timeout_s):
-            timeout_s = 0.0
-            try:
-                _, reply = receive(self.socket)
-            except BadFrame as exc:
-                self.bad_replies += 1
-                log.warning("ignoring a malformed reply from replay: %s", exc)
-                continue
+        for reply in self.inbox.messages(timeout_s):
             if isinstance(reply, Ack):
                 acked = self.unacked.pop(reply.msg_id, None)
                 if acked is not None and self.journal is not None:
@@ -125,8 +118,7 @@ class ReplayLink:
             elif isinstance(reply, Error):
                 self._rejected(reply)
             else:
-                self.bad_replies += 1
-                log.warning("ignoring an unexpected %s from replay", type(reply).__name__)
+                self.inbox.unexpected(reply)
         self._advance_read_clock(reading=True)
         return replies
 

@@ -47,7 +47,7 @@ from async_rl.protocol import (
 from async_rl.security import load_keys
 from async_rl.signals import stop_on_signals
 from async_rl.telemetry import RoleMetrics
-from async_rl.transport import BadFrame, connect_dealer, connect_subscriber, receive
+from async_rl.transport import Inbox, connect_dealer, connect_subscriber
 from rollout.ack_journal import AckJournal, journal_path
 from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
@@ -145,7 +145,7 @@ class WeightsFollower:
     def __init__(self, socket: zmq.Socket, engine: EngineThread, run_dir: Path) -> None:
         self.socket = socket
         self.engine = engine
-        self.bad_messages = 0
+        self.inbox = Inbox(socket, "the weights channel", log)  # its `bad`: malformed or unexpected notices
         self._pending: WeightsPublished | None = None  # the newest announcement not loaded yet
         self._loading: Future | None = None
         self._catch_up(run_dir / "weights" / "latest.json")
@@ -155,18 +155,11 @@ class WeightsFollower:
         not the highest: a learner that resumed from a checkpoint announces a version below the engine's, and the
         weights of the versions above it died with the old learner (docs/architecture.md, "Resume after a crash")."""
         newest: WeightsPublished | None = None
-        while self.socket.poll(0):
-            try:
-                _, message = receive(self.socket)
-            except BadFrame as exc:
-                self.bad_messages += 1
-                log.warning("ignoring a malformed weights announcement: %s", exc)
-                continue
-            if not isinstance(message, WeightsPublished):
-                self.bad_messages += 1
-                log.warning("ignoring an unexpected %s on the weights channel", type(message).__name__)
-            else:
+        for message in self.inbox.messages(0.0):
+            if isinstance(message, WeightsPublished):
                 newest = message
+            else:
+                self.inbox.unexpected(message)
         if newest is not None:
             self._pending = newest
         if self._loading is not None and self._loading.done():
@@ -319,6 +312,7 @@ class _Worker:
                     hung_calls=runner.hung_calls(),
                     weights_refused=getattr(self.engine.engine, "weights_refused", 0),  # failed their checksum
                     duplicate_acks=link.duplicate_acks, acks_journalled=self.journal.written,
+                    bad_messages=link.inbox.bad + self.weights.inbox.bad,  # malformed or unexpected, not acted on
                     ack_journal_dropped=self.journal.dropped, duplicate_lease_replies=link.duplicate_lease_replies,
                     **isolation_counts(),  # agent code run by this worker, and how much of it without namespaces
                     **env_metrics(self.config.env.name, self.factory),  # the env's own counts (agent_*)

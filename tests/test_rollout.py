@@ -293,7 +293,9 @@ def test_a_malformed_reply_or_an_error_does_not_stop_the_worker(tmp_path, zmq_co
         replay.serve_until(lambda: replay.groups_finished(1))
     (_, retry), *_ = replay.first(LeaseRequest)
     assert retry.msg_id != request.msg_id, "after the Error the worker asks again with a fresh request"
-    assert "malformed reply" in caplog.text and "refused for the test" in caplog.text
+    assert "malformed message from replay" in caplog.text and "refused for the test" in caplog.text
+    lines = [json.loads(line) for line in (config.run_dir / "metrics" / "rollout-0.jsonl").read_text().splitlines()]
+    assert lines[-1]["bad_messages"] == 1, "the malformed reply is counted on the worker's metrics line"
 
 
 def test_a_dropped_ack_is_resent_with_the_same_msg_id(tmp_path, zmq_context, publisher):
