@@ -373,10 +373,9 @@ def test_the_readme_agent_trains_through_real_processes_as_printed(tmp_path):
 
 @pytest.mark.slow
 def test_an_openai_agents_sdk_agent_trains_as_it_is(tmp_path):
-    """The OpenAI Agents SDK (optional: `pip install openai-agents`; skipped without it) on the example's task, its
+    """The OpenAI Agents SDK (`openai-agents`, in the test extra, so CI runs this) on the example's task, its
     model the SDK's chat-completions model on the trajectory's client: its requests extend the trajectory (no
     history edit, no bad request), its tool calls come back parsed, its rewards land on the stages."""
-    pytest.importorskip("agents")
     import sys
 
     sys.path.insert(0, str(REPO / "examples"))
