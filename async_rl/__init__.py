@@ -3,6 +3,18 @@ are exported here (async_rl/env_types.py; docs/environments.md), and `reward`, w
 calls on its OpenAI client (async_rl/agent_client.py)."""
 
 from async_rl.agent_client import reward
-from async_rl.env_types import Action, Env, EnvFactory, Judgement, StepResult, Task, ToolCall, ToolResult
+from async_rl.env_types import (
+    Action,
+    Env,
+    EnvDefaults,
+    EnvFactory,
+    EnvFactoryDefaults,
+    Judgement,
+    StepResult,
+    Task,
+    ToolCall,
+    ToolResult,
+)
 
-__all__ = ["Action", "Env", "EnvFactory", "Judgement", "StepResult", "Task", "ToolCall", "ToolResult", "reward"]
+__all__ = ["Action", "Env", "EnvDefaults", "EnvFactory", "EnvFactoryDefaults", "Judgement", "StepResult", "Task",
+           "ToolCall", "ToolResult", "reward"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass
@@ -69,10 +69,7 @@ class Env(Protocol):
 
     def judge(self) -> Judgement: ...  # the outcome; may be slow (hidden tests, a grader)
 
-    # Optional: `close(self) -> None`, called once when the trajectory is over (judged or abandoned).
-    # Optional: `tools(self) -> list[dict]`, OpenAI-style function specs ({"type": "function", "function": {"name",
-    # "description", "parameters"}}), asked once per trajectory right after `reset`. An env that has it gets an
-    # `Action` in `step` (not a str) and may return a list of `ToolResult` as the observation.
+    # Optional members (`close`, `tools`): declared once, with their defaults, on `EnvDefaults` below.
 
 
 @runtime_checkable
@@ -81,6 +78,70 @@ class EnvFactory(Protocol):
 
     def make(self) -> Env: ...  # a fresh environment for one trajectory
 
-    # Optional: `vocabulary(self) -> list[str]`: the whitespace-separated words every text of this env is made
-    # of. The built-in tiny model then uses a word-level tokenizer over them (one token per word, a small action
-    # space a random policy can explore); without it the tiny model's tokenizer is byte-level (any UTF-8 text).
+    # Optional members (`vocabulary`, `max_action_tokens`, `demonstration`, `metrics`): declared once, with their
+    # defaults, on `EnvFactoryDefaults` below.
+
+
+# --- the optional members, declared once ----------------------------------------------------------------------------
+
+
+class EnvDefaults:
+    """An `Env`'s optional members, each with the default an env that leaves it out gets. An env may inherit from
+    this class (its own members override these, and a type checker sees them on it) or not: the runner takes each
+    member through `optional(env, name)`, the env's own or the default here, and calls it."""
+
+    def tools(self) -> list[dict] | None:
+        """The env's tools as OpenAI-style function specs ({"type": "function", "function": {"name", "description",
+        "parameters"}}), asked once per trajectory right after `reset`. An env that returns specs gets an `Action` in
+        `step` (not a str) and may return a list of `ToolResult` as the observation. Default: None, no tools (the
+        model's text is the action)."""
+        return None
+
+    def close(self) -> None:
+        """Called once when the trajectory is over (judged or abandoned): free a sandbox, a container, a file.
+        Default: nothing to free."""
+        return None
+
+
+class EnvFactoryDefaults:
+    """An `EnvFactory`'s optional members, each with the default a factory that leaves it out gets (as
+    `EnvDefaults` for an env)."""
+
+    max_action_tokens: int | None = None
+    """The action budget this env suggests, used when `rollout.max_new_tokens` is null. Default: None (256)."""
+
+    def vocabulary(self) -> list[str] | None:
+        """The whitespace-separated words every text of this env is made of. The built-in tiny model then uses a
+        word-level tokenizer over them (one token per word, a small action space a random policy can explore);
+        ignored with `model.path`. Default: None, the tiny model's tokenizer is byte-level (any UTF-8 text)."""
+        return None
+
+    def demonstration(self, task: Task) -> list[dict] | None:
+        """The assistant turns (OpenAI chat messages, `tool_calls` included) that solve a train task, or None to skip
+        it: `async-rl demos` plays them through the env for a warm start. Default: None for every task (`async-rl
+        demos` refuses a factory without its own)."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """The factory's own counts, added to each rollout worker's metrics line. Default: none."""
+        return {}
+
+
+def optional(obj: object, name: str) -> Any:
+    """`obj`'s optional member `name` (declared on `EnvDefaults` or `EnvFactoryDefaults`): the object's own when it
+    has one, else the declared default (a method bound to `obj`)."""
+    declared = _DECLARED[name]  # a name declared on neither is a bug here, not the user's
+    own = getattr(obj, name, None)
+    if own is not None:
+        return own
+    return declared.__get__(obj) if callable(declared) else declared
+
+
+def has_own(obj: object, name: str) -> bool:
+    """Whether `obj` defines the optional member `name` itself, rather than having (or inheriting) its default."""
+    own = getattr(obj, name, None)
+    return own is not None and getattr(own, "__func__", own) is not _DECLARED[name]
+
+
+_DECLARED = {**{n: v for n, v in vars(EnvDefaults).items() if not n.startswith("_")},
+             **{n: v for n, v in vars(EnvFactoryDefaults).items() if not n.startswith("_")}}

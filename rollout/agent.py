@@ -59,6 +59,7 @@ from rollout.envs.base import (
     checked_reset_tokens,
     checked_step,
     checked_step_tokens,
+    optional,
     token_level,
     tools_of,
 )
@@ -86,7 +87,7 @@ BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool a
 
 def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
     """The turn's sampling settings: `rollout.*`, with the env's suggested action budget when none is set."""
-    max_new_tokens = rollout.max_new_tokens or getattr(factory, "max_action_tokens", None) or DEFAULT_MAX_ACTION_TOKENS
+    max_new_tokens = rollout.max_new_tokens or optional(factory, "max_action_tokens") or DEFAULT_MAX_ACTION_TOKENS
     return SamplingParams(
         temperature=rollout.temperature,
         top_p=rollout.top_p,
@@ -460,7 +461,7 @@ class EpisodeRunner:
         episode.phase = "done"
         if episode in self.episodes:
             self.episodes.remove(episode)
-        close = getattr(episode.env, "close", None)
+        close = optional(episode.env, "close")
         if callable(close) and hung:  # the env is still inside a call that hung: its close may hang as well
             start_daemon_call(close, name="env-close")
         elif callable(close):

@@ -28,7 +28,9 @@ from rollout.envs.base import (
     checked_step,
     checked_tasks,
     env_call,
+    has_own,
     load_factory,
+    optional,
     tools_of,
 )
 
@@ -61,7 +63,7 @@ def _observation_messages(observation: str | list[ToolResult] | None) -> list[di
 def play(env_name: str, factory: EnvFactory, task: Task) -> dict[str, Any] | None:
     """`task`'s demonstration played through a fresh env: the conversation, or None when the env gives none for
     it or the episode does not end judged a success."""
-    turns = env_call(env_name, "demonstration", factory.demonstration, task)  # type: ignore[attr-defined]
+    turns = env_call(env_name, "demonstration", optional(factory, "demonstration"), task)
     if turns is None:
         return None
     env = checked_make(env_name, factory)
@@ -81,7 +83,7 @@ def play(env_name: str, factory: EnvFactory, task: Task) -> dict[str, Any] | Non
             return None
         return {"messages": messages, "tools": tools or []}
     finally:
-        close = getattr(env, "close", None)
+        close = optional(env, "close")
         if callable(close):
             close()
 
@@ -90,7 +92,7 @@ def write_demonstrations(config: Config, out: Path, n: int) -> dict[str, int]:
     """Up to `n` solved train episodes into `out` (JSONL), the tasks in a seeded order (each once before any
     twice); returns the counts written and skipped. Refuses an env without `demonstration`."""
     factory = load_factory(config.env.name, config.env.kwargs)
-    if not callable(getattr(factory, "demonstration", None)):
+    if not has_own(factory, "demonstration"):
         raise EnvError(f"env {config.env.name!r} has no demonstration(task) member: it cannot write its own "
                        "demonstrations (write them as OpenAI chat JSONL yourself: docs/models.md, 'Warm start')")
     tasks = checked_tasks(config.env.name, factory, "train")

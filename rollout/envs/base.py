@@ -11,7 +11,8 @@ fresh `Env` per trajectory; the rollout worker runs the episode:
 These names and signatures are the public API: code outside the project is written against them. The types
 (`Task`, `StepResult`, `Judgement`, `Env`, `EnvFactory`, and for envs with tools `Action`, `ToolCall`,
 `ToolResult`) live in the kernel, async_rl/env_types.py, and are exported by `async_rl` itself; they are
-re-exported here. Optional members a factory or an env may add are listed in `EnvFactory` and `Env`.
+re-exported here. The optional members a factory or an env may add are declared, with their defaults, on
+`EnvFactoryDefaults` and `EnvDefaults` (read through `optional`).
 
 `env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`, `tasks`, `chain`, `agent`) or an
 import path `package.module:callable`; the callable is called with `env.kwargs` as keyword arguments and returns the
@@ -36,12 +37,16 @@ import msgspec
 from async_rl.env_types import (  # noqa: F401 - the seam's types, re-exported: every existing import keeps working
     Action,
     Env,
+    EnvDefaults,
     EnvFactory,
+    EnvFactoryDefaults,
     Judgement,
     StepResult,
     Task,
     ToolCall,
     ToolResult,
+    has_own,
+    optional,
 )
 from async_rl.errors import AsyncRLError
 
@@ -202,12 +207,12 @@ def tools_of(env_name: str, env: Env) -> list[dict] | None:
     """The env's tool specs (optional member `tools()`), checked: None when it has no `tools`; else a list of
     OpenAI-style function specs ({"type": "function", "function": {"name": ..., ...}}) with distinct names, JSON
     serialisable."""
-    declare = getattr(env, "tools", None)
-    if declare is None:
-        return None
+    declare = optional(env, "tools")
     if not callable(declare):
         raise EnvError(f"env {env_name!r}: tools is not callable (expected a method returning a list of specs)")
     specs = env_call(env_name, "tools", declare)
+    if specs is None:
+        return None
     if not isinstance(specs, list | tuple):
         raise EnvError(f"env {env_name!r}: tools() returned {type(specs).__name__}, expected a list of dicts")
     names: list[str] = []
@@ -310,7 +315,7 @@ def checked_step_tokens(env_name: str, env: Any, generation: Any) -> StepResult:
 def env_metrics(env_name: str, factory: EnvFactory) -> dict[str, float]:
     """The factory's own counts for the rollout metrics line (optional member `metrics() -> dict[str, number]`); {}
     when it has none. A factory whose metrics() raises or returns something else costs only its counts (logged)."""
-    report = getattr(factory, "metrics", None)
+    report = optional(factory, "metrics")
     if not callable(report):
         return {}
     try:
@@ -325,10 +330,12 @@ def env_metrics(env_name: str, factory: EnvFactory) -> dict[str, float]:
 
 def vocabulary_of(env_name: str, factory: EnvFactory) -> list[str] | None:
     """The factory's declared vocabulary (optional member), checked; None when it declares none."""
-    declare = getattr(factory, "vocabulary", None)
-    if declare is None:
-        return None
+    declare = optional(factory, "vocabulary")
+    if not callable(declare):
+        raise EnvError(f"env {env_name!r}: vocabulary is not callable (expected a method returning a list of words)")
     words = env_call(env_name, "vocabulary", declare)
+    if words is None:
+        return None
     if not isinstance(words, list | tuple) or not all(isinstance(w, str) and w.split() == [w] for w in words):
         raise EnvError(f"env {env_name!r}: vocabulary() must return a list of non-empty words without whitespace")
     return list(dict.fromkeys(words))
