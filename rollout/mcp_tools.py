@@ -203,6 +203,7 @@ class McpTools:
             await asyncio.wait_for(asyncio.shield(ready), self.settings.start_timeout_s)
         except TimeoutError:
             server.stop.set()
+            server.task.cancel()  # still inside initialize: cancelling runs mcp's shutdown (the process killed)
             raise TimeoutError(f"no answer to initialize and list_tools within {self.settings.start_timeout_s:g} s")\
                 from None
 
@@ -233,9 +234,13 @@ class McpTools:
 
     async def _stop(self, server: _Server) -> None:
         server.stop.set()
-        if server.task is not None:
+        if server.task is not None and not server.task.done():
+            if server.session is None:  # not started yet: stop waits on nothing there
+                server.task.cancel()
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(server.task, STOP_S)
+                await asyncio.wait_for(asyncio.shield(server.task), STOP_S)
+            if not server.task.done():
+                server.task.cancel()
 
     def _fail(self, server: _Server, why: str) -> None:
         """Mark `server` failed (later calls start a new one) and stop it."""

@@ -54,6 +54,14 @@ def nap(seconds: float) -> str:
 
 
 @server.tool()
+def freeze() -> str:
+    """Stop this whole server (SIGSTOP): it answers nothing any more, pings included."""
+    import signal
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return "never"
+
+
+@server.tool()
 def fail(why: str) -> str:
     """Raise an error."""
     raise ValueError(why)
@@ -125,7 +133,7 @@ def test_tools_are_listed_as_openai_specs_and_called(server):
     tools = McpTools(McpSettings(command=server))
     try:
         specs = {s["function"]["name"]: s for s in tools.specs()}
-        assert set(specs) == {"add", "pid", "nap", "fail"}
+        assert set(specs) == {"add", "pid", "nap", "freeze", "fail"}
         add = specs["add"]
         assert add["type"] == "function" and add["function"]["description"] == "Add two integers."
         assert add["function"]["parameters"]["type"] == "object"
@@ -137,7 +145,7 @@ def test_tools_are_listed_as_openai_specs_and_called(server):
         text, ok, _ = tools.call("add", {"a": "two", "b": 40})
         assert not ok and text.startswith("error:") and "a" in text and "integer" in text
         text, ok, _ = tools.call("subtract", {"a": 1})
-        assert not ok and text == "error: the MCP server has no tool 'subtract' (it has: add, pid, nap, fail)"
+        assert not ok and text == "error: the MCP server has no tool 'subtract' (it has: add, pid, nap, freeze, fail)"
         text, ok, _ = tools.call("fail", {"why": "the disk is full"})
         assert not ok and "the disk is full" in text
         assert tools.metrics()["mcp_calls"] == 4 and tools.metrics()["mcp_call_errors"] == 3
@@ -163,6 +171,24 @@ def test_a_call_past_its_time_limit_is_an_error_result_and_the_server_goes_on(se
         tools.close()
 
 
+def test_a_server_that_hangs_is_taken_as_failed_and_replaced(server):
+    """A call past its limit on a server that then does not answer a ping either: that call's trajectory is
+    abandoned (ServerFailed), the hung process is killed, and the next call gets a new server."""
+    tools = McpTools(McpSettings(command=server, call_timeout_s=1))
+    try:
+        pid = int(tools.call("pid", {})[0])
+        started = time.monotonic()
+        with pytest.raises(ServerFailed, match="a call to 'freeze' ran past 1 s and the server did not answer a ping"):
+            tools.call("freeze", {}, 1)
+        assert time.monotonic() - started < 15
+        wait_gone(pid, within_s=15)  # mcp's shutdown: stdin closed, SIGTERM, then SIGKILL
+        assert tools.call("add", {"a": 1, "b": 1}) == ("2", True, 2)
+        counts = tools.metrics()
+        assert counts["mcp_timeouts"] == 1 and counts["mcp_failures"] == 1 and counts["mcp_starts"] == 2
+    finally:
+        tools.close()
+
+
 # (b) a model's tool call through the env's step ---------------------------------------------------------------
 
 
@@ -175,7 +201,7 @@ def test_a_hermes_tool_call_goes_through_the_tasks_env_step(tmp_path, server):
         assert "You may call a tool" in prompt
         specs = tools_of("tasks", env)
         names = tool_names(specs)
-        assert names == ["add", "pid", "nap", "fail"]
+        assert names == ["add", "pid", "nap", "freeze", "fail"]
         result = checked_step("tasks", env, hermes("add", {"a": 2, "b": 3}, names))
         assert not result.done and [(r.content, r.name, r.call_id) for r in result.observation] == [
             ("5", "add", "call_0")]
@@ -251,7 +277,9 @@ def test_a_bad_server_command_is_a_clear_env_error(tmp_path):
         assert factory.metrics()["mcp_start_failures"] == 1
     finally:
         factory.close()
-    silent = [sys.executable, "-c", "import time; time.sleep(30)"]  # never answers initialize
+    pid_file = tmp_path / "silent.pid"
+    silent = [sys.executable, "-c",  # never answers initialize
+              f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
     tools = McpTools(McpSettings(command=silent, start_timeout_s=1))
     try:
         started = time.monotonic()
@@ -259,6 +287,7 @@ def test_a_bad_server_command_is_a_clear_env_error(tmp_path):
                                            "within 1 s; it wrote nothing to stderr"):
             tools.specs()
         assert time.monotonic() - started < 15
+        wait_gone(int(pid_file.read_text()))  # killed, not left behind
     finally:
         tools.close()
 
