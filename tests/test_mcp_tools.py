@@ -327,3 +327,85 @@ def test_the_docs_mcp_training_command_runs_as_printed(tmp_path):
     assert marked_processes(str(pids)) == [], "an MCP server outlived the run"
     rollout = [json.loads(x) for x in (tmp_path / "t" / "metrics" / "rollout-0.jsonl").read_text().splitlines()]
     assert rollout[-1]["mcp_starts"] == 1 and rollout[-1]["mcp_start_failures"] == 0 and rollout[-1]["env_errors"] == 0
+
+
+# the crash through the episode runner: a worker's trajectories, scripted ------------------------------------------
+
+
+class ScriptedEngine:
+    """A stand-in for the policy (named as such): each turn calls `add` until the context holds a tool result, then
+    calls it again (the second turn) or answers; with `kill_pid_file` set, the second turn first kills the server."""
+
+    version, weights_refused = 0, 0
+
+    def __init__(self, tokenizer, kill_pid_file: Path | None = None) -> None:
+        self.tokenizer, self.kill_pid_file = tokenizer, kill_pid_file
+
+    def generate(self, prompts, params):
+        from rollout.engines import Generation
+
+        out = []
+        for prompt in prompts:
+            seen = self.tokenizer.decode(prompt).count("<tool_response>")
+            if seen == 1 and self.kill_pid_file is not None:
+                for pid in map(int, self.kill_pid_file.read_text().split()):
+                    with __import__("contextlib").suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+            elif seen == 0:
+                text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+            else:
+                text = "<answer>5</answer>"
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            out.append(Generation(tokens, [-1.0] * len(tokens), [0] * len(tokens), "stop"))
+        return out
+
+    def update_weights(self, version, path):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_crash_through_the_episode_runner_abandons_that_group_and_the_next_group_works(tmp_path, server):
+    from async_rl.model import byte_tokenizer
+    from rollout.agent import EpisodeRunner
+    from rollout.engines import SamplingParams
+
+    class Outcomes:
+        def __init__(self):
+            self.outcomes = []
+
+        def stage(self, episode, generation, reward, terminal):
+            pass
+
+        def outcome(self, episode, judgement, reason):
+            self.outcomes.append((judgement, reason))
+
+    factory = tasks_factory(tmp_path, server)
+    tokenizer = byte_tokenizer()
+    task = Task("t", {"question": "What is 2 + 3?", "answer": "5"})
+    params = SamplingParams(max_new_tokens=128, stop_token_ids=[tokenizer.eos_token_id])
+    try:
+        for kill, group in ((True, "g0"), (False, "g1")):
+            sink = Outcomes()
+            engine = ScriptedEngine(tokenizer, tmp_path / "pids" if kill else None)
+            runner = EpisodeRunner("tasks", factory, engine, tokenizer, params, 8192, sink, 4)
+            runner.start_group(group, task, 2)
+            deadline = time.monotonic() + 60
+            try:
+                while not runner.idle():
+                    assert time.monotonic() < deadline, "the episodes did not finish"
+                    runner.pump(0.05)
+                stats, errors = runner.take_stats(), runner.env_errors
+            finally:
+                runner.close()
+            if kill:  # both trajectories were using the server that died: abandoned, counted, naming the server
+                assert len(sink.outcomes) == 2 and errors == 2
+                assert all("MCP server" in str(reason) and "failed" in str(reason) for _, reason in sink.outcomes)
+            else:  # a later group: a new server, solved
+                assert [(j.success, reason) for j, reason in sink.outcomes] == [(True, ""), (True, "")], stats
+        counts = factory.metrics()
+        assert counts["mcp_failures"] == 1 and counts["mcp_starts"] == 2
+    finally:
+        factory.close()
