@@ -2,7 +2,8 @@
 limit, restarted after a crash, stopped (docs/environments.md, "MCP tools").
 
 `McpTools(settings)` starts nothing until its first use (`specs()` or `call()`); then the server's process is
-started with `mcp`'s `stdio_client` and a `ClientSession` on an asyncio loop of its own thread, so an env's
+started with `mcp`'s `stdio_client` (or, with `url`, a running server is reached with its `streamable_http_client`)
+and a `ClientSession` runs on an asyncio loop of its own thread, so an env's
 synchronous `step` (on the worker's thread pool) can call it; many trajectories call it at once. The tools are
 shown to the model as OpenAI function specs (`specs()`: the MCP tool's name, description and `inputSchema`).
 
@@ -40,16 +41,23 @@ STOP_S = 10.0  # closing waits this long for the server to stop (mcp's own shutd
 
 
 class McpSettings(msgspec.Struct, forbid_unknown_fields=True):
-    command: list[str]  # the server's command line, e.g. ["python", "server.py"] (stdio transport)
-    env: dict[str, str] = {}  # environment variables for it, over mcp's safe default (HOME, PATH, ...)
-    cwd: str | None = None  # its working directory (default: the worker's)
-    start_timeout_s: float = 30.0  # the longest its start (initialize + list_tools) may take
+    command: list[str] = []  # the server's command line, e.g. ["python", "server.py"] (stdio transport)
+    url: str | None = None  # or a running server's streamable-HTTP endpoint, e.g. http://127.0.0.1:8000/mcp
+    env: dict[str, str] = {}  # environment variables for the command, over mcp's safe default (HOME, PATH, ...)
+    cwd: str | None = None  # the command's working directory (default: the worker's)
+    start_timeout_s: float = 30.0  # the longest its start or connection (initialize + list_tools) may take
     call_timeout_s: float = 30.0  # the longest one tool call may take
     max_result_chars: int = 2000  # a result's text is cut to this many characters
 
     def __post_init__(self) -> None:
-        if not self.command or not all(isinstance(part, str) and part for part in self.command):
-            raise ValueError("mcp: command must be a non-empty list of strings, e.g. [\"python\", \"server.py\"]")
+        if self.url is not None:
+            if self.command:
+                raise ValueError("mcp: give a command (stdio) or a url (HTTP), not both")
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"mcp: url must start with http:// or https://, got {self.url!r}")
+        elif not self.command or not all(isinstance(part, str) and part for part in self.command):
+            raise ValueError("mcp: command must be a non-empty list of strings, e.g. [\"python\", \"server.py\"] "
+                             "(or give a url)")
         if self.start_timeout_s <= 0 or self.call_timeout_s <= 0 or self.max_result_chars < 1:
             raise ValueError("mcp: start_timeout_s and call_timeout_s must be > 0, max_result_chars >= 1")
 
@@ -84,12 +92,13 @@ class McpTools:
 
     def __init__(self, settings: McpSettings) -> None:
         self.settings = settings
-        self.what = f"MCP server {' '.join(settings.command)!r}"
+        self.what = f"MCP server at {settings.url}" if settings.url else f"MCP server {' '.join(settings.command)!r}"
         try:
             import mcp  # noqa: F401
         except ImportError:
             raise EnvError("env.kwargs.mcp: needs the `mcp` package (pip install 'async-rl[mcp]')") from None
-        if shutil.which(settings.command[0], path=(settings.env.get("PATH") or os.environ.get("PATH"))) is None:
+        search = settings.env.get("PATH") or os.environ.get("PATH")
+        if settings.command and shutil.which(settings.command[0], path=search) is None:
             raise EnvError(f"env.kwargs.mcp.command: {settings.command[0]!r} is not a command found on PATH "
                            f"(the {self.what})")
         self.lock = threading.Lock()  # held while a server starts; never taken on the loop's thread
@@ -190,9 +199,9 @@ class McpTools:
                 self._count("start_failures")
                 server.failed = f"did not start: {_why(exc)}"
                 tail = server.stderr_tail()
-                raise EnvError(f"{self.what} did not start: {_why(exc)}"
-                               + (f"; its stderr ends: {tail[-STDERR_TAIL_CHARS:]}" if tail else
-                                  "; it wrote nothing to stderr")) from None
+                stderr = "" if self.settings.url else (f"; its stderr ends: {tail}" if tail else
+                                                        "; it wrote nothing to stderr")
+                raise EnvError(f"{self.what} did not start: {_why(exc)}{stderr}") from None
             return server
 
     async def _start(self, server: _Server) -> None:
@@ -211,11 +220,16 @@ class McpTools:
         """Hold the server's transport and session open until `stop` is set (anyio scopes stay in one task)."""
         from mcp import ClientSession, StdioServerParameters, stdio_client
 
-        params = StdioServerParameters(command=self.settings.command[0], args=self.settings.command[1:],
-                                       env=dict(self.settings.env) or None, cwd=self.settings.cwd)
+        if self.settings.url:
+            from mcp.client.streamable_http import streamable_http_client
+
+            transport = streamable_http_client(self.settings.url)
+        else:
+            params = StdioServerParameters(command=self.settings.command[0], args=self.settings.command[1:],
+                                           env=dict(self.settings.env) or None, cwd=self.settings.cwd)
+            transport = stdio_client(params, errlog=server.stderr)
         try:
-            async with stdio_client(params, errlog=server.stderr) as (read, write), \
-                    ClientSession(read, write) as session:
+            async with transport as streams, ClientSession(streams[0], streams[1]) as session:
                 await session.initialize()
                 listed = await session.list_tools()  # one page (a server that pages its tools shows the first)
                 tools = {tool.name: tool.model_dump(by_alias=True, exclude_none=True, mode="json")

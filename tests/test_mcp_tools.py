@@ -69,7 +69,10 @@ def fail(why: str) -> str:
 
 if __name__ == "__main__":
     print("test server up", file=sys.stderr, flush=True)
-    server.run()
+    if len(sys.argv) > 1:  # an HTTP port
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    else:
+        server.run()
 '''
 
 
@@ -409,3 +412,46 @@ def test_a_crash_through_the_episode_runner_abandons_that_group_and_the_next_gro
         assert counts["mcp_failures"] == 1 and counts["mcp_starts"] == 2
     finally:
         factory.close()
+
+
+# over HTTP: a running server, reached by url -----------------------------------------------------------------------
+
+
+def http_server(command: list[str], port: int) -> subprocess.Popen:
+    import socket
+
+    process = subprocess.Popen([*command, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return process
+        assert process.poll() is None and time.monotonic() < deadline, "the HTTP MCP server did not come up"
+        time.sleep(0.1)
+
+
+def test_a_server_over_http_is_listed_called_and_reconnected_after_it_restarts(server):
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    process = http_server(server, port)
+    tools = McpTools(McpSettings(url=f"http://127.0.0.1:{port}/mcp", call_timeout_s=5))
+    try:
+        assert "add" in {s["function"]["name"] for s in tools.specs()}
+        assert tools.call("add", {"a": 2, "b": 40}) == ("42", True, 1)
+        process.kill()
+        process.wait()
+        with pytest.raises(ServerFailed, match=f"MCP server at http://127.0.0.1:{port}/mcp failed"):
+            tools.call("add", {"a": 1, "b": 1}, 1)
+        with pytest.raises(EnvError, match="did not start"):  # nothing listens: the reconnection fails, named
+            tools.call("add", {"a": 1, "b": 1})
+        process = http_server(server, port)
+        assert tools.call("add", {"a": 1, "b": 1}) == ("2", True, 3)
+    finally:
+        tools.close()
+        process.kill()
+        process.wait()
+    with pytest.raises(EnvError, match="env.kwargs.mcp: .*not both"):
+        load_factory("tasks", {"tools": [], "mcp": {"command": ["python"], "url": "http://127.0.0.1:1/mcp"}})
