@@ -167,6 +167,8 @@ class McpTools:
             server.stderr.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=STOP_S)
+        if not thread.is_alive():
+            loop.close()
 
     # --- starting and failing -------------------------------------------------------------------------------------
 
