@@ -24,7 +24,7 @@ from rollout.agent import EpisodeRunner
 from rollout.engines import Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
-from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks
+from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks, close_factory
 from rollout.episode import Episode
 from rollout.prepare import load_env, prepare_model_dir
 
@@ -139,5 +139,6 @@ def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blin
         result = evaluate_policy(config, factory, engine, tokenizer, None, samples_per_task, blind)
     finally:
         engine.close()
+        close_factory(config.env.name, factory)
     log.info("evaluation of version %d: %s", version, result)
     return result

@@ -53,7 +53,7 @@ from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
-from rollout.envs.base import Judgement, Task, checked_tasks, env_metrics
+from rollout.envs.base import Judgement, Task, checked_tasks, close_factory, env_metrics
 from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
@@ -326,6 +326,7 @@ class _Worker:
         self.runner.close()
         self.engine.close()
         self.engine.engine.close()
+        close_factory(self.config.env.name, self.factory)  # e.g. the tasks env's MCP server
         self.dealer.close(linger=0)
         self.subscriber.close(linger=0)
         self.context.term()

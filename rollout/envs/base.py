@@ -328,6 +328,21 @@ def env_metrics(env_name: str, factory: EnvFactory) -> dict[str, float]:
         return {}
 
 
+def close_factory(env_name: str, factory: EnvFactory) -> None:
+    """The factory's optional `close()` (a worker's or an evaluation's end: stop a server it started); one that
+    raises is logged, never raised."""
+    close = getattr(factory, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as exc:
+        import logging
+
+        logging.getLogger("async_rl.rollout").warning("env %r: close() failed: %s: %s", env_name, type(exc).__name__,
+                                                      exc)
+
+
 def vocabulary_of(env_name: str, factory: EnvFactory) -> list[str] | None:
     """The factory's declared vocabulary (optional member), checked; None when it declares none."""
     declare = optional(factory, "vocabulary")

@@ -3,7 +3,8 @@ the data's verifier (docs/environments.md, "tasks").
 
 `env.name=tasks`. The first observation is the question and how to answer; the env's `tools()` are the ones
 `env.kwargs.tools` names (`calculator`: safe arithmetic through `ast`, rollout/envs/calculator.py; `python`: the
-code runs in the sandbox, rollout/sandbox/, and its stdout comes back). A turn with tool calls (or a call
+code runs in the sandbox, rollout/sandbox/, and its stdout comes back), plus an MCP server's tools when
+`env.kwargs.mcp` names one (rollout/mcp_tools.py). A turn with tool calls (or a call
 that did not parse) gets the tools' answers as `tool` messages and the episode goes on; a turn with
 `<answer>...</answer>`, or without a tool call, is the final answer and ends it; so does the `max_turns`-th turn.
 Stage reward: `tool_reward` on the final turn when the answer uses the result of a well-formed tool call (the
@@ -29,6 +30,7 @@ from async_rl.env_types import Action, Judgement, StepResult, Task, ToolCall, To
 from rollout.envs.base import EnvError, settings_from_kwargs
 from rollout.envs.calculator import CALC_SPEC, CalcError, calculate, format_number
 from rollout.envs.task_file import SETTING, read_task_file
+from rollout.mcp_tools import McpSettings, McpTools
 from rollout.tool_parser import CLOSE, OPEN
 
 DEFAULT_DATASET = "basic_arithmetic"
@@ -69,6 +71,9 @@ class TasksSettings(msgspec.Struct, forbid_unknown_fields=True):
     # its last number (for numeric datasets: a small model states "3 + 10 = 13" long before it learns the tag).
     untagged: Literal["text", "last-number"] = "text"
     python_timeout_s: float = 5.0  # the wall-clock limit of one `python` call
+    # An MCP server whose tools the env adds to `tools` ({"command": [...], "env": {...}, ...}: McpSettings,
+    # rollout/mcp_tools.py); started with the first trajectory, stopped with the worker.
+    mcp: McpSettings | None = None
 
     def __post_init__(self) -> None:
         if self.dataset is not None and self.tasks_file is not None:
@@ -135,13 +140,22 @@ class TasksEnv:
         self.results: list[str] = []  # the answers of well-formed calls
         self.answer = ""
         self.tagged = False
+        self.mcp_generation: int | None = None  # the MCP server process this trajectory called (it may hold state)
 
     def tools(self) -> list[dict]:
-        return [{"calculator": CALC_SPEC, "python": PYTHON_SPEC}[t] for t in self.settings.tools]
+        specs = [{"calculator": CALC_SPEC, "python": PYTHON_SPEC}[t] for t in self.settings.tools]
+        if self.factory.mcp is not None:
+            served = self.factory.mcp.specs()
+            clash = sorted({s["function"]["name"] for s in served} & set(self.settings.tools))
+            if clash:
+                raise EnvError(f"env.kwargs.mcp: the MCP server's tool {clash[0]!r} has the name of a built-in tool "
+                               "(leave it out of env.kwargs.tools)")
+            specs += served
+        return specs
 
     def reset(self, task: Task) -> str:
         self.task = task
-        hint = TOOL_HINT if self.settings.tools else ""
+        hint = TOOL_HINT if self.settings.tools or self.settings.mcp else ""
         return f"{task.data['question']}\n\n{INSTRUCTIONS}{hint}"
 
     def step(self, action: str | Action) -> StepResult:
@@ -164,7 +178,10 @@ class TasksEnv:
         results = []
         for call in action.tool_calls:
             self.calls += 1
-            content, ok = self.factory.run_tool(call)
+            if self.factory.mcp is not None and call.name not in self.settings.tools:
+                content, ok, self.mcp_generation = self.factory.mcp.call(call.name, call.arguments, self.mcp_generation)
+            else:
+                content, ok = self.factory.run_tool(call)
             self.errors += not ok
             if ok:
                 self.results.append(content)
@@ -209,6 +226,7 @@ class TasksFactory:
         elif not Path(str(settings.tasks_file)).is_file():
             raise EnvError(f"env.kwargs.tasks_file: no such file: {settings.tasks_file}")
         self.lock = threading.Lock()
+        self.mcp = McpTools(settings.mcp) if settings.mcp is not None else None  # starts nothing yet
         self.splits: dict[str, list[Task]] | None = None
         self.entries: dict[str, dict] = {}  # reasoning-gym's entry of each task (its score_answer needs it)
         self._sandbox: Any = None
@@ -223,6 +241,15 @@ class TasksFactory:
 
     def make(self) -> TasksEnv:
         return TasksEnv(self)
+
+    def metrics(self) -> dict[str, float]:
+        """The MCP server's counts (`mcp_*`) for the worker's metrics line; {} without one."""
+        return self.mcp.metrics() if self.mcp is not None else {}
+
+    def close(self) -> None:
+        """Stop the MCP server, if one was started (the worker's end)."""
+        if self.mcp is not None:
+            self.mcp.close()
 
     def _load(self) -> list[Task]:
         if self.name is None:
