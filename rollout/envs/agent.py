@@ -324,7 +324,7 @@ class AgentEnv:
 
     def _agent_error(self) -> EnvError:
         exc = self.error
-        return EnvError(f"env {ENV!r}: the agent raised {type(exc).__name__}: {str(exc)[:300]}")
+        return EnvError(f"env {self.factory.name!r}: the agent raised {type(exc).__name__}: {str(exc)[:300]}")
 
     def _run_agent(self) -> None:
         """On the agent's own thread: the user's function, to its return or its exception."""
@@ -387,6 +387,8 @@ async def _awaited(value: Any) -> Any:
 class AgentFactory:
     """The tasks file's split, the user's agent and judge, the worker's endpoint and the counts of what agents did."""
 
+    name = ENV  # the env.name its errors give
+
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         if importlib.util.find_spec("openai") is None:
@@ -400,8 +402,13 @@ class AgentFactory:
             self.vocabulary = lambda: list(words)
         if not Path(settings.tasks).is_file():
             raise EnvError(f"env.kwargs.tasks: no such file: {settings.tasks}")
-        tasks = read_task_file(settings.tasks, _record_task, setting="env.kwargs.tasks")
-        self.splits = self._split(tasks)
+        self.serve(read_task_file(settings.tasks, _record_task, setting="env.kwargs.tasks"),
+                   f"env.kwargs.tasks: {settings.tasks}")
+
+    def serve(self, tasks: list[Task], source: str) -> None:
+        """The tasks' train/eval split (`source` names them in an error) and the state the trajectories share: the
+        end of __init__, and of a subclass's that has its tasks and agent from elsewhere (envs/verifiers_env.py)."""
+        self.splits = self._split(tasks, source)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.endpoint: ChatEndpoint | None = None
@@ -410,7 +417,7 @@ class AgentFactory:
         self.parse: Any = None
         self.stop: list[str] = []
 
-    def _split(self, tasks: list[Task]) -> dict[str, list[Task]]:
+    def _split(self, tasks: list[Task], source: str) -> dict[str, list[Task]]:
         fixed = {s: [t for t in tasks if t.data.get("split") == s] for s in ("train", "eval")}
         free = [t for t in tasks if t.data.get("split") is None]
         random.Random(self.settings.seed).shuffle(free)
@@ -422,7 +429,7 @@ class AgentFactory:
         splits = {"eval": fixed["eval"] + free[:n_eval], "train": fixed["train"] + free[n_eval:]}
         for name, split in splits.items():
             if not split:
-                raise EnvError(f"env.kwargs.tasks: {self.settings.tasks} leaves the {name} split empty "
+                raise EnvError(f"{source} leaves the {name} split empty "
                                f"({len(tasks)} task(s); a train and an eval split need one each)")
         return splits
 

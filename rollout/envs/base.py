@@ -64,6 +64,7 @@ BUILTIN = {
     "tasks": "rollout.envs.tasks:factory",
     "chain": "rollout.envs.chain:factory",
     "agent": "rollout.envs.agent:factory",
+    "verifiers": "rollout.envs.verifiers_env:factory",
 }
 
 
