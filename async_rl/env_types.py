@@ -126,22 +126,31 @@ class EnvFactoryDefaults:
         """The factory's own counts, added to each rollout worker's metrics line. Default: none."""
         return {}
 
+    def close(self) -> None:
+        """Called once when the rollout worker (or `async-rl evaluate`) ends: stop a server the factory started.
+        Default: nothing to stop."""
+        return None
+
 
 def optional(obj: object, name: str) -> Any:
     """`obj`'s optional member `name` (declared on `EnvDefaults` or `EnvFactoryDefaults`): the object's own when it
     has one, else the declared default (a method bound to `obj`)."""
-    declared = _DECLARED[name]  # a name declared on neither is a bug here, not the user's
+    defaults = _DECLARED[name]  # a name declared on neither is a bug here, not the user's
     own = getattr(obj, name, None)
     if own is not None:
         return own
-    return declared.__get__(obj) if callable(declared) else declared
+    default = defaults[0]
+    return default.__get__(obj) if callable(default) else default
 
 
 def has_own(obj: object, name: str) -> bool:
     """Whether `obj` defines the optional member `name` itself, rather than having (or inheriting) its default."""
     own = getattr(obj, name, None)
-    return own is not None and getattr(own, "__func__", own) is not _DECLARED[name]
+    return own is not None and not any(getattr(own, "__func__", own) is d for d in _DECLARED[name])
 
 
-_DECLARED = {**{n: v for n, v in vars(EnvDefaults).items() if not n.startswith("_")},
-             **{n: v for n, v in vars(EnvFactoryDefaults).items() if not n.startswith("_")}}
+_DECLARED: dict[str, list[Any]] = {}  # name -> its defaults (`close` is both an env's and a factory's)
+for _holder in (EnvDefaults, EnvFactoryDefaults):
+    for _name, _value in vars(_holder).items():
+        if not _name.startswith("_"):
+            _DECLARED.setdefault(_name, []).append(_value)

@@ -69,6 +69,7 @@ def test_an_env_without_its_own_members_gets_the_declared_defaults(env, factory)
     assert vocabulary_of("x", factory) is None and env_metrics("x", factory) == {}
     assert optional(factory, "max_action_tokens") is None
     assert optional(factory, "demonstration")(Task("t0", {})) is None and not has_own(factory, "demonstration")
+    assert optional(factory, "close")() is None and not has_own(factory, "close")  # a factory's close, an env's
 
 
 def test_an_envs_own_members_are_the_ones_called():

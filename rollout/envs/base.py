@@ -332,7 +332,7 @@ def env_metrics(env_name: str, factory: EnvFactory) -> dict[str, float]:
 def close_factory(env_name: str, factory: EnvFactory) -> None:
     """The factory's optional `close()` (a worker's or an evaluation's end: stop a server it started); one that
     raises is logged, never raised."""
-    close = getattr(factory, "close", None)
+    close = optional(factory, "close")
     if not callable(close):
         return
     try:
