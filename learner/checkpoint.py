@@ -7,7 +7,8 @@ records its size and crc32 in `v<N>/manifest.json`, and only then points `latest
 renamed). A node crash, a bad disk or a full one can leave a checkpoint torn or changed: `resumable` checks the one
 `latest` names against its manifest, and when it fails (or `latest` itself is torn) falls back to the newest older
 one that passes, with a warning naming each one skipped, and the learner goes on at THAT checkpoint's version. A
-checkpoint with no manifest is trusted only when `latest` names it (one written before manifests existed).
+checkpoint with no manifest is trusted only when `latest` names it and none in the directory has one (a directory
+written before manifests existed). A resume that fell back points `latest` at the one it resumed from.
 
 So that the replay can roll back to any checkpoint a resume may fall back to, the learner reports as durable not its
 newest checkpoint but the oldest one it keeps (`rollback_point`): the acks at or below it are final, the ones above
@@ -42,6 +43,12 @@ def commit(directory: Path, version: int) -> None:
     """Checkpoint v`version`'s files are all written (every rank's): fsync them, record them in its manifest, then
     point `latest` at it. OSError when the disk refuses (`latest` then still names the one before)."""
     write_manifest(directory / f"v{version}", {"version": version})
+    write_atomically(directory / LATEST, f"v{version}")
+
+
+def point_latest(directory: Path, version: int) -> None:
+    """Point `latest` at checkpoint v`version` (a resume that fell back past damaged ones: `latest` must never name
+    a checkpoint that was set aside, or a later save under its name would be kept and trusted)."""
     write_atomically(directory / LATEST, f"v{version}")
 
 
@@ -91,7 +98,9 @@ def resumable(directory: Path) -> Resume | None:
     for version in order:
         tag = directory / f"v{version}"
         found = problem(tag) if tag.is_dir() else "missing"
-        if found is None or (found == "no manifest" and version == named):  # the latter: written before manifests
+        # A checkpoint without a manifest is trusted only as one written before manifests existed: `latest` names it
+        # and no checkpoint of the directory has a manifest (else it is a save cut short, e.g. by a full disk).
+        if found is None or (found == "no manifest" and version == named and not written):
             newest = max([version, *written, *({named} - {None})])
             # a restart after an earlier resume set them aside still names them (the replay may refuse it too)
             earlier = [f"{directory / f'v{v}.corrupt'}: set aside as damaged" for v in versions(directory, SET_ASIDE)

@@ -330,6 +330,7 @@ def resume_checkpoint(engine: deepspeed.DeepSpeedEngine, directory: Path) -> che
             dist.barrier()  # every rank has chosen from the same files
         if rank() == 0:
             checkpoint.set_aside(resume.skipped)
+            checkpoint.point_latest(directory, version)
     log.info("resumed from checkpoint v%d in %s", version, directory)
     return resume
 

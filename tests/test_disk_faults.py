@@ -260,6 +260,27 @@ def test_a_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path:
             load_checkpoint(engine, directory)
 
 
+def test_a_failed_save_under_the_name_of_a_checkpoint_set_aside_is_never_resumed_from(tmp_path: Path):
+    """The 50-minute chaos soak's learner crash loop (2026-11-29): v4 torn, the resume fell back to v2 and set v4
+    aside, but `latest` still named v4; the next save of v4 met a full disk, and since `latest` named it its partial
+    files were kept; every restart then took that manifest-less v4 for one written before manifests existed and
+    died reading it. Now a resume points `latest` at what it resumed, and a checkpoint without a manifest is
+    trusted only in a directory where no checkpoint has one."""
+    directory = tmp_path / "ck"
+    with learner_engine(tmp_path) as engine:
+        assert save_checkpoint(engine, directory, 2, keep=2)
+        assert save_checkpoint(engine, directory, 4, keep=2)
+        damage(directory / "v4" / "mp_rank_00_model_states.pt", "torn")
+        assert load_checkpoint(engine, directory) == 2
+        assert (directory / "latest").read_text() == "v2", "`latest` names what the resume went on from"
+        partial = directory / "v4"  # a save of v4 again, cut short by a full disk
+        partial.mkdir()
+        (partial / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04" + b"\0" * 124)
+        assert load_checkpoint(engine, directory) == 2
+        (directory / "latest").write_text("v4")  # even with `latest` naming it (an older learner's pointer)
+        assert load_checkpoint(engine, directory) == 2
+
+
 def test_a_save_keeps_only_the_newest_checkpoints_set_aside_as_damaged(tmp_path: Path):
     """A disk whose checkpoints are torn again and again does not fill with the damaged ones (benchmarks/chaos.py's
     learner volume did, 1 MB a tear): a save keeps the newest `keep` set aside as it keeps the newest `keep`
