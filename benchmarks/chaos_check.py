@@ -104,13 +104,15 @@ class Fates:
 @contextlib.contextmanager
 def recording(fates: Fates) -> Iterator[None]:
     """The replay's own methods wrapped to note what they did in `fates` (restored on the way out)."""
+    from replay.rollback import Rollback
     from replay.serving import Serving
 
     originals = {(Group, "__init__"): Group.__init__, (Group, "residual"): Group.residual,
                  (Group, "add_stage"): Group.add_stage,
                  (Group, "finalize"): Group.finalize, (Group, "record_trained"): Group.record_trained,
                  (ReplayService, "_abandon"): ReplayService._abandon,
-                 (Serving, "_drop_correction"): Serving._drop_correction, (Serving, "_untrained"): Serving._untrained}
+                 (Serving, "_drop_correction"): Serving._drop_correction, (Serving, "_untrained"): Serving._untrained,
+                 (Rollback, "_undo"): Rollback._undo, (Rollback, "_unfinalize"): Rollback._unfinalize}
     untrained = [False]
 
     def init(self: Group, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
@@ -155,9 +157,20 @@ def recording(fates: Fates) -> Iterator[None]:
         finally:
             untrained[0] = False
 
+    def undo(self, undone):  # noqa: ANN001, ANN202 - a rollback takes trained immediates back
+        for queued in undone:
+            if queued.kind == "immediate":
+                fates.replay_trained.difference_update((queued.group_id, queued.member, k) for k in queued.credit)
+        return originals[(Rollback, "_undo")](self, undone)
+
+    def unfinalize(self, group) -> None:  # noqa: ANN001 - its corrections withdrawn: only the next finalize's count
+        for key in [key for key in fates.corrected if key[0] == group.group_id]:
+            del fates.corrected[key]
+        originals[(Rollback, "_unfinalize")](self, group)
+
     wrappers = {"__init__": init, "residual": residual, "add_stage": add_stage, "finalize": finalize,
                 "record_trained": record_trained, "_abandon": abandon, "_drop_correction": drop,
-                "_untrained": not_trained}
+                "_untrained": not_trained, "_undo": undo, "_unfinalize": unfinalize}
     for (owner, name) in originals:
         setattr(owner, name, wrappers[name])
     try:

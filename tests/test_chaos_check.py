@@ -295,3 +295,43 @@ def test_records_of_a_group_whose_lease_a_tear_cut_are_given_up_by_that_rule_onl
     assert len(join_evidence(stages, outcomes, [], fates, set(), set(), Cut(epochs={3})).lost) == 2  # not cut
     early, _ = journals(tmp_path / "early", [record("e2.g3", 0, 0, 700)])  # below a group the history knows
     assert len(join_evidence(early, {}, [], fates, set(), set(), Cut(epochs={2})).lost) == 1
+
+
+def test_a_rollback_takes_back_what_the_history_counted_trained_and_corrected():
+    """The 50-minute soak's 9 "lost" stages (2026-11-29) were the checker's: a rollback took a group's trained
+    immediates back and withdrew its corrections, and the group, finalized again, owed those stages nothing (A_final
+    0), yet the history still counted the withdrawn corrections' stages as corrected and the immediates as trained,
+    so no rule gave the stages up. The history now forgets both at the rollback: only the corrections in effect
+    count (the replay's own scenario, tests/test_replay.py's rollback past a group's immediates)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from chaos_check import recording
+    from test_replay import (
+        Worker,
+        ack_batch,
+        lease,
+        make_config,
+        outcome_messages,
+        send_all,
+        session_request,
+        stage_records,
+    )
+
+    from replay.service import ReplayService
+
+    fates = Fates()
+    with recording(fates):
+        service, worker = ReplayService(make_config(learner={"checkpoint_every": 2})), Worker()
+        grant = lease(service, worker)
+        send_all(service, stage_records(worker, grant))
+        ack_batch(service, session_request(service, 0, 1, -1), 1)  # the immediates, trained at v1
+        send_all(service, outcome_messages(worker, grant))
+        old = session_request(service, 1, 1, -1)
+        assert fates.replay_trained and fates.corrected
+        ack_batch(service, old, 2)
+        batch = session_request(service, 0, 2, -1)  # a new learner at version 0: both acks taken back
+    assert service.counters.rollbacks == 1
+    assert fates.replay_trained == set(), "the immediates the rollback took back are not trained"
+    in_effect: dict[tuple[str, int], set[int]] = {}
+    for queued in service.serving.own.in_flight[batch.batch_id].items:
+        in_effect.setdefault((queued.group_id, queued.member), set()).update(queued.credit)
+    assert fates.corrected == in_effect, "only the corrections of the last finalize count"
