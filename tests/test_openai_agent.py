@@ -6,12 +6,14 @@ failures contained and counted, 64 agents at once; and README's command, run as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,24 @@ class Records:
         self.tasks[episode.trajectory_id] = episode.task
 
 
+@contextlib.contextmanager
+def weather_example(tmp_path: Path) -> Iterator[tuple[Path, list[dict]]]:
+    """examples/weather_agent.py importable (examples/ on sys.path while the block runs), the word-level tiny model
+    its VOCABULARY builds, and its task file's records."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        factory = load_factory("agent", {"entry": "weather_agent:run",
+                                         "tasks": str(REPO / "examples" / "weather_tasks.jsonl")})
+        config = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.seed=3"])
+        model_dir = ensure_model_dir(config, vocabulary_of("agent", factory))
+        records = [json.loads(line) for line in (REPO / "examples" / "weather_tasks.jsonl").read_text().splitlines()]
+        yield model_dir, records
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+
+
 def run_agents(tmp_path, entry, records, *, group_size=1, max_inflight=16, max_new_tokens=8, seq_len=2048,
                timeout_s=None, model_dir=None, deadline_s=120.0, **kwargs):
     """Every task of the file once (train and eval splits both), `group_size` trajectories each; returns the sink,
@@ -309,19 +329,9 @@ def test_a_synchronous_agent_gets_a_synchronous_client(tmp_path):
 def test_the_example_agents_tool_calls_and_rewards_reach_the_trajectory(tmp_path):
     """examples/weather_agent.py on the word-level tiny model its VOCABULARY builds: each completion's tool calls
     come back in the OpenAI shape, and the agent's `async_rl.reward` for each right look-up is that stage's reward."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        factory = load_factory("agent", {"entry": "weather_agent:run",
-                                         "tasks": str(REPO / "examples" / "weather_tasks.jsonl")})
-        config = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.seed=3"])
-        model_dir = ensure_model_dir(config, vocabulary_of("agent", factory))
-        records = [json.loads(line) for line in (REPO / "examples" / "weather_tasks.jsonl").read_text().splitlines()]
+    with weather_example(tmp_path) as (model_dir, records):
         sink, stats, counts, tokenizer = run_agents(tmp_path, "weather_agent:run", records, group_size=2,
                                                     max_new_tokens=48, seq_len=256, model_dir=model_dir)
-    finally:
-        sys.path.remove(str(REPO / "examples"))
     assert counts["agent_tool_calls"] > 0 and counts["agent_rewards"] > 0
     for trajectory, stages in sink.stages.items():
         city = sink.tasks[trajectory].data["city"]
@@ -376,19 +386,9 @@ def test_an_openai_agents_sdk_agent_trains_as_it_is(tmp_path):
     """The OpenAI Agents SDK (`openai-agents`, in the test extra, so CI runs this) on the example's task, its
     model the SDK's chat-completions model on the trajectory's client: its requests extend the trajectory (no
     history edit, no bad request), its tool calls come back parsed, its rewards land on the stages."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        factory = load_factory("agent", {"entry": "weather_agent:run",
-                                         "tasks": str(REPO / "examples" / "weather_tasks.jsonl")})
-        config = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.seed=3"])
-        model_dir = ensure_model_dir(config, vocabulary_of("agent", factory))
-    finally:
-        sys.path.remove(str(REPO / "examples"))
-    records = [json.loads(line) for line in (REPO / "examples" / "weather_tasks.jsonl").read_text().splitlines()]
-    sink, stats, counts, _ = run_agents(tmp_path, "outside_agents:agents_sdk", records, group_size=2,
-                                        max_new_tokens=48, seq_len=512, model_dir=model_dir)
+    with weather_example(tmp_path) as (model_dir, records):
+        sink, stats, counts, _ = run_agents(tmp_path, "outside_agents:agents_sdk", records, group_size=2,
+                                            max_new_tokens=48, seq_len=512, model_dir=model_dir)
     assert stats["trajectories_abandoned"] == 0, sink.outcomes
     assert counts["agent_history_edits"] == 0 and counts["agent_bad_requests"] == 0 and counts["agent_errors"] == 0
     assert counts["agent_tool_calls"] > 0 and counts["agent_rewards"] > 0
