@@ -28,6 +28,7 @@ the runs it times), so the time to a target is the training curve's. Plot: out d
 --quick also docs/img/real_model.png, or real_model-lora.png).
 
     python benchmarks/real_model.py --quick    # LoRA 8, 4 demos x 4 epochs, 1 version per arm, 1 seed, 2 episodes
+    python benchmarks/real_model.py --quick --warm-model models/smollm2-chain   # from the README's warm start
     python benchmarks/real_model.py --minutes 60 --judge-delay-s 120 --seeds 3    # full fine-tune: the claim
     python benchmarks/real_model.py --minutes 60 --judge-delay-s 120 --seeds 3 --lora-rank 8 --reuse
 """
@@ -230,6 +231,9 @@ def main() -> int:
     parser.add_argument("--max-versions", type=int, default=None, help="run.max_versions (default none, quick 1)")
     parser.add_argument("--out", default=None, help="the folder under benchmarks/out/ (default real_model, "
                                                     "real_model-lora<rank>, real_model-quick)")
+    parser.add_argument("--warm-model", type=Path, default=None,
+                        help="a model already warmed up on the recipe (the README's `async-rl demos` and `async-rl "
+                             "sft`): skip phase 1 and start from it (the suite shares one warm start this way)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the out dir's warm start, base and warm evals and finished seeds of the same "
                              "settings; run only what is missing")
@@ -257,7 +261,10 @@ def main() -> int:
 
     ensure_model(model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    warm_model, warm_run = warm_start(out_dir, model, warm_settings, args.reuse)
+    if args.warm_model is not None:
+        warm_model, warm_run = args.warm_model.resolve(), {"given": str(args.warm_model.resolve())}
+    else:
+        warm_model, warm_run = warm_start(out_dir, model, warm_settings, args.reuse)
     eval_args = [f"run.eval_samples_per_task={eval_samples}", f"run.eval_max_tasks={eval_tasks}",
                  "env.kwargs.judge_delay_s=0"]
     console.print(f"[bold]real_model[/] held-out eval of the base and warmed-up models: {eval_tasks} tasks x "
@@ -322,7 +329,9 @@ def main() -> int:
                      fmt(m["delta_points"]["median"], "+.1f", "n/a"), "", "",
                      fmt(m["wall_s_to_train_target_median"], ".0f"), "", "", ""])
     gain, times = summary["held_out_gain_ratio"], summary["train_time_to_target_ratio"]
-    caption = (f"warm start ({tuning}, {warm_settings['demos']} demos, SFT lr {warm_settings['lr']:g}): held out "
+    given = f"given: {warm_run['given']}" if "given" in warm_run else ""
+    warm_words = given or f"{tuning}, {warm_settings['demos']} demos, SFT lr {warm_settings['lr']:g}"
+    caption = (f"warm start ({warm_words}): held out "
                f"{interval(base)} -> {interval(warm)}; RL lr {lr:g}, {minutes:g} min per arm side by side, judge "
                f"{delay:g} s; {eval_tasks * eval_samples} held-out episodes; imm+corr / outcome-only: held-out gain "
                f"{fmt(gain['median'], '.2f', 'n/a')} ({fmt(gain['min'], '.2f', 'n/a')}-"

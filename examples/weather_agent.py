@@ -10,8 +10,12 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
+def question(task: dict) -> str:
+    return f"What is the weather in {task['city']} ? Answer in one word."
+
+
 async def run(task: dict, client, model: str) -> float:
-    messages = [{"role": "user", "content": f"What is the weather in {task['city']} ? Answer in one word."}]
+    messages = [{"role": "user", "content": question(task)}]
     for _ in range(2):  # look it up, then answer
         reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=48)
         message = reply.choices[0].message

@@ -1,9 +1,12 @@
 """Fixtures shared by test files: the real pretrained model, imported once per test run (it takes 40-90 s here),
-also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock); a small
+also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock), and
+the README's warm start of it, run once for the two tests that start from it (xdist group "smollm2-chain"); a small
 disk that fills; the session's pool of two real SGLang servers (tests/sglang_server.py), shared by the tests of the
 xdist group "sglang" (test_sglang.py and the sglang_interrupt benchmark's quick form): a server start costs 30-45 s
 of these 2 cores."""
 
+import contextlib
+import json
 import os
 import subprocess
 import threading
@@ -11,8 +14,11 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from project_commands import project_command
+from project_commands import docs_command, project_command
 from sglang_server import Pool, build_venv, under_ci
+
+REPO = Path(__file__).resolve().parent.parent
+_no_lock = contextlib.nullcontext
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -35,16 +41,51 @@ def smollm2(tmp_path_factory, request) -> Path:
     """SmolLM2-135M-Instruct imported through `async-rl model import` as docs/models.md prints it, in bf16 (the
     learner and the built-in engine upcast to fp32 when they load it). Under xdist the first worker that needs it
     imports it into the run's shared temporary root; the others wait on the lock and reuse that directory."""
-    if not hasattr(request.config, "workerinput"):  # one process (no xdist worker): its own session directory
-        out = tmp_path_factory.mktemp("import") / "smollm2"
-        _import_smollm2(out)
-        return out
-    root = tmp_path_factory.getbasetemp().parent  # shared by this run's workers
-    out = root / "import" / "smollm2"
-    with FileLock(str(root / "smollm2.lock")):
+    out, lock = _shared_dir(tmp_path_factory, request, "smollm2")
+    with FileLock(str(lock)) if lock else _no_lock():
         if not out.exists():  # the import renames a staging directory into place: `out` is whole or absent
             out.parent.mkdir(exist_ok=True)
             _import_smollm2(out)
+    return out
+
+
+def _shared_dir(tmp_path_factory, request, name: str) -> tuple[Path, Path | None]:
+    """A directory for a session fixture's product and the lock that guards it: under xdist in the run's temporary
+    root that every worker shares, else (one process) the session's own, with no lock needed."""
+    if not hasattr(request.config, "workerinput"):
+        return tmp_path_factory.mktemp(name) / name, None
+    root = tmp_path_factory.getbasetemp().parent
+    return root / name / name, root / f"{name}.lock"
+
+
+@pytest.fixture(scope="session")
+def chain_warm_start(smollm2, tmp_path_factory, request) -> Path:
+    """The README's warm-start recipe, its two printed commands as they are (`async-rl demos ...`, `async-rl sft
+    ...`, plus the tests' `--max-steps 2`), run once per test run in a user's directory: `models/smollm2` the
+    imported model, `configs/` the repository's; after it `runs/chain-demos.jsonl`, `models/smollm2-chain` and each
+    command's JSON report (`demos.json`, `sft.json`). Its two users (the recipe's test and the real_model
+    benchmark's quick form) share the xdist group "smollm2-chain": one SFT of SmolLM2 instead of two."""
+    out, lock = _shared_dir(tmp_path_factory, request, "chain-warm")
+    with FileLock(str(lock)) if lock else _no_lock():
+        if (out / "sft.json").exists():
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        for link, target in (("models/smollm2", smollm2), ("configs", REPO / "configs")):
+            (out / link).parent.mkdir(exist_ok=True)
+            if not (out / link).exists():
+                (out / link).symlink_to(target)
+        (out / "runs").mkdir(exist_ok=True)
+        async_rl = project_command()
+        demos = docs_command("README.md", "async-rl demos --config configs/smollm2-chain.yaml")
+        sft = docs_command("README.md", "async-rl sft --model models/smollm2")
+        done = subprocess.run([async_rl, *demos[1:]], cwd=out, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (out / "demos.json").write_text(done.stdout.strip().splitlines()[-1])
+        done = subprocess.run([async_rl, *sft[1:], "--max-steps", "2", "wandb.mode=disabled"], cwd=out,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        json.loads(done.stdout.strip().splitlines()[-1])
+        (out / "sft.json").write_text(done.stdout.strip().splitlines()[-1])  # last: its presence says all is done
     return out
 
 

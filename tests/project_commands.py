@@ -1,4 +1,5 @@
-"""Where the tests find the project's commands (`async-rl`): beside the interpreter running them first, then on PATH."""
+"""The project's commands for the tests: where `async-rl` is (beside the interpreter running them first, then on PATH),
+and a command line as a page of the docs prints it."""
 
 import shutil
 import sys
@@ -13,3 +14,14 @@ def project_command(name: str = "async-rl") -> str:
     found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     return found or pytest.fail(f"the {name} command is neither beside {sys.executable} nor on PATH "
                                 "(pip install -e '.[test]')")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def docs_command(page: str, start: str) -> list[str]:
+    """The first line of `page` (relative to the repository) that starts with `start`, split as a shell would (no
+    quoting)."""
+    text = (REPO / page).read_text()
+    line = next(line for line in text.splitlines() if line.startswith(start))
+    return line.split("#")[0].split()

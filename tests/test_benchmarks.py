@@ -85,24 +85,24 @@ def test_slow_judge_quick():
 
 
 @pytest.mark.slow
-def test_real_model_quick(smollm2):
-    """SmolLM2-135M-Instruct through the whole claim's pipeline on the chain recipe: 4 demonstrations, a warm start
-    of 4 LoRA SFT steps (after 1 step it called no tool, so no group held a reward to learn from and no version
-    came), held-out evals of the base and warmed-up models, then both arms side by side from the warmed-up model
-    (1 version of one group of 2 each, no group started past it), each evaluated held out on the same 2 episodes.
-    Slow: a 135M-parameter model on the CPU (an SFT or learner step 10-30 s here, an eval's episodes ~15 s) and
-    seven processes that each load it."""
-    result = run_benchmark("real_model.py", 1500, "--model", str(smollm2))
+@pytest.mark.xdist_group("smollm2-chain")
+def test_real_model_quick(smollm2, chain_warm_start):
+    """SmolLM2-135M-Instruct through the whole claim's pipeline on the chain recipe, from the README's warm start
+    (the `chain_warm_start` fixture: 100 demonstrations, 2 SFT steps, shared with the recipe's test; the script's
+    own warm start runs the same two commands): held-out evals of the base and warmed-up models, then both arms
+    side by side from the warmed-up model (1 version of one group of 2 each, no group started past it), each
+    evaluated held out on the same 2 episodes. Slow: a 135M-parameter model on the CPU (a learner step 10-30 s
+    here, an eval's episodes ~15 s) and six processes that each load it."""
+    warm_model = chain_warm_start / "models" / "smollm2-chain"
+    result = run_benchmark("real_model.py", 1500, "--model", str(smollm2), "--warm-model", str(warm_model))
     assert result["vocab_size"] == 49152 and result["lora_rank"] == 8
     assert result["recipe"] == "configs/smollm2-chain.yaml"
-    sft = result["warm_start"]["sft"]
-    assert result["warm_start"]["demos"]["written"] == 4 and sft["steps"] == 4 and sft["conversations"] == 4
+    assert result["warm_start"] == {"given": str(warm_model.resolve())}
     for model in ("base", "warm"):
         held = result[model]
         assert held["episodes"] == 2 and held["version"] == 0 and 0.0 <= held["called_tool"] <= 1.0
         assert held["ci95"][0] <= held["success"] <= held["ci95"][1]
     assert list(result["seeds"]) == ["0"] and set(result["seeds"]["0"]) == {"immediate+correction", "outcome-only+step"}
-    warm_model = Path(result["warm_start"]["sft"]["out_dir"])
     for arm in result["seeds"]["0"].values():
         assert arm["versions"] >= 1 and arm["env_steps"] > 0 and arm["stop_reason"] == "max_versions"
         assert arm["held_out"]["version"] >= 1 and arm["held_out"]["episodes"] == 2  # the trained weights, held out
@@ -111,7 +111,7 @@ def test_real_model_quick(smollm2):
         assert arm["ledger_residual_max"] < 1e-6 and len(arm["curve"]) >= 1
         # RL started from the warm start's model, and no record carried a token id outside SmolLM2's 49,152-token
         # vocabulary (replay.vocab_size)
-        assert arm["model_path"] == str(warm_model) and arm["records_rejected"] == 0
+        assert arm["model_path"] == str(warm_model.resolve()) and arm["records_rejected"] == 0
         assert arm["peak_rss_mib"] > 0 and arm["rollout_tokens_per_s"] > 0
     assert {"held_out_gain_ratio", "train_time_to_target_ratio"} <= result.keys()
     assert result["arms"]["immediate+correction"]["held_out_success"]["seeds"] == 1

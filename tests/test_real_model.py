@@ -9,6 +9,7 @@ tens of seconds, so each run trains one or two versions.
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections import defaultdict
@@ -17,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from project_commands import project_command
+from project_commands import docs_command, project_command
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,13 +29,6 @@ REPO = Path(__file__).resolve().parent.parent
 ASYNC_RL = project_command()
 BUDGET = ["run.max_versions=1", "run.max_wall_s=600", "run.eval_samples_per_task=0", "wandb.mode=disabled",
           "run.metrics_every_s=5"]
-
-
-def docs_command(page: str, start: str) -> list[str]:
-    """The first line of a ```bash block of `page` that starts with `start`, split as a shell would (no quoting)."""
-    text = (REPO / page).read_text()
-    line = next(line for line in text.splitlines() if line.startswith(start))
-    return line.split("#")[0].split()
 
 
 def train(workdir: Path, command: list[str], run_dir: Path, *extra: str) -> dict:
@@ -176,28 +170,88 @@ def test_a_user_tool_env_written_outside_the_project_is_warmed_up_then_trained_a
     assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))
     assert (run_dir / "weights" / "latest.json").exists()
 
+    # The same warmed-up model with `add` served by an MCP server instead (docs/environments.md's MCP line, on
+    # SmolLM2's recipe): the server is started over stdio in the worker, lists `add`, and the model calls it.
+    # The questions as add_env asks them (the page's have two- and three-digit answers); stopped at one version.
+    (workdir / "examples").symlink_to(REPO / "examples")
+    (workdir / "sums.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {a} + {b}? Answer with <answer>N</answer>.", "answer": a + b}) + "\n"
+        for a in range(1, 5) for b in range(1, 5)))
+    mcp_line = (REPO / "docs" / "environments.md").read_text().split("### MCP tools", 1)[1]
+    argv = shlex.split(mcp_line.split("```bash\n", 1)[1].split("```", 1)[0].strip())
+    assert argv[:2] == ["async-rl", "train"] and "env.kwargs.tasks_file=examples/mcp_tasks.jsonl" in argv
+    mcp_dir = workdir / "runs" / "mcp"
+    path = f"PATH={Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # `python` is the tests'
+    result = train(workdir, [path, "async-rl", "train", "--config", "configs/smollm2.yaml", "env.kwargs={}",
+                             *argv[2:]], mcp_dir, "env.kwargs.tasks_file=sums.jsonl", "model.path=models/smollm2-add",
+                   "run.name=mcp", "learner.lora.rank=8", "learner.lr=0.0001", "algo.groups_per_step=1",
+                   "learner.min_batch_items=4", "algo.max_staleness=0")
+    assert result["versions"] >= 1, result
+    rollout = lines(mcp_dir / "metrics" / "rollout-0.jsonl")
+    counts = rollout[-1]  # the mcp_* counts are the worker's since it started, the others per line
+    assert counts["mcp_starts"] >= 1 and counts["mcp_start_failures"] == 0 and counts["mcp_failures"] == 0, counts
+    assert sum(line["env_errors"] for line in rollout) == 0
+    assert counts["mcp_calls"] > 0  # the warmed-up model called the server's `add`
+
 
 @pytest.mark.slow
-def test_the_warm_start_recipe_runs_as_printed_and_the_warmed_up_model_calls_its_tool(workdir):
+@pytest.mark.xdist_group("smollm2-chain")
+def test_the_warm_start_recipe_runs_as_printed_and_the_warmed_up_model_calls_its_tool(workdir, chain_warm_start):
     """The README's warm-start recipe, each command as printed (docs/models.md prints the same), in a quick form:
-    demonstrations of the chain env's train split, two SFT steps, one RL version; the warmed-up model calls
-    `lookup` in training and the run's records carry the calls."""
+    demonstrations of the chain env's train split, two SFT steps (the `chain_warm_start` fixture, shared with the
+    real_model benchmark's test), one RL version; the warmed-up model calls `lookup` in training and the run's
+    records carry the calls."""
     demos = docs_command("README.md", "async-rl demos --config configs/smollm2-chain.yaml")
     sft = docs_command("README.md", "async-rl sft --model models/smollm2")
     command = docs_command("README.md", "async-rl train --config configs/smollm2-chain.yaml")
     for printed in (demos, sft, command):
         assert printed == docs_command("docs/models.md", " ".join(printed[:4]))
+    assert json.loads((chain_warm_start / "demos.json").read_text())["written"] == 100
+    assert json.loads((chain_warm_start / "sft.json").read_text())["steps"] == 2
+    warm = chain_warm_start / "models" / "smollm2-chain"
+    assert (warm / "model.safetensors").is_file() and "models/smollm2-chain" in sft
+    (workdir / "models" / "smollm2-chain").symlink_to(warm)
     (workdir / "runs").mkdir()
-    done = subprocess.run([ASYNC_RL, *demos[1:]], cwd=workdir, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and json.loads(done.stdout)["written"] == 100, done.stderr[-2000:]
-    done = subprocess.run([ASYNC_RL, *sft[1:], "--max-steps", "2", "wandb.mode=disabled"], cwd=workdir,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (workdir / "models" / "smollm2-chain" / "model.safetensors").is_file()
     run_dir = workdir / "runs" / "smollm2-chain"
     result = train(workdir, command, run_dir, "algo.groups_per_step=1", "learner.min_batch_items=4",
                    "algo.max_staleness=0")
     assert result["versions"] >= 1, result
     rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
     assert sum(line["tool_calls"] for line in rollout) > 0 and rollout[-1]["env_errors"] == 0
+    assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_the_readme_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_rewards(workdir):
+    """README "Your agent as it is" on a real model: examples/weather_agent.py (written only against the `openai`
+    client), its demonstrations written and fine-tuned on by the printed commands (LoRA), then trained by the
+    printed `env.name=agent` command from the warmed-up SmolLM2: its completions arrive as stages rendered with the
+    agent's tool, the model calls the tool, the agent's `async_rl.reward` calls arrive as stage rewards, a version
+    is trained and the ledger holds."""
+    (workdir / "examples").symlink_to(REPO / "examples")
+    warm = docs_command("README.md", "python examples/weather_demos.py && async-rl sft")
+    assert warm[:3] == ["python", "examples/weather_demos.py", "&&"]
+    done = subprocess.run([sys.executable, *warm[1:2]], cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    demos = lines(workdir / "weather_demos.jsonl")
+    assert len(demos) == 5 and all(d["tools"][0]["function"]["name"] == "weather" for d in demos)  # train split only
+    done = subprocess.run([ASYNC_RL, *warm[4:], "run.dir=runs", "wandb.mode=disabled"], cwd=workdir,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 3  # 3 epochs of one batch
+    run_dir = workdir / "runs" / "smollm2"
+    command = docs_command("README.md", "PYTHONPATH=examples async-rl train --config configs/smollm2.yaml")
+    result = train(workdir, command, run_dir, "algo.groups_per_step=1", "learner.min_batch_items=4",
+                   "algo.max_staleness=0")
+    assert result["versions"] >= 1, result
+
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "models" / "smollm2")
+    stages = [m for _, m in received(run_dir) if isinstance(m, StageRecord)]
+    first = tokenizer.decode(stages[0].observation_ids())
+    assert '"name": "weather"' in first and "What is the weather in" in first, first
+    assert any(s.stage_reward == pytest.approx(0.1) for s in stages)  # the agent's async_rl.reward(client, 0.1)
+    rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
+    counts = rollout[-1]  # the agent's counts since the worker started
+    assert counts["agent_tool_calls"] > 0  # the warm start taught it the tool
+    assert counts["agent_completions"] > 0 and counts["agent_rewards"] > 0 and counts["agent_errors"] == 0
     assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))
