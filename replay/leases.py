@@ -1,16 +1,19 @@
 """Leases, admission and worker sessions: who may start a group, which worker holds which groups, and when a
-silent or restarted worker's groups are given up (docs/algorithm.md, "Staleness")."""
+silent or restarted worker's groups are given up (docs/algorithm.md, "Staleness").
+
+A lease that needs room first yields `GiveUp(group)` for each group the service is to give up before the new one
+starts (replay/decisions.py)."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 
 from async_rl.config import Config
 from async_rl.ledger import GroupLedger
 from async_rl.protocol import LeaseDenied, LeaseGrant, LeaseRequest
 from async_rl.staleness import admission_allowed
+from replay.decisions import GiveUp, Steps
 from replay.group import Group
 from replay.guard import Guard
 from replay.rounds import Rounds
@@ -52,31 +55,27 @@ class AdmissionClock:
         }
 
 
-GiveUp = Callable[[Group, float], None]  # the service abandons a group's unfinished trajectories (max_open_groups)
-
-
 class Leases:
     def __init__(self, config: Config, state: ReplayState, guard: Guard, rounds: Rounds,
-                 admission: AdmissionClock, give_up: GiveUp) -> None:
+                 admission: AdmissionClock) -> None:
         self.config, self.state, self.guard, self.rounds = config, state, guard, rounds
         self.own: LeaseState = state.leases
         self.admission = admission
-        self.give_up = give_up
 
     def renew(self, worker_id: str, now: float) -> None:
         if worker_id in self.own.leases:
             self.own.worker_seen[worker_id] = now
 
-    def lease(self, request: LeaseRequest, now: float) -> LeaseGrant | LeaseDenied:
+    def lease(self, request: LeaseRequest, now: float) -> Steps[LeaseGrant | LeaseDenied]:
         """Admission, not discard (docs/algorithm.md, "Staleness")."""
-        reply = self._lease(request, now)
+        reply = yield from self._lease(request, now)
         if isinstance(reply, LeaseDenied):
             self.admission.denied_at(request.worker_id, reply.reason, now)
         else:
             self.admission.granted_at(request.worker_id, now)
         return reply
 
-    def _lease(self, request: LeaseRequest, now: float) -> LeaseGrant | LeaseDenied:
+    def _lease(self, request: LeaseRequest, now: float) -> Steps[LeaseGrant | LeaseDenied]:
         own, state, counters = self.own, self.state, self.state.counters
         previous = own.last_grant.get(request.worker_id)
         if previous is not None and previous.msg_id == request.msg_id and previous.group_id in state.groups:
@@ -90,7 +89,7 @@ class Leases:
             return LeaseDenied(
                 msg_id=request.msg_id, reason="staleness", retry_after_s=STALENESS_RETRY_S, policy_version=v
             )
-        self._make_room(now)
+        yield from self._make_room()
         group_id = f"e{state.epoch}.g{next(state.group_ids) & ID_MASK}"
         counters.groups_started += 1
         group_size = self.config.rollout.group_size
@@ -123,7 +122,7 @@ class Leases:
             return False
         return True
 
-    def _make_room(self, now: float) -> None:
+    def _make_room(self) -> Steps[None]:
         """replay.max_open_groups: while that many groups wait for their workers' outcomes, the one idle longest (no
         record or outcome stored since: `Group.touched`; the earliest lease among equals) is given up. A worker that
         heartbeats but never finishes would otherwise hold its groups, and their tokens, for good; groups that make
@@ -131,7 +130,7 @@ class Leases:
         held = self.own.leases
         while sum(len(groups) for groups in held.values()) >= self.config.replay.max_open_groups:
             waiting = (group for group in self.state.groups.values() if group.group_id in held.get(group.worker_id, ()))
-            self.give_up(min(waiting, key=lambda group: group.touched), now)
+            yield GiveUp(min(waiting, key=lambda group: group.touched))
 
     def new_group_version(self, worker_id: str) -> int:
         """The oldest version a new group's tokens can have: the learner's, or the worker's weights if older."""

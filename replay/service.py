@@ -10,7 +10,8 @@ The service keeps stage records, outcomes and abandonments (they change a group)
 `Group.advance`: its dispatch (`advance`) applies what a group's transition produced to the queue, the tallies,
 the leases and the counters. The components: replay/leases.py (admission, leases, worker sessions),
 replay/serving.py (batches, acks, requeues), replay/guard.py (the correction guard), replay/rounds.py (lock-step
-rounds), replay/rollback.py (a learner's crash), replay/edge.py (validation against the state).
+rounds), replay/rollback.py (a learner's crash), replay/edge.py (validation against the state). None of them calls
+back into the service: their steps return what they decided (replay/decisions.py), and `carry_out` acts on it.
 
 Validation at the edge (docs/architecture.md): every message is checked before anything is stored, first by
 `protocol.value_problem` (finite rewards and outcomes, log-probs <= 0, members and versions >= 0, sane batch
@@ -25,6 +26,7 @@ or outcome for a group must come from the worker that leased it (`not_leaseholde
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 from async_rl.config import Config
 from async_rl.ledger import immediate_updates_on
@@ -40,29 +42,30 @@ from async_rl.protocol import (
     LeaseRequest,
     Message,
     Outcome,
-    ReplayStats,
     StageRecord,
     value_problem,
 )
 from async_rl.ratelimit import RateLimitedLog
-from replay.edge import Edge, key_problem
+from replay.decisions import Advance, GiveUp, Steps
+from replay.edge import Edge, Problem, key_problem
 from replay.group import Group
 from replay.guard import Guard
 from replay.leases import AdmissionClock, Leases
-from replay.queue import InFlightBatch, ItemQueue
 from replay.rollback import Rollback
 from replay.rounds import Rounds
 from replay.serving import Serving
 from replay.state import Ids, OutcomeState, ReplayState
+from replay.view import ReplayView
 
 log = logging.getLogger("async_rl.replay")
 
 Reply = tuple[bytes, Message]
+T = TypeVar("T")
 
 REJECT_LOG_EVERY_S = 10.0  # at most one warning per rejection reason this often (a flood must not fill the log)
 
 
-class ReplayService:
+class ReplayService(ReplayView):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.algo = config.algo
@@ -84,63 +87,8 @@ class ReplayService:
         self.guard = Guard(config, state)
         self.rounds = Rounds(config, state)
         self.rollback = Rollback(config, state)
-        self.leases = Leases(config, state, self.guard, self.rounds, self.admission, self._give_up)
-        self.serving = Serving(config, state, self.edge, self.guard, self.rounds, self.rollback, self.advance,
-                               self.reject)
-
-    # --- what tests, the metrics line and the benchmarks read -------------------------------------------
-
-    @property
-    def counters(self) -> ReplayStats:
-        return self.state.counters
-
-    @property
-    def groups(self) -> dict[str, Group]:
-        return self.state.groups
-
-    @property
-    def queue(self) -> ItemQueue:
-        return self.state.serving.queue
-
-    @property
-    def in_flight(self) -> dict[int, InFlightBatch]:
-        return self.state.serving.in_flight
-
-    @property
-    def parked(self) -> dict[bytes, tuple[BatchRequest, float]]:
-        return self.state.serving.parked
-
-    @property
-    def policy_version(self) -> int:
-        return self.state.learner.policy_version
-
-    @property
-    def version_ceiling(self) -> int | None:
-        return self.state.learner.version_ceiling
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def checkpointed(self) -> int:
-        return self.state.rollback.checkpointed
-
-    @property
-    def learner_session(self) -> int:
-        return self.state.rollback.session
-
-    @property
-    def longest_trajectory(self) -> int:
-        return self.state.guard.longest_trajectory
-
-    @property
-    def batch_tokens(self) -> int:
-        return self.state.guard.batch_tokens
-
-    def stats_snapshot(self, now: float | None = None) -> ReplayStats:
-        """The stats (`ReplayState.stats`); `now`: with the guard's running hold counted."""
-        return self.state.stats(now)
+        self.leases = Leases(config, state, self.guard, self.rounds, self.admission)
+        self.serving = Serving(config, state, self.edge, self.guard, self.rounds, self.rollback)
 
     # --- the two entry points ---------------------------------------------------------------------
 
@@ -163,12 +111,12 @@ class ReplayService:
         replies = [(identity, reply)] if reply is not None else []
         if self.guard.holding() and isinstance(message, StageRecord | Heartbeat | LeaseRequest):
             return replies  # more work cannot release a held learner: outcomes, acks, requests and ticks can
-        return replies + self.serving.answer_parked(now)
+        return replies + self.carry_out(self.serving.answer_parked(now), now)
 
     def _dispatch(self, identity: bytes, message: AnyMessage, now: float) -> Message | None:
         match message:
             case LeaseRequest():
-                return self.leases.lease(message, now)
+                return self.carry_out(self.leases.lease(message, now), now)
             case StageRecord():
                 return self._stage_record(message, now)
             case Outcome():
@@ -178,9 +126,9 @@ class ReplayService:
             case EvalReport():
                 return self._eval_report(message)
             case BatchRequest():
-                return self.serving.park(identity, message, now)
+                return self._answer(message.msg_id, self.carry_out(self.serving.park(identity, message, now), now))
             case BatchAck():
-                return self.serving.batch_ack(message, now)
+                return self._answer(message.msg_id, self.carry_out(self.serving.batch_ack(message), now))
             case _:
                 return self._unexpected(message)
 
@@ -190,11 +138,11 @@ class ReplayService:
         records only those ticks)."""
         changed = self._expire_leases(now)
         changed |= self._time_out_stage_groups(now)
-        changed |= self.serving.requeue_unacked(now)
+        changed |= self.carry_out(self.serving.requeue_unacked(now), now)
         changed |= self._abandon_guard_blocker(now)
         own = self.state.guard
         serves, guard = self.state.serving.serves, (own.since, own.abandon_at)
-        replies = self.serving.answer_parked(now)
+        replies = self.carry_out(self.serving.answer_parked(now), now)
         # a hold of the correction guard that begins or ends here is a change too (its times set its abandon clock)
         self.tick_changed = changed or self.state.serving.serves != serves or (own.since, own.abandon_at) != guard
         return replies
@@ -230,6 +178,20 @@ class ReplayService:
     def refuse_handshake(self, reason: str) -> None:
         """A connection CURVE refused (no key, or one not in security.curve_dir): counted under `reason`."""
         self.reject(-1, "unauthorized", reason, "a peer without an allowed CURVE key was refused a connection")
+
+    def carry_out(self, step: Steps[T], now: float) -> T:
+        """Run a component's step, carrying out each of its decisions when it makes it (replay/decisions.py)."""
+        while True:
+            try:
+                decision = next(step)
+            except StopIteration as done:
+                answer: T = done.value
+                return answer
+            match decision:
+                case Advance(group):
+                    self.advance(group, now)
+                case GiveUp(group):
+                    self._give_up(group, now)
 
     # --- a group's life (docs/algorithm.md, "Final credit and correction") ----------------------------
 
@@ -443,7 +405,7 @@ class ReplayService:
                 group.member_problem(message.member, message.trajectory_id) is None
             ):  # only the leaseholder's own bad message gives up its trajectory
                 self._abandon_refused(group, message.member, reason, now)
-        return [(identity, error)] + self.serving.answer_parked(now)
+        return [(identity, error)] + self.carry_out(self.serving.answer_parked(now), now)
 
     def _abandon_refused(self, group: Group, member: int, reason: str, now: float) -> None:
         if member in group.unfinished_members():
@@ -451,6 +413,10 @@ class ReplayService:
             self.leases.renew(group.worker_id, now)
             self._end_lease_when_all_in(group)
             self.advance(group, now)
+
+    def _answer(self, msg_id: int, answer: Ack | Problem | None) -> Ack | Error | None:
+        """A component's answer to a learner's message, or its refusal, (reason, detail), as `Error bad_state`."""
+        return self.reject(msg_id, "bad_state", *answer) if isinstance(answer, tuple) else answer
 
     def _unexpected(self, message: AnyMessage) -> Error | None:
         """A message type the replay service never receives: count and log it, answer `bad_state`."""

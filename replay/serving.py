@@ -13,18 +13,22 @@ A_final − issued carries exactly the rest, where a correction made earlier wou
 time. The price: if the learner vanished for good after training the batch, or came back after its items were
 served again, those tokens are trained again; the ledger then records what was acknowledged, not everything the
 optimizer saw.
+
+A step that changes what a group's transitions depend on yields `Advance(group)` there, for the service to carry out
+before the step goes on (replay/decisions.py); a refusal is returned as a problem, (reason, detail), that the service
+counts and answers with `Error bad_state`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from async_rl.config import Config
 from async_rl.ledger import corrections_on
-from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error, ErrorCode, Message
+from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Message
 from async_rl.staleness import correction_trainable, immediate_trainable
-from replay.edge import Edge
+from replay.decisions import Advance, Steps
+from replay.edge import Edge, Problem
 from replay.group import Group
 from replay.guard import Guard
 from replay.queue import InFlightBatch, batch_cost
@@ -36,27 +40,23 @@ from replay.store import QueuedItem
 log = logging.getLogger("async_rl.replay")
 
 Reply = tuple[bytes, Message]
-Advance = Callable[[Group, float], None]  # the service's dispatch of a group's transitions
-Reject = Callable[[int, ErrorCode, str, str], Error]  # (msg_id, code, reason, detail): count, log, answer
 
 REQUEUED_KEPT = 16  # requeued batches whose late ack is still taken (a learner holds one batch at a time)
 
 
 class Serving:
     def __init__(self, config: Config, state: ReplayState, edge: Edge, guard: Guard, rounds: Rounds,
-                 rollback: Rollback, advance: Advance, reject: Reject) -> None:
+                 rollback: Rollback) -> None:
         self.config, self.algo, self.state = config, config.algo, state
         self.own: ServeState = state.serving
         self.edge, self.guard, self.rounds, self.rollback = edge, guard, rounds, rollback
-        self.advance, self.reject = advance, reject
 
     # --- requests ---
 
-    def park(self, identity: bytes, request: BatchRequest, now: float) -> Error | None:
-        refused = self._learner_session(request, now)
+    def park(self, identity: bytes, request: BatchRequest, now: float) -> Steps[Problem | None]:
+        refused = yield from self._learner_session(request, now)
         if refused is None:
-            problem = self.edge.take_version(request.policy_version)
-            refused = None if problem is None else self.reject(request.msg_id, "bad_state", *problem)
+            refused = self.edge.take_version(request.policy_version)
         if refused is not None:
             return refused
         # A newer request from the same learner replaces its older one (among them a request re-sent after
@@ -64,16 +64,16 @@ class Serving:
         self.own.parked[identity] = (request, now)
         return None
 
-    def answer_parked(self, now: float) -> list[Reply]:
+    def answer_parked(self, now: float) -> Steps[list[Reply]]:
         replies: list[Reply] = []
         for identity, (request, since) in list(self.own.parked.items()):
-            batch = self._answer(request, now - since >= request.max_wait_s, now)
+            batch = yield from self._answer(request, now - since >= request.max_wait_s, now)
             if batch is not None:
                 del self.own.parked[identity]
                 replies.append((identity, batch))
         return replies
 
-    def _answer(self, request: BatchRequest, waited: bool, now: float) -> Batch | None:
+    def _answer(self, request: BatchRequest, waited: bool, now: float) -> Steps[Batch | None]:
         """The batch that answers a parked request now, or None (it stays parked)."""
         queue, budget = self.own.queue, self.config.run.max_env_steps
         if not queue:
@@ -89,12 +89,12 @@ class Serving:
         if decision == "hold":
             self.guard.hold(now)
             return None
-        batch = self._serve(request, now, corrections_only=decision == "corrections")
+        batch = yield from self._serve(request, now, corrections_only=decision == "corrections")
         if batch is not None:
             self.guard.release(now)
         return batch
 
-    def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Batch | None:
+    def _serve(self, request: BatchRequest, now: float, corrections_only: bool = False) -> Steps[Batch | None]:
         """Take items FIFO while the batch fits the token budget, counted as learner.batch_budget says (§4 bounds
         checked at the learner's v); with `corrections_only` (the guard), stop at the first item that is not a
         correction."""
@@ -106,7 +106,8 @@ class Serving:
         while queue:
             queued = queue.pop_front()
             group = self.state.groups.get(queued.group_id)
-            if not self._trainable(queued, group, stale_groups, now):
+            trainable = yield from self._trainable(queued, group, stale_groups)
+            if not trainable:
                 continue
             n = queued.num_tokens
             over = served and batch_cost(packed, longest, total, len(served), n) > request.max_tokens
@@ -120,7 +121,7 @@ class Serving:
                 group.in_flight_immediates.add(queued.item_id)
         for group in stale_groups.values():
             if group.group_id in self.state.groups:
-                self.advance(group, now)
+                yield Advance(group)
         if not served:
             return None
         batch_id = next(self.state.batch_ids)
@@ -131,7 +132,7 @@ class Serving:
         self.state.counters.ledger_residual_max = 0.0  # reported once: the max since the previous batch
         return Batch(msg_id=request.msg_id, batch_id=batch_id, items=[q.item for q in served], stats=stats)
 
-    def _trainable(self, queued: QueuedItem, group: Group | None, stale_groups: dict[str, Group], now: float) -> bool:
+    def _trainable(self, queued: QueuedItem, group: Group | None, stale_groups: dict[str, Group]) -> Steps[bool]:
         """Whether an item taken from the queue may be trained at the learner's version; a stale one is accounted
         here (an immediate's credit goes to its correction, a correction's is dropped)."""
         v, algo = self.state.learner.policy_version, self.algo
@@ -146,7 +147,7 @@ class Serving:
         if queued.kind == "correction" and not correction_trainable(
             v, queued.oldest_version, self.guard.bound()
         ):
-            self._drop_correction(group, queued, now)
+            yield from self._drop_correction(group, queued)
             return False
         return True
 
@@ -161,7 +162,7 @@ class Serving:
         group = self.state.groups.get(queued.group_id)
         return queued.kind == "immediate" and group is not None and queued.member not in group.ledger.outcomes
 
-    def _drop_correction(self, group: Group | None, queued: QueuedItem, now: float) -> None:
+    def _drop_correction(self, group: Group | None, queued: QueuedItem) -> Steps[None]:
         """Past the correction bound (Guard.bound): the credit is lost, counted, and left out of the residual (§4)."""
         assert group is not None, "a group stays open while it has corrections"
         self.state.counters.credit_dropped += len(queued.credit)
@@ -169,30 +170,28 @@ class Serving:
         self.state.tally(queued.group_id)[0] -= 1
         log.warning("correction of %s dropped: past the correction bound %d", queued.item.trajectory_id,
                     self.guard.bound())
-        self.advance(group, now)
+        yield Advance(group)
 
     # --- acks ---
 
-    def batch_ack(self, ack: BatchAck, now: float) -> Ack | Error:
+    def batch_ack(self, ack: BatchAck) -> Steps[Ack | Problem]:
         if ack.batch_id not in self.own.in_flight:
-            late = self._late_ack(ack, now)
+            late = yield from self._late_ack(ack)
             if late is not None:
                 return late
-            return self.reject(
-                ack.msg_id, "bad_state", "batch_not_in_flight",
-                f"batch {ack.batch_id} is not in flight (requeued after a timeout?): its ack is refused",
-            )
+            return ("batch_not_in_flight",
+                    f"batch {ack.batch_id} is not in flight (requeued after a timeout?): its ack is refused")
         problem = self.edge.take_version(ack.policy_version, acked=True)
         if problem is not None:
-            return self.reject(ack.msg_id, "bad_state", *problem)
+            return problem
         batch = self.own.in_flight.pop(ack.batch_id)
         if not ack.trained:
-            self._untrained(batch, now)
+            yield from self._untrained(batch)
             return Ack(msg_id=ack.msg_id)
-        self._trained(batch.items, ack.policy_version, now)
+        yield from self._trained(batch.items, ack.policy_version)
         return Ack(msg_id=ack.msg_id)
 
-    def _late_ack(self, ack: BatchAck, now: float) -> Ack | Error | None:
+    def _late_ack(self, ack: BatchAck) -> Steps[Ack | Problem | None]:
         """The ack of a batch requeued after replay.batch_ack_timeout_s: its items still in the queue (served to no
         one since) or held for it (`hold_late_claims`) leave it as trained, since the learner trained them. None:
         nothing of it is left (the ack is refused as for any batch not in flight)."""
@@ -204,10 +203,10 @@ class Serving:
             return None
         problem = self.edge.take_version(ack.policy_version, acked=True)
         if problem is not None:
-            self._release_held(item_ids, now)  # refused: this ack will not come again
-            return self.reject(ack.msg_id, "bad_state", *problem)
+            yield from self._release_held(item_ids)  # refused: this ack will not come again
+            return problem
         if not ack.trained:  # nothing was trained: the items wait in the queue as they are, the held ones again
-            self._release_held(item_ids, now)
+            yield from self._release_held(item_ids)
             return Ack(msg_id=ack.msg_id)
         log.warning("late ack of batch %d (requeued after %.1f s): %d of its %d items were still queued or held for "
                     "it and count as trained", ack.batch_id, self.config.replay.batch_ack_timeout_s,
@@ -217,7 +216,7 @@ class Serving:
             queue.remove(queued.item_id)
         for queued in claimed:
             del held[queued.item_id]
-        self._trained(items + claimed, ack.policy_version, now)
+        yield from self._trained(items + claimed, ack.policy_version)
         return Ack(msg_id=ack.msg_id)
 
     def hold_late_claims(self, group: Group) -> None:
@@ -238,7 +237,7 @@ class Serving:
             group.queued_immediates.discard(item_id)
             group.in_flight_immediates.add(item_id)
 
-    def _release_held(self, item_ids: list[int], now: float) -> None:
+    def _release_held(self, item_ids: list[int]) -> Steps[None]:
         """The late ack that could claim these items will not come (or said untrained): the held ones go back to
         the front of the queue, and their groups finalize over them (superseded: the correction carries them)."""
         touched: dict[str, Group] = {}
@@ -254,9 +253,9 @@ class Serving:
                 touched[group.group_id] = group
         for group in touched.values():
             if group.group_id in self.state.groups:
-                self.advance(group, now)
+                yield Advance(group)
 
-    def _trained(self, items: list[QueuedItem], version: int, now: float) -> None:
+    def _trained(self, items: list[QueuedItem], version: int) -> Steps[None]:
         """Acked items: their credit is trained (and journaled, for a rollback to `version`'s checkpoint)."""
         self.rollback.journal_ack(version, items)
         touched: dict[str, Group] = {}
@@ -272,9 +271,9 @@ class Serving:
             else:  # an immediate-only group already closed; nothing left to account but its tally
                 self.state.settle(queued.group_id)
         for group in touched.values():
-            self.advance(group, now)
+            yield Advance(group)
 
-    def _untrained(self, batch: InFlightBatch, now: float) -> None:
+    def _untrained(self, batch: InFlightBatch) -> Steps[None]:
         """The learner refused the step (BatchAck.trained=False): no credit was trained. An immediate's credit goes
         to its correction (as for a stale one); a correction's credit is dropped and counted (docs/algorithm.md)."""
         if batch.items:
@@ -283,7 +282,7 @@ class Serving:
         for queued in batch.items:
             group = self.state.groups.get(queued.group_id)
             if queued.kind == "correction":
-                self._drop_correction(group, queued, now)
+                yield from self._drop_correction(group, queued)
                 continue
             if group is not None:
                 group.in_flight_immediates.discard(queued.item_id)
@@ -291,9 +290,9 @@ class Serving:
             self.state.item_done(queued.group_id, trained=False)
         for group in touched.values():
             if group.group_id in self.state.groups:
-                self.advance(group, now)
+                yield Advance(group)
 
-    def requeue_unacked(self, now: float, everything: bool = False) -> bool:
+    def requeue_unacked(self, now: float, everything: bool = False) -> Steps[bool]:
         """Batches not acked within replay.batch_ack_timeout_s (`everything`: all of them, their learner restarted
         or the replay did) go back to the front of the queue. True if any did."""
         timeout_s, in_flight = self.config.replay.batch_ack_timeout_s, self.own.in_flight
@@ -320,42 +319,41 @@ class Serving:
                     group.queued_immediates.add(queued.item_id)
                     touched[group.group_id] = group
         for group in touched.values():
-            self.advance(group, now)
-        self._release_held(no_late_ack, now)
+            yield Advance(group)
+        yield from self._release_held(no_late_ack)
         return bool(expired)
 
     # --- a learner's session (replay/rollback.py) ---
 
-    def _learner_session(self, request: BatchRequest, now: float) -> Error | None:
+    def _learner_session(self, request: BatchRequest, now: float) -> Steps[Problem | None]:
         """Take the learner's checkpoint report; on the first request of a new learner process, requeue what was in
         flight to the old one and, if it came back below the acked version, roll back to its checkpoint."""
         own, learner = self.rollback.own, self.state.learner
         if request.session == 0 or request.session == own.session:
-            self._confirm_checkpoint(request.checkpoint, now)
+            yield from self._confirm_checkpoint(request.checkpoint)
             return None
         if request.session < own.session:  # sessions are start times: a newer learner already spoke
-            return self.reject(request.msg_id, "bad_state", "old_session",
-                               f"learner session {request.session} is older than {own.session}")
+            return "old_session", f"learner session {request.session} is older than {own.session}"
         r = request.policy_version
         if r < learner.policy_version:
             problem = self.rollback.problem(r)
             if problem is not None:
-                return self.reject(request.msg_id, "bad_state", "bad_resume", problem)
+                return "bad_resume", problem
         log.info("learner session %d starts at version %d (the replay had %d, checkpoint %d)",
                  request.session, r, learner.policy_version, own.checkpointed)
         own.session = request.session
         # a new learner process: the old one's late acks are not its lineage's
         no_late_ack = [item_id for item_ids in self.own.requeued.values() for item_id in item_ids]
         self.own.requeued.clear()
-        self._release_held(no_late_ack, now)
-        self.requeue_unacked(now, everything=True)
+        yield from self._release_held(no_late_ack)
+        yield from self.requeue_unacked(now, everything=True)
         if r < learner.policy_version:
             for group in self.rollback.roll_back(r):
                 if group.group_id in self.state.groups:
-                    self.advance(group, now)
-        self._confirm_checkpoint(request.checkpoint, now)
+                    yield Advance(group)
+        yield from self._confirm_checkpoint(request.checkpoint)
         return None
 
-    def _confirm_checkpoint(self, version: int, now: float) -> None:
+    def _confirm_checkpoint(self, version: int) -> Steps[None]:
         for group in self.rollback.confirm_checkpoint(version):
-            self.advance(group, now)
+            yield Advance(group)
