@@ -2,17 +2,16 @@
 `WeightsPublished` notice on PUB.
 
 The transport is an `async_rl.weights` publisher chosen by `make_publisher`: a safetensors file for the built-in
-engine, an HF directory or a broadcast into the servers for SGLang (`rollout.sglang.weight_sync`); the notice
-carries its format, and every receiver picks its loader by it. The order matters: a worker that sees the notice
-(or reads latest.json) always finds a complete file. PUB drops
-messages to subscribers that connect late (ZeroMQ's slow joiner), so the latest notice is repeated while idle.
-Both files are written atomically (a temporary renamed into place) but not fsynced: they hand the policy to the
-workers, and the durable copy is the checkpoint (learner/checkpoint.py, fsynced), which a resumed learner publishes
-again first. A machine crash may leave a newer file torn; its checksum (async_rl/weights/file.py) makes a
-worker refuse it and wait for the next notice. Four fsyncs a version held the learner at ~20 versions a second
-(docs/results.md, "The quick start"). A disk that refuses them (full) is an error naming the file, not
-the learner's end: latest.json keeps naming the previous version, nothing is announced, and the next publish
-tries again.
+engine, an HF directory or a broadcast into the servers for SGLang (`rollout.sglang.weight_sync`); the notice and
+latest.json carry its format, and every receiver picks its loader by it. The order matters: a worker that sees the
+notice (or reads latest.json) always finds complete weights. PUB drops messages to subscribers that connect late
+(ZeroMQ's slow joiner), so the latest notice is repeated while idle. A safetensors file and latest.json are written
+atomically (a temporary renamed into place) but not fsynced: they hand the policy to the workers, and the durable
+copy is the checkpoint (learner/checkpoint.py, fsynced), which a resumed learner publishes again first. A machine
+crash may leave a newer file torn; its checksum (async_rl/weights/file.py) makes a worker refuse it and wait for
+the next notice. Four fsyncs a version held the learner at ~20 versions a second (docs/results.md, "The quick
+start"). A disk that refuses them (full) is an error naming the file, not the learner's end: latest.json keeps
+naming the previous version, nothing is announced, and the next publish tries again.
 """
 
 from __future__ import annotations
