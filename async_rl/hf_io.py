@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from async_rl.errors import AsyncRLError, WeightsError
+from async_rl.errors import AsyncRLError
 
 log = logging.getLogger("async_rl.hf_io")
 
@@ -239,72 +239,13 @@ def import_model(source: str, out_dir: str | Path, dtype: str = "fp32", force: b
 def published_versions(weights_dir: Path) -> dict[int, Path]:
     """The policy versions whose weights are on disk under a run's weights/: v{N}.safetensors (built-in engine) or
     hf-v{N}/ (SGLang's directories), each to its safetensors file."""
-    found: dict[int, Path] = {}
-    for path in weights_dir.glob("v*.safetensors"):
-        if path.stem[1:].isdigit():
-            found[int(path.stem[1:])] = path
-    for path in weights_dir.glob("hf-v*/model.safetensors"):
-        if path.parent.name[4:].isdigit():
-            found.setdefault(int(path.parent.name[4:]), path)
+    from async_rl.weights.file import version_files
+    from async_rl.weights.hf_dir import WEIGHTS_FILE, version_dirs
+
+    found = version_files(weights_dir)
+    for version, directory in version_dirs(weights_dir).items():
+        found.setdefault(version, directory / WEIGHTS_FILE)
     return dict(sorted(found.items()))
-
-
-# SGLang's hf-v<N>/ directories (learner/sglang_sync.py writes them whole, with a manifest; it prunes the old ones)
-LOAD_VIEW_PREFIX = ".sglang-load-"  # a rollout worker's hard links to an hf-v<N>/ while a server loads from them
-STALE_LOAD_VIEW_S = 3600.0  # a view this old was left by a worker killed mid-load: the learner's prune removes it
-
-
-def load_view(directory: Path) -> Path:
-    """A new directory beside `directory` holding hard links to its manifest and the files the manifest names: a
-    reader of the view reads exactly these files, also when `directory` is removed meanwhile (the learner's prune
-    of hf-v<N>/: the links keep the files' data), so a check of the view's files holds for what the reader gets.
-    Copies where the filesystem takes no hard links. The caller removes it (`shutil.rmtree`) after the read.
-    FileNotFoundError when `directory` or one of its files is gone (pruned); WeightsError when its manifest is
-    missing or unreadable (it cannot be checked)."""
-    from async_rl.durable import MANIFEST
-
-    view = Path(tempfile.mkdtemp(prefix=f"{LOAD_VIEW_PREFIX}{directory.name}-", dir=directory.parent))
-    try:
-        try:
-            _link_or_copy(directory / MANIFEST, view / MANIFEST)
-        except FileNotFoundError:
-            if (directory / "model.safetensors").exists():
-                raise WeightsError(f"{directory}: no {MANIFEST} (its files' checksums): it cannot be checked") from None
-            raise
-        try:
-            names = list(json.loads((view / MANIFEST).read_text())["files"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise WeightsError(f"{directory}: its {MANIFEST} cannot be read ({exc})") from None
-        for name in names:
-            if "/" in name or name in (".", "..", MANIFEST):
-                raise WeightsError(f"{directory}: its {MANIFEST} names {name!r}, not a file of the directory")
-            _link_or_copy(directory / name, view / name)
-    except BaseException:
-        shutil.rmtree(view, ignore_errors=True)
-        raise
-    return view
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except FileNotFoundError:
-        raise
-    except OSError:  # no hard links here (another filesystem, or one without them): a private copy
-        shutil.copyfile(source, target)
-
-
-def prune_stale_load_views(weights_dir: Path, older_than_s: float = STALE_LOAD_VIEW_S) -> None:
-    """Remove the load views (`load_view`) older than `older_than_s`: left by a worker killed while a server
-    loaded from one (a live load removes its own within a request timeout)."""
-    import time
-
-    for view in weights_dir.glob(f"{LOAD_VIEW_PREFIX}*"):
-        try:
-            if time.time() - view.stat().st_mtime > older_than_s:
-                shutil.rmtree(view, ignore_errors=True)
-        except OSError:
-            continue
 
 
 def run_model_dir(run_dir: Path) -> Path:
@@ -324,7 +265,7 @@ def run_model_dir(run_dir: Path) -> Path:
 
 
 def _load_published(path: Path) -> dict[str, Any]:
-    from async_rl.model import read_weights
+    from async_rl.weights.file import read_weights
 
     state = read_weights(path)  # a WeightsError names a file that is missing, torn or fails its checksum
     adapter = [k for k in state if any(marker in k for marker in PEFT_MARKERS)]

@@ -15,12 +15,9 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -32,13 +29,10 @@ from transformers import (
 )
 
 from async_rl.config import Config, configured_model_path
-from async_rl.durable import fsync_path
 from async_rl.errors import AsyncRLError, ConfigError, WeightsError  # noqa: F401 - WeightsError: its old home
+from async_rl.weights.file import read_weights
 
 log = logging.getLogger("async_rl.model")
-
-
-CRC_KEY = "async_rl.crc32"  # in a weights file's safetensors metadata: `tensors_crc` of its tensors, as hex
 
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -140,52 +134,6 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path, durable: bool = True) -> None:
-    """Write a safetensors file atomically (a temporary, fsynced when `durable`, then renamed: readers never see a
-    partial file), with the crc32 of its tensors in its metadata (`CRC_KEY`, checked by `read_weights`).
-    WeightsError naming the file when the disk refuses it (the temporary is removed; a file of that name written
-    before stays)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    try:
-        save_file(tensors, str(tmp), metadata={CRC_KEY: f"{tensors_crc(tensors):08x}"})
-        if durable:
-            fsync_path(tmp)
-        os.replace(tmp, path)
-        if durable:
-            fsync_path(path.parent)
-    except (OSError, SafetensorError) as exc:
-        tmp.unlink(missing_ok=True)
-        free = shutil.disk_usage(path.parent).free
-        raise WeightsError(f"{path}: could not write the weights: {exc} ({free} bytes free there)") from None
-
-
-def tensors_crc(tensors: dict[str, torch.Tensor]) -> int:
-    """zlib.crc32 over the tensors in name order: each one's name, dtype, shape and bytes (host tensors)."""
-    crc = 0
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        crc = zlib.crc32(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode(), crc)
-        crc = zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
-    return crc
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, checked against the crc32 written with them (files without one, e.g. a Hugging
-    Face model's, are read as they are). WeightsError naming the file when it is missing, torn or changed."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            written = (f.metadata() or {}).get(CRC_KEY)
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is no mapping
-    except (OSError, SafetensorError) as exc:
-        raise WeightsError(f"{path}: cannot be read as safetensors (missing, torn or corrupt): {exc}") from None
-    if written is not None and f"{tensors_crc(tensors):08x}" != written:
-        raise WeightsError(f"{path}: its tensors do not match the checksum written with them (the file changed "
-                           "after it was written: a torn write or a bad disk)")
-    return tensors
-
-
 def resolve_device(setting: str, key: str, cuda_available: bool) -> str:
     """A `device` setting ("auto", "cpu" or "cuda") resolved to "cuda" or "cpu": auto is cuda when torch sees a GPU.
     `key` names the setting in the error (learner.device, rollout.device). The caller passes
@@ -198,7 +146,12 @@ def resolve_device(setting: str, key: str, cuda_available: bool) -> str:
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """`read_weights` into `model` (nothing of a file that fails its check is loaded)."""
-    missing, unexpected = model.load_state_dict(read_weights(path), strict=False)
+    """`read_weights` (async_rl/weights/file.py) into `model` (nothing of a file that fails its check is loaded)."""
+    load_state(model, read_weights(path), path)
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Checked weights into `model`; RuntimeError naming `source` when they do not fit it."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if "rotary" not in k]:
-        raise RuntimeError(f"weights {path} do not fit the model: missing={missing} unexpected={unexpected}")
+        raise RuntimeError(f"weights {source} do not fit the model: missing={missing} unexpected={unexpected}")

@@ -299,8 +299,10 @@ class BatchAck(Message, tag="batch_ack"):
 
 class WeightsPublished(Message, tag="weights_published"):
     version: int
-    path: str  # safetensors file on storage the workers can read; "" for the distributed path
-    format: Literal["safetensors", "hf-dir", "distributed"] = "safetensors"
+    path: str  # a file or directory on storage the workers can read; "" for the distributed path
+    # How the weights travel (async_rl/weights/base.py FORMATS: "safetensors", "hf-dir", "distributed"); a string, so
+    # that a receiver refuses one it cannot load by name (`loader_for`) rather than as a malformed message.
+    format: str = "safetensors"
 
 
 ErrorCode = Literal["malformed", "protocol_version", "unknown_group", "bad_state", "unauthorized"]

@@ -50,7 +50,7 @@ from common import OUT_DIR, REPO, emit, machine, markdown_table, pinned_env, pri
 from async_rl.config import SGLangConfig  # noqa: E402
 from async_rl.config_load import load_config  # noqa: E402
 from async_rl.model import ensure_model_dir, load_model  # noqa: E402
-from learner.sglang_sync import write_hf_dir  # noqa: E402
+from async_rl.weights.hf_dir import write_hf_dir  # noqa: E402
 from rollout.engines import EngineStopped, SamplingParams  # noqa: E402
 from rollout.engines.sglang import SGLangEngine  # noqa: E402
 

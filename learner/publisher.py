@@ -1,14 +1,17 @@
-"""Announce new policy versions: weights file, then `latest.json`, then a `WeightsPublished` notice on PUB.
+"""Announce new policy versions: the weights through the run's transport, then `latest.json`, then a
+`WeightsPublished` notice on PUB.
 
-The order matters: a worker that sees the notice (or reads latest.json) always finds a complete file. PUB drops
-messages to subscribers that connect late (ZeroMQ's slow joiner), so the latest notice is repeated while idle.
-Both files are written atomically (a temporary renamed into place) but not fsynced: they hand the policy to the
-workers, and the durable copy is the checkpoint (learner/checkpoint.py, fsynced), which a resumed learner publishes
-again first. A machine crash may leave a newer file torn; its checksum (async_rl/model.py `save_weights`) makes a
-worker refuse it and wait for the next notice. Four fsyncs a version held the learner at ~20 versions a second
-(docs/results.md, "The quick start"). A disk that refuses them (full) is an error naming the file, not
-the learner's end: latest.json keeps naming the previous version, nothing is announced, and the next publish
-tries again.
+The transport is an `async_rl.weights` publisher chosen by `make_publisher`: a safetensors file for the built-in
+engine, an HF directory or a broadcast into the servers for SGLang (`rollout.sglang.weight_sync`); the notice and
+latest.json carry its format, and every receiver picks its loader by it. The order matters: a worker that sees the
+notice (or reads latest.json) always finds complete weights. PUB drops messages to subscribers that connect late
+(ZeroMQ's slow joiner), so the latest notice is repeated while idle. A safetensors file and latest.json are written
+atomically (a temporary renamed into place) but not fsynced: they hand the policy to the workers, and the durable
+copy is the checkpoint (learner/checkpoint.py, fsynced), which a resumed learner publishes again first. A machine
+crash may leave a newer file torn; its checksum (async_rl/weights/file.py) makes a worker refuse it and wait for
+the next notice. Four fsyncs a version held the learner at ~20 versions a second (docs/results.md, "The quick
+start"). A disk that refuses them (full) is an error naming the file, not the learner's end: latest.json keeps
+naming the previous version, nothing is announced, and the next publish tries again.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from pathlib import Path
 import torch
 import zmq
 
+from async_rl.config import Config
 from async_rl.durable import write_atomically
-from async_rl.model import WeightsError, save_weights
+from async_rl.errors import WeightsError
 from async_rl.protocol import WeightsPublished
 from async_rl.ratelimit import RateLimitedLog
-from async_rl.security import CurveKeys
+from async_rl.security import CurveKeys, load_keys
 from async_rl.transport import CurveServerSocket, bind_publisher, send
+from async_rl.weights.base import Publisher
+from async_rl.weights.file import FilePublisher
+from async_rl.weights.hf_dir import HFDirPublisher
 
 log = logging.getLogger("async_rl.learner")
 
@@ -35,11 +42,15 @@ REFUSED_LOG_EVERY_S = 60.0
 
 
 class WeightPublisher:
+    """The learner's rank 0 announcing versions; `transport` writes them (default: safetensors files in
+    `weights_dir`)."""
+
     def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, transport: Publisher | None = None) -> None:
         self.weights_dir = weights_dir.resolve()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self.transport = transport if transport is not None else FilePublisher(self.weights_dir)
         self.latest: WeightsPublished | None = None
         self._socket = bind_publisher(context, endpoint, curve)  # curve: only the rollout key may subscribe
         self._last_sent = 0.0
@@ -49,27 +60,23 @@ class WeightPublisher:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
         """Write, record and announce version `version`; False (logged, naming the file) when the disk refused."""
         try:
-            notice = self._write(state_dict, version)
+            notice = self.transport.write(state_dict, version)
             self._record(notice)
         except (WeightsError, OSError) as exc:
             before = f"v{self.latest.version}" if self.latest is not None else "no version"
             log.error("weights v%d not published: %s; %s still names %s and nothing is announced (the next publish "
                       "tries again)", version, exc, self.weights_dir / "latest.json", before)
             return False
-        self._prune()
+        self.transport.prune(self.keep)
         log.info("published weights v%d (%s)", version, notice.format)
         return True
-
-    def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
-        path = self.weights_dir / f"v{version}.safetensors"
-        save_weights(state_dict, path, durable=False)
-        return WeightsPublished(version=version, path=str(path))
 
     def _record(self, notice: WeightsPublished) -> None:
         """Point latest.json at the new weights (atomically: async_rl/durable.py), then announce them."""
         latest = self.weights_dir / "latest.json"
         try:
-            write_atomically(latest, json.dumps({"version": notice.version, "path": notice.path}), durable=False)
+            write_atomically(latest, json.dumps({"version": notice.version, "path": notice.path,
+                                                  "format": notice.format}), durable=False)
         except OSError as exc:
             raise WeightsError(f"{latest}: could not point it at v{notice.version}: {exc}") from None
         self.latest = notice
@@ -90,10 +97,20 @@ class WeightPublisher:
         send(self._socket, self.latest)
         self._last_sent = time.monotonic()
 
-    def _prune(self) -> None:
-        files = sorted(self.weights_dir.glob("v*.safetensors"), key=lambda p: int(p.stem[1:]))
-        for old in files[: -self.keep]:
-            old.unlink(missing_ok=True)
-
     def close(self) -> None:
+        self.transport.close()
         self._socket.close(linger=0)
+
+
+def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> WeightPublisher:
+    """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and `rollout.sglang.weight_sync`."""
+    learner, weights_dir, curve = config.learner, (config.run_dir / "weights").resolve(), load_keys(config, "learner")
+    sglang = config.rollout.sglang
+    transport: Publisher = FilePublisher(weights_dir)
+    if config.rollout.engine == "sglang" and sglang.weight_sync == "distributed":
+        from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: SGLang users only
+
+        transport = DistributedWeightSync(sglang)
+    elif config.rollout.engine == "sglang":
+        transport = HFDirPublisher(weights_dir, model_dir)
+    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights, curve, transport)

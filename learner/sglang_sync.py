@@ -1,77 +1,44 @@
-"""Publishing weights to SGLang rollout servers, by either path of `rollout.sglang.weight_sync`.
+"""The learner's `distributed` transport to SGLang servers (`rollout.sglang.weight_sync: distributed`): SGLang's
+HTTP calls around the broadcast of async_rl/weights/distributed.py, as an `async_rl.weights` publisher.
 
-    disk:         <run_dir>/weights/hf-v{N}/ (config.json + model.safetensors), then WeightsPublished(format="hf-dir");
-                  each rollout worker has its servers load it with /update_weights_from_disk.
-    distributed:  the learner (rank 0) pushes every tensor to every server over a torch.distributed group it
-                  owns with them, then WeightsPublished(format="distributed") tells the workers the version moved:
-                  /init_weights_update_group once, then per version
-                  /pause_generation → /begin_weight_update → /update_weights_from_distributed (+ one broadcast
-                  per tensor) → /end_weight_update → /continue_generation.
+The learner (rank 0) pushes every tensor to every server over a torch.distributed group it owns with them, then
+WeightsPublished(format="distributed") tells the workers the version moved: /init_weights_update_group once, then
+per version /pause_generation → /begin_weight_update → /update_weights_from_distributed (+ one broadcast per
+tensor) → /end_weight_update → /continue_generation. (`disk` sync is async_rl/weights/hf_dir.py's HF directories,
+loaded by each worker: rollout/engines/sglang.py.)
 
-The server-side HTTP calls of the distributed path block until the learner joins the collective, so they run on
-threads while this thread broadcasts.
+The server-side HTTP calls block until the learner joins the collective, so they run on threads while this thread
+broadcasts.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-import torch.distributed as dist
-import zmq
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-from async_rl.config import Config, SGLangConfig
-from async_rl.durable import write_manifest
-from async_rl.hf_io import prune_stale_load_views
-from async_rl.model import WeightsError, save_weights
+from async_rl.config import SGLangConfig
 from async_rl.protocol import WeightsPublished
-from async_rl.security import CurveKeys, load_keys, sglang_headers
-from learner.publisher import WeightPublisher
+from async_rl.security import sglang_headers
+from async_rl.weights.distributed import BroadcastGroup
 
 log = logging.getLogger("async_rl.learner")
 
 GROUP_NAME = "async_rl_weights"
-GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 CACHE_NOT_FLUSHED = "cache was not flushed"  # SGLang's 400 after an in_place update: the weights did change
-HF_FILES = ("config.json", "generation_config.json")
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the learner's log
 
 
-def write_hf_dir(state_dict: dict[str, torch.Tensor], model_dir: Path, target: Path) -> Path:
-    """An HF model directory SGLang can load: the model's config files and the new weights, with a manifest of their
-    sizes and crc32s (checked by the rollout worker before a server loads it: rollout/engines/sglang.py), made
-    atomically."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        for name in HF_FILES:
-            if (model_dir / name).exists():
-                shutil.copy(model_dir / name, staging / name)
-        save_weights(state_dict, staging / "model.safetensors")
-        write_manifest(staging)
-    except OSError as exc:  # a full disk: WeightsError names the weights file, this the copy
-        shutil.rmtree(staging, ignore_errors=True)
-        raise WeightsError(f"{staging}: could not write the model directory: {exc}") from None
-    except WeightsError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    shutil.rmtree(target, ignore_errors=True)  # a re-publish of the same version
-    os.rename(staging, target)
-    return target
-
-
 class DistributedWeightSync:
-    """The learner's side of SGLang's weight-update group: rank 0 here, the servers' ranks after it."""
+    """The learner's side of SGLang's weight-update group: rank 0 here, the servers' ranks after it. An
+    `async_rl.weights.base.Publisher` of format "distributed" (nothing on disk: `write` pushes, `prune` has nothing
+    to remove)."""
+
+    format = "distributed"
 
     def __init__(self, config: SGLangConfig) -> None:
         self.config = config
@@ -94,26 +61,16 @@ class DistributedWeightSync:
             })
             for url, offset in zip(self.urls, offsets, strict=True)
         ]
-        self.group = self._join_group()
+        self.group = BroadcastGroup(config.dist_master_addr, config.dist_master_port, self.world_size,
+                                    config.dist_backend, GROUP_NAME)
         for join in joins:
             join.result()
         log.info("weight-update group with %d SGLang server(s) (world %d, %s)", len(self.urls), self.world_size,
                  config.dist_backend)
 
-    def _join_group(self) -> dist.ProcessGroup:
-        """Build the group exactly as SGLang does on its side (store keys under the group name), as rank 0."""
-        store = dist.TCPStore(self.config.dist_master_addr, self.config.dist_master_port, self.world_size,
-                              is_master=True, timeout=GROUP_TIMEOUT)
-        group, _ = _new_process_group_helper(self.world_size, 0, [], Backend(self.config.dist_backend),
-                                             PrefixStore(GROUP_NAME, store), group_name=GROUP_NAME,
-                                             timeout=GROUP_TIMEOUT)
-        _world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}
-        return group
-
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Every server takes `state_dict` as policy `version`; generation is paused around the update."""
-        device = "cuda" if self.config.dist_backend == "nccl" else "cpu"
-        tensors = {name: t.detach().to(device).contiguous() for name, t in state_dict.items()}
+        tensors = self.group.on_device(state_dict)
         body = {
             "names": list(tensors),
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
@@ -126,8 +83,7 @@ class DistributedWeightSync:
             self._on_all("/begin_weight_update", {})
             try:
                 updates = [self.threads.submit(self._update, url, body) for url in self.urls]
-                for tensor in tensors.values():
-                    dist.broadcast(tensor, src=0, group=self.group)
+                self.group.broadcast(tensors)
                 for update in updates:
                     update.result()
             finally:
@@ -135,6 +91,13 @@ class DistributedWeightSync:
         finally:
             self._on_all("/continue_generation", {})
         log.info("policy version %d pushed to %d server(s)", version, len(self.urls))
+
+    def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
+        self.push(state_dict, version)
+        return WeightsPublished(version=version, path="", format="distributed")
+
+    def prune(self, keep: int) -> None:
+        """Nothing on disk to remove."""
 
     def _update(self, url: str, body: dict) -> None:
         response = self.http.post(url + "/update_weights_from_distributed", json=body)
@@ -164,43 +127,6 @@ class DistributedWeightSync:
                 self.http.post(url + "/destroy_weights_update_group", json={"group_name": GROUP_NAME})
             except httpx.HTTPError as exc:
                 log.warning("%s: could not leave the weight-update group: %s", url, exc)
-        dist.destroy_process_group(self.group)
+        self.group.close()
         self.threads.shutdown(wait=False)
         self.http.close()
-
-
-class SGLangWeightPublisher(WeightPublisher):
-    """The WeightPublisher for `rollout.engine: sglang`: HF directories (disk) or a push to the servers."""
-
-    def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int, model_dir: Path,
-                 config: SGLangConfig, curve: CurveKeys | None = None) -> None:
-        super().__init__(context, endpoint, weights_dir, keep, curve)
-        self.model_dir = model_dir
-        self.sync = DistributedWeightSync(config) if config.weight_sync == "distributed" else None
-
-    def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
-        if self.sync is not None:
-            self.sync.push(state_dict, version)
-            return WeightsPublished(version=version, path="", format="distributed")
-        path = write_hf_dir(state_dict, self.model_dir, self.weights_dir / f"hf-v{version}")
-        return WeightsPublished(version=version, path=str(path), format="hf-dir")
-
-    def _prune(self) -> None:
-        dirs = sorted(self.weights_dir.glob("hf-v*"), key=lambda p: int(p.name[4:]))
-        for old in dirs[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)  # a worker loading it reads its own links (rollout/engines/sglang)
-        prune_stale_load_views(self.weights_dir)
-
-    def close(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
-        super().close()
-
-
-def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> WeightPublisher:
-    """The publisher the learner's rank 0 uses, by `rollout.engine`."""
-    learner, weights_dir, curve = config.learner, config.run_dir / "weights", load_keys(config, "learner")
-    if config.rollout.engine == "sglang":
-        return SGLangWeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights,
-                                     model_dir, config.rollout.sglang, curve)
-    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights, curve)

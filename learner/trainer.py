@@ -46,9 +46,8 @@ from learner.engine import (
     world_size,
 )
 from learner.metrics import MetricsLog, batch_metrics, step_metrics
-from learner.publisher import WeightPublisher
+from learner.publisher import WeightPublisher, make_publisher
 from learner.replay_client import ReplayClient, ResumeRefused
-from learner.sglang_sync import make_publisher
 from learner.step import layout_metrics, train_on_items
 
 log = logging.getLogger("async_rl.learner")
@@ -167,7 +166,8 @@ class _Rank:
 
 class _Leader(_Rank):
     """Rank 0's part: the replay client (batches, acks, the durable checkpoint it reports), the weight publisher
-    (SGLang servers: learner/sglang_sync.py), the replay's latest stats, the metrics log and the summary."""
+    (learner/publisher.py: its transport by the rollout engine), the replay's latest stats, the metrics log and the
+    summary."""
 
     def __init__(self, context: zmq.Context, config: Config, request: StopRequest) -> None:
         self.config, self.request = config, request

@@ -10,7 +10,8 @@ pass, in a seeded order). The engine runs on its own thread (rollout/engines/thr
 resends, heartbeats, lease replies, judgements and weight notices every IDLE_POLL_S at most, however long one
 engine call takes. A weight load is queued on the engine's thread, so weights change only between engine calls
 and every token's version tag is the version that actually produced it. A worker that starts late catches up from
-`<run_dir>/weights/latest.json`.
+`<run_dir>/weights/latest.json`. Which loader takes a notice's weights is the notice's `format`
+(async_rl/weights/base.py): a format the engine cannot load is refused by name, whatever this worker's config.
 With `run.eval_every` > 0, worker 0 evaluates the policy on the eval split every that many versions and reports
 the result (EvalReport) for the learner's metrics line.
 """
@@ -31,7 +32,6 @@ import torch
 import zmq
 
 from async_rl.config import Config
-from async_rl.hf_io import published_versions
 from async_rl.model import load_tokenizer
 from async_rl.protocol import (
     LOGPROB,
@@ -48,6 +48,8 @@ from async_rl.security import load_keys
 from async_rl.signals import stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import Inbox, connect_dealer, connect_subscriber
+from async_rl.weights.base import WeightsFormatError, format_of
+from async_rl.weights.file import version_files
 from rollout.ack_journal import AckJournal, journal_path
 from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
@@ -148,6 +150,7 @@ class WeightsFollower:
         self.inbox = Inbox(socket, "the weights channel", log)  # its `bad`: malformed or unexpected notices
         self._pending: WeightsPublished | None = None  # the newest announcement not loaded yet
         self._loading: Future | None = None
+        self.refused: tuple[int, str] | None = None  # the last (version, format) the engine cannot load: not retried
         self._catch_up(run_dir / "weights" / "latest.json")
 
     def sync(self) -> None:
@@ -168,39 +171,47 @@ class WeightsFollower:
             self._loading = None
         if self._pending is not None and self._loading is None:
             notice, self._pending = self._pending, None
-            if notice.version != self.engine.version:
-                self._loading = self.engine.submit(self._load, notice.version, notice.path)
+            if notice.version != self.engine.version and (notice.version, notice.format) != self.refused:
+                self._loading = self.engine.submit(self._load, notice.version, notice.path, notice.format)
 
     def _catch_up(self, latest: Path) -> None:
         """Load the version latest.json names before the first engine call (a torn latest.json: the newest
-        weights file beside it)."""
+        weights file beside it), in the format it records (one written before it recorded one: the path says)."""
         if not latest.exists():
             return
         try:
             record = json.loads(latest.read_text())
             version, path = int(record["version"]), str(record["path"])
+            weights_format = str(record.get("format") or format_of(path))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             files = published_files(latest.parent, None)
             log.warning("ignoring unreadable %s: %s%s", latest, exc, f"; trying {files[0][1]}" if files else "")
             if not files:
                 return
-            version, path = files[0][0], str(files[0][1])
-        self._loading = self.engine.submit(self._load, version, path)
+            version, path, weights_format = files[0][0], str(files[0][1]), "safetensors"
+        self._loading = self.engine.submit(self._load, version, path, weights_format)
         self._loading.result()  # before the first engine call
 
-    def _load(self, version: int, path: str) -> None:
-        """On the engine's thread. A file that does not load (pruned by keep_weights, torn, or failing its checksum
-        after a node crash) is skipped with a warning naming it, for the newest older published file that loads:
-        the engine never takes weights that failed their check, and the version it tags tokens with is the one it
-        loaded. Never below the engine's own version unless the announced one is (a learner that resumed)."""
+    def _load(self, version: int, path: str, weights_format: str = "safetensors") -> None:
+        """On the engine's thread, by the engine's loader for `weights_format`; a format it has none for is refused
+        by name (logged once per version, never retried for it). A file that does not load (pruned by keep_weights,
+        torn, or failing its checksum after a node crash) is skipped with a warning naming it, for the newest older
+        published file that loads: the engine never takes weights that failed their check, and the version it tags
+        tokens with is the one it loaded. Never below the engine's own version unless the announced one is (a learner
+        that resumed)."""
         floor = self.engine.version if version > self.engine.version else -1
-        older = published_files(Path(path).parent, version) if path.endswith(".safetensors") else []
-        for candidate, file in [(version, Path(path)), *older]:
+        older = published_files(Path(path).parent, version) if weights_format == "safetensors" else []
+        for candidate, file in [(version, path), *older]:
             if candidate <= floor or candidate == self.engine.version:
                 return
             try:
-                self.engine.engine.update_weights(candidate, str(file))
-            except (OSError, RuntimeError) as exc:  # async_rl.model.WeightsError is a RuntimeError
+                self.engine.engine.update_weights(candidate, str(file), weights_format)
+            except WeightsFormatError as exc:
+                self.refused = (version, weights_format)
+                log.error("policy version %d not loaded: %s (is this worker's rollout.engine or "
+                          "rollout.sglang.weight_sync not the learner's?)", version, exc)
+                return
+            except (OSError, RuntimeError) as exc:  # async_rl.errors.WeightsError is a RuntimeError
                 log.warning("could not load policy version %d from %s: %s", candidate, file, exc)
                 continue
             if candidate != version:
@@ -209,10 +220,10 @@ class WeightsFollower:
 
 
 def published_files(weights_dir: Path, below: int | None) -> list[tuple[int, Path]]:
-    """The learner's published weight files `v<N>.safetensors` in `weights_dir` (async_rl/hf_io.py
-    `published_versions`, without SGLang's `hf-v<N>/` directories), N < `below` when given, newest first."""
-    return sorted(((version, file) for version, file in published_versions(weights_dir).items()
-                   if file.parent == weights_dir and (below is None or version < below)), reverse=True)
+    """The learner's published weight files `v<N>.safetensors` in `weights_dir` (async_rl/weights/file.py), N <
+    `below` when given, newest first."""
+    return sorted(((version, file) for version, file in version_files(weights_dir).items()
+                   if below is None or version < below), reverse=True)
 
 
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:

@@ -24,8 +24,9 @@ from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  #
 from test_rollout import make_config as worker_config
 
 from async_rl.config_load import load_config
-from async_rl.model import WeightsError, load_model, read_weights, save_weights
+from async_rl.model import WeightsError, load_model
 from async_rl.telemetry import RoleMetrics
+from async_rl.weights.file import read_weights, save_weights
 from learner.checkpoint import CheckpointError
 from learner.engine import build_engine, load_checkpoint, save_checkpoint
 from learner.publisher import WeightPublisher
@@ -58,9 +59,8 @@ def test_an_hf_dir_load_view_reads_the_checked_files_after_the_directory_is_prun
     checked against its manifest; the learner's prune of the directory leaves the view whole, a damaged file
     shows in the check, a directory without a manifest cannot be checked, and stale views are pruned."""
     from async_rl.durable import manifest_problem
-    from async_rl.hf_io import load_view, prune_stale_load_views
     from async_rl.model import WeightsError
-    from learner.sglang_sync import write_hf_dir
+    from async_rl.weights.hf_dir import load_view, prune_stale_load_views, write_hf_dir
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()

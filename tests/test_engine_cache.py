@@ -10,7 +10,8 @@ import torch
 
 from async_rl.config_load import load_config
 from async_rl.loss import token_logprobs
-from async_rl.model import load_model, save_weights
+from async_rl.model import load_model
+from async_rl.weights.file import save_weights
 from rollout.engines import SamplingParams
 from rollout.engines.prefix_cache import PrefixCache
 from rollout.engines.torch_engine import TorchEngine

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from async_rl.loss import token_logprobs
-from async_rl.model import load_model, load_weights, save_weights
+from async_rl.model import load_model, load_weights
+from async_rl.weights.file import save_weights
 from learner.engine import build_engine
 from learner.step import train_on_items
 from rollout.engines import SamplingParams

@@ -382,7 +382,7 @@ def test_metrics_describe_the_batch(trained):
 def test_weights_are_written_announced_and_pruned(trained):
     weights = trained.run_dir / "weights"
     latest = json.loads((weights / "latest.json").read_text())
-    assert latest == {"version": 4, "path": str((weights / "v4.safetensors").resolve())}
+    assert latest == {"version": 4, "path": str((weights / "v4.safetensors").resolve()), "format": "safetensors"}
     assert sorted(p.name for p in weights.glob("*.safetensors")) == ["v3.safetensors", "v4.safetensors"]
     notices = trained.subscriber.notices
     assert notices, "the SUB socket received no WeightsPublished"

@@ -23,7 +23,8 @@ from async_rl.config import Config
 from async_rl.config_load import config_from_dict, load_config
 from async_rl.errors import ConfigError
 from async_rl.loss import policy_loss, token_logprobs_and_entropy
-from async_rl.model import load_model, load_weights, save_weights
+from async_rl.model import load_model, load_weights
+from async_rl.weights.file import save_weights
 from learner import lora
 from learner.attention import use_attention
 from learner.batch import collate

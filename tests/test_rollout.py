@@ -23,7 +23,7 @@ import zmq
 from async_rl.config import Config
 from async_rl.config_load import load_config
 from async_rl.loss import token_logprobs
-from async_rl.model import load_model, load_tokenizer, save_weights
+from async_rl.model import load_model, load_tokenizer
 from async_rl.protocol import (
     Ack,
     Error,
@@ -36,6 +36,7 @@ from async_rl.protocol import (
     WeightsPublished,
 )
 from async_rl.transport import bind_publisher, bind_router, poll, receive, send
+from async_rl.weights.file import save_weights
 from rollout.prepare import prepare_model_dir
 from rollout.worker import run
 
@@ -530,8 +531,8 @@ class SleepingEngine:
         time.sleep(self.delay_s)
         return self.inner.generate(prompts, params)
 
-    def update_weights(self, version: int, path: str) -> None:
-        self.inner.update_weights(version, path)
+    def update_weights(self, version: int, path: str, format: str | None = None) -> None:
+        self.inner.update_weights(version, path, format)
 
     def close(self) -> None:
         self.inner.close()

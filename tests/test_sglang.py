@@ -28,7 +28,8 @@ from sglang_server import free_port
 from async_rl.config import SGLangConfig
 from async_rl.loss import token_logprobs
 from async_rl.model import WeightsError, load_model
-from learner.sglang_sync import DistributedWeightSync, write_hf_dir
+from async_rl.weights.hf_dir import write_hf_dir
+from learner.sglang_sync import DistributedWeightSync
 from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
 
@@ -187,7 +188,7 @@ def test_a_directory_pruned_between_the_check_and_the_servers_read_kills_no_serv
 
     def prune_on_load(request) -> None:  # noqa: ANN001 - httpx.Request
         if request.url.path == "/update_weights_from_disk" and path.exists():
-            shutil.rmtree(path)  # as SGLangWeightPublisher._prune does
+            shutil.rmtree(path)  # as HFDirPublisher.prune does (async_rl/weights/hf_dir.py)
             pruned.append(json.loads(request.content)["model_path"])
 
     engine.http.event_hooks = {"request": [prune_on_load], "response": []}

@@ -27,14 +27,15 @@ Three kinds of trouble, kept apart:
 failed on `max_retries` + 1 attempts. Only a finished batch is returned, so a stage is streamed once or not at
 all; on `EngineUnavailable` the agent reports the affected trajectories abandoned.
 
-Weight sync: with `weight_sync: disk` the engine loads each published HF directory into every server with
-`/update_weights_from_disk`, from hard links of its own to the directory's files (`async_rl.hf_io.load_view`: the
-learner may prune the directory while a server reads it) after checking them against the directory's manifest (a
-torn or changed file is refused, never sent, and counted in `weights_refused`). pause_mode abort: with
-`abort_all_requests`, so the running requests are preempted; in_place: they finish on the old weights first.
-Servers already at that version (another worker sharing them got there first) are skipped, and a server that
-rejoins behind the latest version loads it. With `weight_sync: distributed` the learner pushes the weights itself
-and the engine only reads the servers' new version.
+Weight sync, by the notice's format (`WeightsPublished.format`, whatever `weight_sync` says): an "hf-dir" (the
+learner's `weight_sync: disk`) the engine loads into every server with `/update_weights_from_disk`, from hard
+links of its own to the directory's files (`async_rl.weights.hf_dir.load_view`: the learner may prune the
+directory while a server reads it) after checking them against the directory's manifest (a torn or changed file is
+refused, never sent, and counted in `weights_refused`). pause_mode abort: with `abort_all_requests`, so the running
+requests are preempted; in_place: they finish on the old weights first. Servers already at that version (another
+worker sharing them got there first) are skipped, and a server that rejoins behind the latest version loads it.
+"distributed" (`weight_sync: distributed`): the learner pushes the weights itself and the engine only reads the
+servers' new version. A single "safetensors" file is refused by name (no model directory a server can load).
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ import httpx
 from async_rl.config import SGLangConfig
 from async_rl.durable import manifest_problem
 from async_rl.errors import WeightsError
-from async_rl.hf_io import load_view, published_versions
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import sglang_headers
+from async_rl.weights.base import Loader, loader_for
+from async_rl.weights.hf_dir import load_view, version_dirs
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
 
 log = logging.getLogger("async_rl.rollout")
@@ -79,15 +81,14 @@ class ServerFailed(Exception):
 
 def loadable_dir(version: int, path: str) -> tuple[int, str] | None:
     """(version, path) of the HF directory to load for announced `version` at `path`: itself while it holds its
-    weights (the learner writes it whole and renames it: learner/sglang_sync.py); once the learner has pruned it
+    weights (the learner writes it whole and renames it: async_rl/weights/hf_dir.py); once the learner has pruned it
     (learner.keep_weights, a worker that fell behind), the newest hf-v<N> beside it with N > version that does; None
     if there is none. SGLang takes a path that is not a directory for a Hub repo id, and its scheduler dies of
     that (HFValidationError), taking the server with it: a pruned path must never be sent."""
     here = Path(path)
     if (here / "model.safetensors").is_file():
         return version, path
-    newer = [(n, str(file.parent)) for n, file in published_versions(here.parent).items()
-             if n > version and file.name == "model.safetensors"]
+    newer = [(n, str(directory)) for n, directory in version_dirs(here.parent).items() if n > version]
     return newer[-1] if newer else None
 
 
@@ -164,6 +165,9 @@ class SGLangEngine:
         self.failures = 0  # rows a server failed (or refused) and that were sent elsewhere
         self.weights_refused = 0  # hf-v<N>/ directories refused: torn, changed, or without a manifest to check
         self.refused_paths: set[str] = set()
+        # By `WeightsPublished.format`: HF directories from disk, or a note of what the learner pushed (a single
+        # safetensors file is no model directory a server can load: refused by name).
+        self.loaders: dict[str, Loader] = {"hf-dir": self._load_dir, "distributed": self._take_servers_version}
         self.checked: dict[tuple, str | None] = {}  # the files' identity -> their check's problem (None: good)
         for server in self.servers:
             try:
@@ -338,21 +342,32 @@ class SGLangEngine:
 
     # --- weights ----------------------------------------------------------------------------------
 
-    def update_weights(self, version: int, path: str) -> None:
-        """Bring every live server to `version`: load the HF directory `path` (disk sync), or, when the learner
-        pushes the weights itself (distributed sync), just take note of the servers' version. With no server
-        live, nothing happens now (the next `generate` waits for one; a server that rejoins catches up)."""
-        if self.config.weight_sync == "disk":
-            self.latest_disk = (version, path)
-            behind = []
-            for server in self._live():
-                try:
-                    if self._server_version(server) < version:  # servers already there are skipped: idempotent
-                        behind.append(server)
-                except ServerFailed:
-                    continue  # marked dead; later batches go to the others
-            if behind:
-                self._load_from_disk(behind, version, path)
+    def update_weights(self, version: int, path: str, format: str | None = None) -> None:
+        """Bring every live server to `version`, by the loader for `format` (the notice's; None: the one
+        `weight_sync` says): "hf-dir" loads the HF directory `path` into them (whatever `weight_sync` says);
+        "distributed" (the learner pushed the weights itself) just takes note of the servers' version; any other
+        is refused by name (WeightsFormatError). With no server live, nothing happens now (the next `generate`
+        waits for one; a server that rejoins catches up)."""
+        native = "hf-dir" if self.config.weight_sync == "disk" else "distributed"
+        loader_for(self.loaders, format or native, "the SGLang engine")(version, path)
+
+    def _load_dir(self, version: int, path: str) -> None:
+        """The "hf-dir" loader: servers behind `version` load `path` (`_load_from_disk`); then the servers' version."""
+        self.latest_disk = (version, path)
+        behind = []
+        for server in self._live():
+            try:
+                if self._server_version(server) < version:  # servers already there are skipped: idempotent
+                    behind.append(server)
+            except ServerFailed:
+                continue  # marked dead; later batches go to the others
+        if behind:
+            self._load_from_disk(behind, version, path)
+        self._take_servers_version(version)
+
+    def _take_servers_version(self, version: int, path: str = "") -> None:
+        """The "distributed" loader (the learner pushed `version` into the servers; nothing to read): the version
+        the servers report now."""
         versions = self._live_versions(wait=False)
         if not versions:
             log.warning("policy version %d: no SGLang server answers now; generation waits for one", version)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +28,10 @@ from transformers import DynamicCache
 
 from async_rl.config import RolloutConfig
 from async_rl.errors import WeightsError
-from async_rl.model import load_model, load_tokenizer, load_weights, resolve_device
+from async_rl.model import load_model, load_state, load_tokenizer, resolve_device
+from async_rl.weights.base import Loader, loader_for
+from async_rl.weights.file import read_weights
+from async_rl.weights.hf_dir import read_dir
 from rollout.engines.base import EngineStopped, Generation, SamplingParams
 from rollout.engines.prefix_cache import KV, Entry, PrefixCache
 
@@ -50,6 +54,12 @@ class TorchEngine:
         self.pad_id = self.model.config.pad_token_id or 0  # any id works: padding is masked out
         self.version = 0  # the model directory holds the version-0 weights
         self.weights_refused = 0  # published files that failed their checksum, never loaded
+        # By `WeightsPublished.format`: what this engine can read into its own model (not "distributed": the
+        # learner pushes those into SGLang servers, and there is no file to read).
+        self.loaders: dict[str, Loader] = {
+            "safetensors": lambda version, path: self._take(version, path, read_weights),
+            "hf-dir": lambda version, path: self._take(version, path, read_dir),
+        }
         self.cache = PrefixCache(int(cache_mib * 2**20))
         # transformers 5 names the forward's cache argument `cache`; 4.x `past_key_values`
         forward_args = inspect.signature(self.model.forward).parameters
@@ -178,15 +188,22 @@ class TorchEngine:
         tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
-    def update_weights(self, version: int, path: str) -> None:
-        """Load a safetensors file written by the learner; tokens sampled from now on carry `version`. One that fails
-        its checksum (WeightsError) is not loaded, and counted in `weights_refused`."""
+    def update_weights(self, version: int, path: str, format: str | None = None) -> None:
+        """Load the weights the learner published as `version` at `path` in `format` (its notice's; None: a
+        safetensors file), by this engine's loader for it: WeightsFormatError naming a format it cannot load.
+        Tokens sampled from now on carry `version`."""
+        loader_for(self.loaders, format or "safetensors", "the built-in engine")(version, path)
+
+    def _take(self, version: int, path: str, read: Callable[[Path], dict[str, torch.Tensor]]) -> None:
+        """The weights `read` returns from `path` (checked against their checksums: one that fails is not loaded,
+        and counted in `weights_refused`) into the model."""
         try:
-            load_weights(self.model, Path(path))
+            state = read(Path(path))
         except WeightsError:
             if Path(path).exists():  # there, but torn or changed (a pruned file is no damage)
                 self.weights_refused += 1
             raise
+        load_state(self.model, state, Path(path))
         self.version = version
         self.cache.clear()  # cached keys and values were computed by the old weights
         log.info("policy version %d loaded from %s", version, path)

@@ -1,0 +1,43 @@
+"""The `distributed` format's transport: the learner as rank 0 of a torch.distributed group (NCCL or gloo) with the
+receivers, broadcasting every tensor of a version to them; no file is written, so the notice's path is "".
+
+The group is built the way SGLang builds its side of it (`/init_weights_update_group`: store keys under the group
+name, a TCPStore hosted by rank 0); the receivers' own calls around a broadcast (SGLang's HTTP API) are their
+role's (learner/sglang_sync.py). A receiver outside the group has nothing to load: it refuses the format by name
+(async_rl/weights/base.py `loader_for`).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class BroadcastGroup:
+    """Rank 0 of a `world_size` group named `name`, hosting its store at `master_addr:master_port`. Joining blocks
+    until every other rank has joined (the caller has them join on other threads meanwhile)."""
+
+    def __init__(self, master_addr: str, master_port: int, world_size: int, backend: str, name: str) -> None:
+        self.backend, self.world_size = backend, world_size
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=GROUP_TIMEOUT)
+        self.group, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(name, store),
+                                                  group_name=GroupName(name), timeout=GROUP_TIMEOUT)
+        _world.pg_group_ranks[self.group] = {i: i for i in range(world_size)}
+
+    def on_device(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors where the backend sends them from: CUDA for nccl, host memory for gloo."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        return {name: t.detach().to(device).contiguous() for name, t in state_dict.items()}
+
+    def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every tensor to every rank, in the dict's order (the receivers were told that order)."""
+        for tensor in tensors.values():
+            dist.broadcast(tensor, src=0, group=self.group)
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)

@@ -1,0 +1,210 @@
+"""Weights by format (issue 55): the learner's publisher (learner/publisher.py `make_publisher`, driven for real)
+publishes each format (`safetensors`, `hf-dir`, `distributed` into a stand-in SGLang server over gloo), and a
+rollout worker's WeightsFollower, its engine configured for another format, loads it by the notice's format or
+refuses it by name; a format no learner writes is refused by name too. The stand-in server
+(tests/fake_sglang.py) speaks SGLang's HTTP calls and joins the broadcast group for real; it generates nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from fake_sglang import FakeSGLang
+from safetensors.torch import load_file
+from sglang_server import free_port
+
+from async_rl.config import SGLangConfig
+from async_rl.config_load import load_config
+from async_rl.model import load_model
+from async_rl.protocol import WeightsPublished
+from async_rl.transport import bind_publisher, connect_subscriber, send
+from async_rl.weights.base import WeightsFormatError, loader_for
+from learner.publisher import WeightPublisher, make_publisher
+from rollout.engines.sglang import SGLangEngine
+from rollout.engines.thread import EngineThread
+from rollout.engines.torch_engine import TorchEngine
+from rollout.prepare import prepare_model_dir
+from rollout.worker import WeightsFollower
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return prepare_model_dir(load_config(None, [f"run.dir={tmp_path_factory.mktemp('base')}", "run.seed=1"]))
+
+
+@pytest.fixture
+def fake(tmp_path):
+    server = FakeSGLang(tmp_path / "fake-sglang", free_port())
+    yield server
+    server.stop()
+
+
+def new_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v + 0.1 * torch.randn_like(v) for k, v in load_model(model_dir).state_dict().items()}
+
+
+def learner_config(run_dir: Path, *overrides: str):
+    return load_config(None, [f"run.dir={run_dir}", f"learner.publish_endpoint=tcp://127.0.0.1:{free_port()}",
+                              *overrides])
+
+
+class Worker:
+    """A rollout worker's weights side: its engine on its thread and its WeightsFollower on the learner's PUB."""
+
+    def __init__(self, context: zmq.Context, engine, endpoint: str, run_dir: Path) -> None:
+        self.engine = EngineThread(engine)
+        self.socket = connect_subscriber(context, endpoint, None)
+        self.follower = WeightsFollower(self.socket, self.engine, run_dir)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.engine.close()
+        self.engine.engine.close()
+
+
+def follow(publisher: WeightPublisher | None, workers: list[Worker], done, timeout_s: float = 30.0) -> None:
+    """Run the learner's republish and the workers' syncs (as their loops do) until `done()`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the workers never took the notice"
+        if publisher is not None:
+            publisher.republish_if_due()
+        for worker in workers:
+            worker.follower.sync()
+        time.sleep(0.05)
+    for worker in workers:  # let a load in flight finish
+        if worker.follower._loading is not None:
+            worker.follower._loading.result()
+
+
+def loaded(engine: TorchEngine, state: dict[str, torch.Tensor]) -> bool:
+    model = engine.model.state_dict()
+    return all(torch.equal(model[k], v) for k, v in state.items())
+
+
+def test_safetensors_published_loads_in_the_built_in_engine_and_sglang_refuses_it_by_name(model_dir, fake, tmp_path,
+                                                                                         caplog):
+    config = learner_config(tmp_path / "run")  # rollout.engine: torch
+    context = zmq.Context()
+    publisher = make_publisher(context, config, model_dir)
+    built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
+    sglang = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url])), config.learner.publish_endpoint,
+                    config.run_dir)  # weight_sync: disk, an hf-dir worker
+    try:
+        state = new_weights(model_dir, 1)
+        with caplog.at_level(logging.ERROR, logger="async_rl.rollout"):
+            assert publisher.publish(state, 1)
+            assert publisher.latest.format == "safetensors"
+            follow(publisher, [built_in, sglang],
+                   lambda: built_in.engine.version == 1 and sglang.follower.refused == (1, "safetensors"))
+        assert loaded(built_in.engine.engine, state)
+        assert sglang.engine.version == 0 and fake.state()["loads"] == [], "nothing was sent to the server"
+        assert any("policy version 1 not loaded: the SGLang engine cannot load weights of format 'safetensors'"
+                   in record.getMessage() and "it loads 'hf-dir', 'distributed'" in record.getMessage()
+                   for record in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        built_in.close()
+        sglang.close()
+        publisher.close()
+        context.term()
+
+
+def test_an_hf_dir_published_for_sglang_loads_in_a_distributed_sglang_worker_and_in_the_built_in_engine(
+        model_dir, fake, tmp_path):
+    config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls=['{fake.url}']")
+    context = zmq.Context()
+    publisher = make_publisher(context, config, model_dir)  # weight_sync: disk
+    built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
+    sglang = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url], weight_sync="distributed")),
+                    config.learner.publish_endpoint, config.run_dir)
+    try:
+        state = new_weights(model_dir, 2)
+        assert publisher.publish(state, 1)
+        assert publisher.latest.format == "hf-dir" and publisher.latest.path.endswith("hf-v1")
+        follow(publisher, [built_in, sglang], lambda: built_in.engine.version == 1 and sglang.engine.version == 1)
+        assert loaded(built_in.engine.engine, state)
+        [load] = fake.state()["loads"]  # through a view of links to the checked files, as with weight_sync: disk
+        assert Path(load["path"]).name.startswith(".sglang-load-hf-v1-") and "manifest.json" in load["files"]
+
+        # The loader checks the directory's manifest: a changed file is refused, never loaded, in either engine.
+        assert publisher.publish(new_weights(model_dir, 3), 2)
+        weights_file = Path(publisher.latest.path) / "model.safetensors"
+        data = bytearray(weights_file.read_bytes())
+        data[-10] ^= 0xFF
+        weights_file.write_bytes(bytes(data))
+        follow(publisher, [built_in, sglang], lambda: built_in.engine.engine.weights_refused == 1
+               and sglang.engine.engine.weights_refused == 1)
+        assert built_in.engine.version == 1 and sglang.engine.version == 1 and loaded(built_in.engine.engine, state)
+        assert len(fake.state()["loads"]) == 1
+    finally:
+        built_in.close()
+        sglang.close()
+        publisher.close()
+        context.term()
+
+
+def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_refused_by_name_by_the_built_in_engine(
+        model_dir, fake, tmp_path, caplog):
+    config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls=['{fake.url}']",
+                            "rollout.sglang.weight_sync=distributed", "rollout.sglang.dist_backend=gloo",
+                            f"rollout.sglang.dist_master_port={free_port()}")
+    context = zmq.Context()
+    publisher = make_publisher(context, config, model_dir)  # joins the server's group, as rank 0
+    built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
+    sglang = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url])), config.learner.publish_endpoint,
+                    config.run_dir)  # weight_sync: disk
+    try:
+        state = new_weights(model_dir, 4)
+        with caplog.at_level(logging.ERROR, logger="async_rl.rollout"):
+            assert publisher.publish(state, 1)
+            assert (publisher.latest.format, publisher.latest.path) == ("distributed", "")
+            follow(publisher, [built_in, sglang],
+                   lambda: sglang.engine.version == 1 and built_in.follower.refused == (1, "distributed"))
+        received = load_file(str(fake.out / "received-v1.safetensors"))
+        assert received.keys() == state.keys() and all(torch.equal(received[k], v) for k, v in state.items())
+        assert built_in.engine.version == 0 and not loaded(built_in.engine.engine, state)
+        assert any("policy version 1 not loaded: the built-in engine cannot load weights of format 'distributed'"
+                   in record.getMessage() and "it loads 'safetensors', 'hf-dir'" in record.getMessage()
+                   for record in caplog.records), [r.getMessage() for r in caplog.records]
+        refusals = len(caplog.records)
+        until = time.monotonic() + 2.5  # the learner repeats its notice every 2 s
+        follow(publisher, [built_in], lambda: time.monotonic() > until)
+        assert len(caplog.records) == refusals, "a refused notice repeated by the learner is not refused again"
+
+        # A worker that starts later catches up from latest.json, by the format recorded there.
+        late = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url])), config.learner.publish_endpoint,
+                      config.run_dir)
+        assert late.engine.version == 1
+        late.close()
+    finally:
+        built_in.close()
+        sglang.close()
+        publisher.close()
+        context.term()
+
+
+def test_a_format_no_learner_writes_is_refused_by_name(model_dir, tmp_path, caplog):
+    context = zmq.Context()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = bind_publisher(context, endpoint, None)
+    built_in = Worker(context, TorchEngine(model_dir, seed=0), endpoint, tmp_path)
+    try:
+        notice = WeightsPublished(version=3, path=str(tmp_path / "v3.lora"), format="lora-adapter")
+        with caplog.at_level(logging.ERROR, logger="async_rl.rollout"):
+            follow(None, [built_in], lambda: send(pub, notice) or built_in.follower.refused == (3, "lora-adapter"))
+        assert built_in.engine.version == 0
+        assert any("the built-in engine cannot load weights of format 'lora-adapter' (a format no async-rl learner "
+                   "of this version writes)" in record.getMessage() for record in caplog.records)
+    finally:
+        built_in.close()
+        pub.close(linger=0)
+        context.term()
+    with pytest.raises(WeightsFormatError, match="receiver X cannot load weights of format 'hf-dir'"):
+        loader_for({"safetensors": lambda version, path: None}, "hf-dir", "receiver X")
