@@ -21,7 +21,7 @@ trajectories longer than `model.max_seq_len`). Every rejection is counted by rea
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -301,8 +301,9 @@ class WeightsPublished(Message, tag="weights_published"):
     version: int
     path: str  # a file or directory on storage the workers can read; "" for the distributed path
     # How the weights travel (async_rl/weights/base.py FORMATS: "safetensors", "hf-dir", "distributed"); a string, so
-    # that a receiver refuses one it cannot load by name (`loader_for`) rather than as a malformed message.
-    format: str = "safetensors"
+    # that a receiver refuses one it cannot load by name (`loader_for`) rather than as a malformed message; a name
+    # longer than 64 characters is malformed (it is written into the worker's log).
+    format: Annotated[str, msgspec.Meta(max_length=64)] = "safetensors"
 
 
 ErrorCode = Literal["malformed", "protocol_version", "unknown_group", "bad_state", "unauthorized"]

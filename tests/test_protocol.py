@@ -217,3 +217,13 @@ def test_ordinary_values_pass_value_problem():
         assert value_problem(message) is None, message
     assert value_problem(stage_record(behaviour_logprobs=pack([-0.5, 5e-5], LOGPROB))) is None, "float error"
     assert value_problem(outcome(num_stages=0, outcome=None, abandoned=True)) is None, "abandoned before a stage"
+
+
+def test_a_weights_format_name_is_free_text_but_bounded():
+    """A format no receiver knows still decodes (the worker refuses it by name, tests/test_weights.py); a name
+    over 64 characters, which the worker would write into its log, is malformed."""
+    from async_rl.protocol import WeightsPublished
+
+    assert decode(encode(WeightsPublished(3, "w", "lora-adapter"))).format == "lora-adapter"
+    with pytest.raises(ProtocolError, match="length <= 64"):
+        decode(encode(WeightsPublished(3, "w", "x" * 65)))
