@@ -2,8 +2,8 @@
 also when pytest-xdist runs the suite in several worker processes (they share one import under a file lock), and
 the README's warm start of it, run once for the two tests that start from it (xdist group "smollm2-chain"); a small
 disk that fills; the session's pool of two real SGLang servers (tests/sglang_server.py), shared by the tests of the
-xdist group "sglang" (test_sglang.py and the sglang_interrupt benchmark's quick form): a server start costs 30-45 s
-of these 2 cores."""
+xdist group "sglang" (test_sglang.py, test_weights.py's SGLang tests and the sglang_interrupt benchmark's quick form):
+a server start costs 30-45 s of these 2 cores."""
 
 import contextlib
 import json
@@ -23,8 +23,11 @@ _no_lock = contextlib.nullcontext
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Slow tests first, in their own order (a stable sort): under xdist the workers start on the long ones and the
-    short ones fill the end, instead of one worker running a five-minute test alone while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    short ones fill the end, instead of one worker running a five-minute test alone while the other idles. The slow
+    tests that kill a server of the pool (marked `kills_sglang_server`) come after every other slow test, so that no
+    later test of the pool waits for a killed server to start again (30-45 s a restart)."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("kills_sglang_server") is not None))
 
 
 def _import_smollm2(out: Path) -> None:

@@ -2,7 +2,8 @@
 
 Two servers are started once per session (tests/conftest.py's `pool`: 30-45 s on these 2 cores) on the version-0
 model directory and shared; each test resets them to version 0 first, starting a killed one again (30-45 s more), so
-the two tests that kill a server come last in the file (one restart between them, none after). The server venv is
+the two tests that kill a server come last in the file and are marked `kills_sglang_server`, which runs them after
+the pool's tests in other files too (tests/conftest.py): one restart between them, none after. The server venv is
 built by scripts/build_sglang_env.sh when missing (1-2 min); the tests skip only if that build fails.
 
 Log-prob tolerance: SGLang (float32, torch_native attention) and the learner's transformers forward agree to
@@ -525,6 +526,7 @@ def test_the_coding_environment_runs_through_real_sglang_servers(servers, tmp_pa
     assert result["eval_tasks"] == 1 and result["eval_abandoned"] == 0 and "eval_hidden_fraction" in result
 
 
+@pytest.mark.kills_sglang_server
 def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
     engine = engine_for(servers.urls)
     victim = servers.servers[1]
@@ -554,6 +556,7 @@ def test_a_server_dying_mid_request_is_replaced_by_the_other(servers):
         engine_for(servers.urls[1:], unavailable_timeout_s=1.0)
 
 
+@pytest.mark.kills_sglang_server
 def test_a_server_killed_mid_run_loses_no_stage(servers, tmp_path):
     """Slow: a real `async-rl train` run of 14 versions through two SGLang servers, one killed after the 4th
     (the run's final evaluation is skipped: not what this test checks)."""

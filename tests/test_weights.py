@@ -1,21 +1,26 @@
 """Weights by format (issue 55): the learner's publisher (learner/publisher.py `make_publisher`, driven for real)
-publishes each format (`safetensors`, `hf-dir`, `distributed` into a stand-in SGLang server over gloo), and a
-rollout worker's WeightsFollower, its engine configured for another format, loads it by the notice's format or
-refuses it by name; a format no learner writes is refused by name too. The stand-in server
-(tests/fake_sglang.py) speaks SGLang's HTTP calls and joins the broadcast group for real; it generates nothing."""
+publishes each format (`safetensors`, `hf-dir`, `distributed` into the session's two REAL SGLang servers over gloo),
+and a rollout worker's WeightsFollower, its engine configured for another format, loads it by the notice's format or
+refuses it by name; a format no learner writes is refused by name too.
+
+The SGLang tests use tests/conftest.py's pool (`servers`, xdist group "sglang": started once per session, shared
+with tests/test_sglang.py, reset to version 0 before each test) and publish from the pool's model directory, so the
+shapes match what the servers serve. What a worker sends its servers is read off its engine's HTTP client (a request
+hook, as tests/test_sglang.py does); what a server holds, off the server itself: its `weight_version` and every
+tensor of the published state through SGLang's `/get_weights_by_name`, compared exactly."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import zmq
-from fake_sglang import FakeSGLang
-from safetensors.torch import load_file
-from sglang_server import free_port
+from sglang_server import Pool, free_port
 
 from async_rl.config import SGLangConfig
 from async_rl.config_load import load_config
@@ -36,13 +41,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return prepare_model_dir(load_config(None, [f"run.dir={tmp_path_factory.mktemp('base')}", "run.seed=1"]))
-
-
-@pytest.fixture
-def fake(tmp_path):
-    server = FakeSGLang(tmp_path / "fake-sglang", free_port())
-    yield server
-    server.stop()
 
 
 def new_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -89,14 +87,55 @@ def loaded(engine: TorchEngine, state: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(model[k], v) for k, v in state.items())
 
 
-def test_safetensors_published_loads_in_the_built_in_engine_and_sglang_refuses_it_by_name(model_dir, fake, tmp_path,
-                                                                                         caplog):
+def sglang_worker(context: zmq.Context, servers: Pool, endpoint: str, run_dir: Path,
+                  **config) -> tuple[Worker, list[dict]]:
+    """A worker on the pool's servers and the weight calls its engine sends them (its HTTP client's request hook):
+    each call's server and path, and for a load from disk the directory sent and the files in it as it is sent."""
+    engine = SGLangEngine(SGLangConfig(urls=servers.urls, request_timeout_s=60.0, **config))
+    calls: list[dict] = []
+
+    def on_request(request: httpx.Request) -> None:
+        if request.url.path.startswith("/update_weight"):
+            call = {"server": f"{request.url.scheme}://{request.url.host}:{request.url.port}",
+                    "path": request.url.path}
+            model_path = json.loads(request.content or b"{}").get("model_path")
+            if model_path is not None:
+                call["model_path"] = model_path
+                call["files"] = sorted(p.name for p in Path(model_path).iterdir())
+            calls.append(call)
+
+    engine.http.event_hooks = {"request": [on_request], "response": []}
+    return Worker(context, engine, endpoint, run_dir), calls
+
+
+def versions(servers: Pool) -> list[str]:
+    return [server.model_info()["weight_version"] for server in servers.servers]
+
+
+def serves(servers: Pool, state: dict[str, torch.Tensor]) -> bool:
+    """Whether every server holds exactly these tensors (SGLang's /get_weights_by_name, whole: all rows; it maps the
+    HF names onto its fused parameters)."""
+    for server in servers.servers:
+        for name, tensor in state.items():
+            reply = httpx.post(server.url + "/get_weights_by_name", timeout=30,
+                               json={"name": name, "truncate_size": tensor.shape[0]})
+            reply.raise_for_status()
+            served = torch.tensor(reply.json(), dtype=torch.float32)
+            if served.shape != tensor.shape or not torch.equal(served, tensor.float()):
+                return False
+    return True
+
+
+@pytest.mark.sglang
+@pytest.mark.xdist_group("sglang")
+def test_safetensors_published_loads_in_the_built_in_engine_and_sglang_refuses_it_by_name(servers, tmp_path, caplog):
+    model_dir = servers.model_dir
     config = learner_config(tmp_path / "run")  # rollout.engine: torch
     context = zmq.Context()
     publisher = make_publisher(context, config, model_dir)
     built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
-    sglang = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url])), config.learner.publish_endpoint,
-                    config.run_dir)  # weight_sync: disk, an hf-dir worker
+    sglang, sent = sglang_worker(context, servers, config.learner.publish_endpoint,
+                                 config.run_dir)  # weight_sync: disk, an hf-dir worker
     try:
         state = new_weights(model_dir, 1)
         with caplog.at_level(logging.ERROR, logger="async_rl.rollout"):
@@ -105,7 +144,8 @@ def test_safetensors_published_loads_in_the_built_in_engine_and_sglang_refuses_i
             follow(publisher, [built_in, sglang],
                    lambda: built_in.engine.version == 1 and sglang.follower.refused == (1, "safetensors"))
         assert loaded(built_in.engine.engine, state)
-        assert sglang.engine.version == 0 and fake.state()["loads"] == [], "nothing was sent to the server"
+        assert sglang.engine.version == 0 and sent == [], "nothing was sent to the servers"
+        assert versions(servers) == ["0", "0"]
         assert any("policy version 1 not loaded: the SGLang engine cannot load weights of format 'safetensors'"
                    in record.getMessage() and "it loads 'hf-dir', 'distributed'" in record.getMessage()
                    for record in caplog.records), [r.getMessage() for r in caplog.records]
@@ -116,22 +156,30 @@ def test_safetensors_published_loads_in_the_built_in_engine_and_sglang_refuses_i
         context.term()
 
 
+@pytest.mark.sglang
+@pytest.mark.xdist_group("sglang")
 def test_an_hf_dir_published_for_sglang_loads_in_a_distributed_sglang_worker_and_in_the_built_in_engine(
-        model_dir, fake, tmp_path):
-    config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls=['{fake.url}']")
+        servers, tmp_path):
+    model_dir = servers.model_dir
+    config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls={servers.urls}")
     context = zmq.Context()
     publisher = make_publisher(context, config, model_dir)  # weight_sync: disk
     built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
-    sglang = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url], weight_sync="distributed")),
-                    config.learner.publish_endpoint, config.run_dir)
+    sglang, sent = sglang_worker(context, servers, config.learner.publish_endpoint, config.run_dir,
+                                 weight_sync="distributed")
     try:
         state = new_weights(model_dir, 2)
         assert publisher.publish(state, 1)
         assert publisher.latest.format == "hf-dir" and publisher.latest.path.endswith("hf-v1")
         follow(publisher, [built_in, sglang], lambda: built_in.engine.version == 1 and sglang.engine.version == 1)
         assert loaded(built_in.engine.engine, state)
-        [load] = fake.state()["loads"]  # through a view of links to the checked files, as with weight_sync: disk
-        assert Path(load["path"]).name.startswith(".sglang-load-hf-v1-") and "manifest.json" in load["files"]
+        # One load per server, both through one view of links to the checked files, as with weight_sync: disk.
+        assert sorted(call["server"] for call in sent) == sorted(servers.urls)
+        assert {call["path"] for call in sent} == {"/update_weights_from_disk"}
+        [view] = {call["model_path"] for call in sent}
+        assert Path(view).name.startswith(".sglang-load-hf-v1-") and not Path(view).exists()
+        assert all("manifest.json" in call["files"] and "model.safetensors" in call["files"] for call in sent)
+        assert versions(servers) == ["1", "1"] and serves(servers, state)
 
         # The loader checks the directory's manifest: a changed file is refused, never loaded, in either engine.
         assert publisher.publish(new_weights(model_dir, 3), 2)
@@ -142,7 +190,7 @@ def test_an_hf_dir_published_for_sglang_loads_in_a_distributed_sglang_worker_and
         follow(publisher, [built_in, sglang], lambda: built_in.engine.engine.weights_refused == 1
                and sglang.engine.engine.weights_refused == 1)
         assert built_in.engine.version == 1 and sglang.engine.version == 1 and loaded(built_in.engine.engine, state)
-        assert len(fake.state()["loads"]) == 1
+        assert len(sent) == 2 and versions(servers) == ["1", "1"] and serves(servers, state)
     finally:
         built_in.close()
         sglang.close()
@@ -150,16 +198,19 @@ def test_an_hf_dir_published_for_sglang_loads_in_a_distributed_sglang_worker_and
         context.term()
 
 
+@pytest.mark.sglang
+@pytest.mark.xdist_group("sglang")
 def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_refused_by_name_by_the_built_in_engine(
-        model_dir, fake, tmp_path, caplog):
-    config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls=['{fake.url}']",
+        servers, tmp_path, caplog):
+    model_dir = servers.model_dir
+    config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls={servers.urls}",
                             "rollout.sglang.weight_sync=distributed", "rollout.sglang.dist_backend=gloo",
                             f"rollout.sglang.dist_master_port={free_port()}")
     context = zmq.Context()
-    publisher = make_publisher(context, config, model_dir)  # joins the server's group, as rank 0
+    publisher = make_publisher(context, config, model_dir)  # joins the servers' group, as rank 0
     built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
-    sglang = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url])), config.learner.publish_endpoint,
-                    config.run_dir)  # weight_sync: disk
+    sglang, sent = sglang_worker(context, servers, config.learner.publish_endpoint,
+                                 config.run_dir)  # weight_sync: disk
     try:
         state = new_weights(model_dir, 4)
         with caplog.at_level(logging.ERROR, logger="async_rl.rollout"):
@@ -167,8 +218,8 @@ def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_ref
             assert (publisher.latest.format, publisher.latest.path) == ("distributed", "")
             follow(publisher, [built_in, sglang],
                    lambda: sglang.engine.version == 1 and built_in.follower.refused == (1, "distributed"))
-        received = load_file(str(fake.out / "received-v1.safetensors"))
-        assert received.keys() == state.keys() and all(torch.equal(received[k], v) for k, v in state.items())
+        assert versions(servers) == ["1", "1"] and serves(servers, state), "every server holds the pushed tensors"
+        assert sent == [], "the disk worker took the servers' version and loaded nothing"
         assert built_in.engine.version == 0 and not loaded(built_in.engine.engine, state)
         assert any("policy version 1 not loaded: the built-in engine cannot load weights of format 'distributed'"
                    in record.getMessage() and "it loads 'safetensors', 'hf-dir'" in record.getMessage()
@@ -179,9 +230,8 @@ def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_ref
         assert len(caplog.records) == refusals, "a refused notice repeated by the learner is not refused again"
 
         # A worker that starts later catches up from latest.json, by the format recorded there.
-        late = Worker(context, SGLangEngine(SGLangConfig(urls=[fake.url])), config.learner.publish_endpoint,
-                      config.run_dir)
-        assert late.engine.version == 1
+        late, late_sent = sglang_worker(context, servers, config.learner.publish_endpoint, config.run_dir)
+        assert late.engine.version == 1 and late_sent == []
         late.close()
     finally:
         built_in.close()
