@@ -19,23 +19,33 @@ Arms, all with `credit=outcome+step`:
   immediate+correction   this project: stage credit at once, corrected when the outcome lands
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
 Every run: the trap env (`env.kwargs.traps`; `--env hunt`: the long-horizon hunt, its judge delayed by
-`env.kwargs.judge_delay_s`), `learner.lr` from the sweep, `algo.aggregation` and
+`env.kwargs.judge_delay_s`), a simulated tool latency at every env step, the same in every arm and stated in the
+caption and the JSON (`--step-latency-s`, default 0.01 s, what the published cells used; 0: none),
+`learner.lr` from the sweep, `algo.aggregation` and
 `algo.entropy_per` (and `algo.entropy_coef`) as given (default token-sum, the config's step and 0.2), the default
 `algo.max_correction_staleness` (the config's `auto`, which follows the judge; `--max-correction-staleness N`
 fixes it) with the correction-staleness guard on, and `algo.max_staleness` = ceil(D) + 4:
 admission must let D updates' worth of groups be in flight, or it, not the rule, sets the pace (the default 4
-throttles an outcome-only arm while the judge is pending). A run stops at 0.8 success over the last 2,048
-trajectories (`replay.long_success_window`, the learner's stop rule), the env-step budget or the wall cap.
+throttles an outcome-only arm while the judge is pending). `--baseline-staleness 4,8,16,32` (the default of
+`--shipped`, where the other arms keep the config's 4) gives outcome-only+step its own best admission instead: short
+runs at each value first (`--sweep-seeds`, the first seeds, capped at `--sweep-wall-s`, half the cap by default,
+under the cell's judge), the best = the fewest median wall s to 0.8, else the highest success at the sweep's cap;
+its arm then runs at that value, printed in the caption and recorded under `baseline_staleness`. A run stops at
+0.8 success over the last 2,048 trajectories (`replay.long_success_window`, the learner's stop rule), the env-step
+budget or the wall cap.
 `--batch-scales` sweeps the learner's batch beside the lr (`learner.batch_tokens` and `learner.min_batch_items` at
 a fraction of the config's): immediate+correction steps on every stage's items and so takes several times the
 optimizer steps per env step of outcome-only+step; a baseline given smaller batches takes more steps too, so that
 best against best compares the rules, not their step counts.
 Reported per (traps, D, arm): the best lr and batch scale (fewest median env steps to 0.8, a missed seed counting as
-infinite) and its median env steps and wall seconds to 0.8; the ratios immediate+correction ÷ outcome-only+step,
+infinite) and its median env steps and wall seconds to 0.8; its success at fixed wall times (a quarter, half,
+three quarters and all of the cap: median, min and max over seeds, a second table and `success_at_wall`), so that
+a miss within the cap shows as a curve; the ratios immediate+correction ÷ outcome-only+step,
 best setting vs best setting; `credit_dropped` and the seconds the guard held the learner, per run.
 
     python benchmarks/delay.py --quick     # traps 2, D ≈ 5, the two main arms, 1 seed, 2,000 env steps (~1 min)
-    # the claim with the shipped config: only the env and its judge delay set (no lr sweep, no per-cell flags)
+    # the claim with the shipped config: only the env and its judge delay set (no lr sweep, no per-cell flags);
+    # the baseline at its best max_staleness of 4,8,16,32 (2 seeds x 450 s each, before the cell's runs)
     python benchmarks/delay.py --shipped --d 0,20,50 --traps 2 --arms outcome-only+step,immediate+correction --seeds 5
     python benchmarks/delay.py --shipped --env hunt --d 0,20,50 --arms outcome-only+step,immediate+correction --seeds 5
     python benchmarks/delay.py --d 0,20,50 --traps 2,0 --lrs 2.5e-4,5e-4,1e-3 --seeds 5   # the full form
@@ -77,7 +87,6 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,24 +94,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402 - benchmarks/ is not a package; scripts run as `python benchmarks/NAME.py`
     OUT_DIR,
-    BenchmarkError,
-    RunResult,
     chosen,
     console,
     emit,
-    first_at_target,
-    fmt,
     machine,
     markdown_table,
-    median_or_none,
     print_table,
-    ratio,
-    read_metrics,
     train,
+)
+from delay_parts import (  # noqa: E402
+    columns,
+    curve_table,
+    held_too_long,
+    label,
+    ratio_text,
+    run_key,
+    sweep_text,
+    tabulate,
+    wall_marks,
+)
+from delay_runs import (  # noqa: E402 - bound_used: tests/test_benchmarks.py reads it here
+    STEP_LATENCY_S,
+    TARGET,
+    WINDOW,
+    bound_used,  # noqa: F401
+    run_all,
+    run_job,
+    sweep_staleness,
+    throughput,
 )
 
 from async_rl.config import AlgoConfig, LearnerConfig  # noqa: E402
-from learner.metrics import GuardWatch  # noqa: E402
 
 ARMS = {
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
@@ -110,76 +132,9 @@ ARMS = {
     "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
 }
 DEFAULT_ARMS = ("outcome-only+step", "immediate+correction", "immediate-only")
-TARGET, WINDOW = 0.8, 2048
 LEARNER_DEFAULTS = LearnerConfig()  # what --batch-scales scales
 BATCH_TOKENS, MIN_BATCH_ITEMS = LEARNER_DEFAULTS.batch_tokens, LEARNER_DEFAULTS.min_batch_items
-HALF = 0.5  # a second, lower target: where neither arm reaches 0.8 within the cap, how fast each got half-way
-STEP_LATENCY_S = 0.01  # a tool call: every trajectory waits a little, as in slow_judge
-
-
-def throughput(run: RunResult, tail: float = 1.0) -> tuple[float | None, float | None]:
-    """(trajectories/s, trajectories per learner update) between the learner's first and last metrics line, or over
-    the last `tail` of its lines (a policy that learns to play longer episodes gets slower as it learns: on the hunt,
-    the start of a run overstates what the rest of it generates)."""
-    lines = run.lines[-max(2, math.ceil(tail * len(run.lines))):]
-    if len(lines) < 2:
-        return None, None
-    first, last = lines[0], lines[-1]
-    finished = last["trajectories_finished"] - first["trajectories_finished"]
-    return ratio(finished, last["wall_s"] - first["wall_s"]), ratio(finished, last["version"] - first["version"])
-
-
-def d_from_updates(run: RunResult, delay_s: float) -> float | None:
-    """The run's learner updates per second (between its first and last metrics line) × the judge delay."""
-    if len(run.lines) < 2:
-        return None
-    per_s = ratio(run.lines[-1]["version"] - run.lines[0]["version"], run.lines[-1]["wall_s"] - run.lines[0]["wall_s"])
-    return None if per_s is None else round(delay_s * per_s, 1)
-
-
-def bound_needed(lines: list[dict]) -> int | None:
-    """The 90th percentile over the run's metrics lines of `correction_bound_needed` (learner/metrics.py), recomputed
-    from the lines so runs logged before the learner wrote it get it too: the correction bound at which the guard
-    would not have held this run's learner."""
-    watch = GuardWatch()
-    needed = sorted(watch.update(m["wall_s"], m.get("guard_held_s", 0.0), m.get("staleness_max_correction", 0))
-                    ["correction_bound_needed"] for m in lines if "wall_s" in m)
-    return needed[min(len(needed) - 1, int(0.9 * len(needed)))] if needed else None
-
-
-def bound_used(lines: list[dict]) -> int | None:
-    """The largest correction bound in use once the first outcome was in: before it `auto` is its cap (the judge's
-    delay is not known yet: replay/guard.py), which says nothing about the judge. The bound is set once per version,
-    so the first line with a finished trajectory may still carry the cap: it is skipped too."""
-    after = [m for m in lines if m.get("trajectories_finished", 0) > 0][1:]
-    return max((m.get("correction_bound", 0) for m in after), default=None)
-
-
-def measure(run: RunResult, delay_s: float, per_update: float) -> dict:
-    hit = first_at_target(run.lines, TARGET, WINDOW, key="success_rate_long")
-    half = first_at_target(run.lines, HALF, WINDOW, key="success_rate_long")
-    last = run.lines[-1] if run.lines else {}
-    per_s, _ = throughput(run)
-    return {
-        "env_steps_to_target": hit and hit["env_steps"],
-        "wall_s_to_target": hit and round(hit["wall_s"], 1),
-        "env_steps_to_half": half and half["env_steps"],
-        "wall_s_to_half": half and round(half["wall_s"], 1),
-        "d_measured": None if per_s is None else round(delay_s * per_s / per_update, 1),
-        # the run's own learner updates during one judge delay: D by its definition for outcome-only+step (its every
-        # update is an outcome-only one); not comparable for the arms that also step on immediate items
-        "d_from_updates": d_from_updates(run, delay_s),
-        "trajectories_per_s": per_s and round(per_s, 1),
-        "credit_dropped": last.get("credit_dropped", 0),
-        "guard_held_s": round(last.get("guard_held_s", 0.0), 1),
-        "bound_needed": bound_needed(run.lines),
-        "bound_used_max": bound_used(run.lines),
-        "env_steps_end": last.get("env_steps"),
-        "versions": run.summary["versions"],
-        "wall_s": round(last["wall_s"], 1) if "wall_s" in last else None,
-        "final_success_long": last.get("success_rate_long", 0.0),
-        "stop_reason": run.summary["stop_reason"],
-    }
+BASELINE_STALENESS = "4,8,16,32"  # --shipped: the admission bounds swept for outcome-only+step
 
 
 def side_by_side(args: argparse.Namespace, out_dir: Path, name: str,
@@ -221,60 +176,13 @@ def fit_delay(args: argparse.Namespace, out_dir: Path, done_dir: Path, traps: in
     return next_delay, got
 
 
-def held_too_long(runs: Iterable[dict], share: float = 0.25) -> list[str]:
-    """The runs whose guard held the learner over `share` of their wall time. The bound counts learner versions:
-    an arm that also steps on immediate items spans ~3x the versions per judge delay (docs/results.md, "delay"),
-    so a bound sized from D throttles it and its wall time measures the bound, not the rule."""
-    return [run_key(m["traps"], m["d"], m["arm"], m["lr"], m.get("batch_scale", 1.0), m["seed"]) for m in runs
-            if m.get("guard_held_s") and m.get("wall_s") and m["guard_held_s"] > share * m["wall_s"]]
-
-
-def at_least(runs: list[dict], reached: str, end: str) -> float | None:
-    """The median over seeds of `reached` (env steps or wall s to 0.8), a run that missed counted at its `end`:
-    a lower bound on the true median, where that one is past the cap."""
-    values = [m[reached] if m.get(reached) is not None else m.get(end) for m in runs]
-    return None if not values or None in values else median_or_none(values)
-
-
-def best_setting(per_setting: dict[tuple[float, float], dict]) -> tuple[float, float]:
-    """An arm's best (lr, batch scale): the fewest median env steps to 0.8; where no setting's median reached it, the
-    lowest bound on it (misses counted at their end), so the ratio is bounded with the setting most favourable to
-    that arm (then the higher success at the end)."""
-    def key(setting: tuple[float, float]) -> tuple[bool, float, float]:
-        cell = per_setting[setting]
-        steps = cell["env_steps"] if cell["env_steps"] is not None else cell["env_steps_at_least"]
-        return cell["env_steps"] is None, math.inf if steps is None else steps, -(cell["final_success"] or 0.0)
-    return min(per_setting, key=key)
-
-
-def censored(ours: dict, theirs: dict, key: str) -> tuple[float | None, float | None]:
-    """(at most, at least) for ours ÷ theirs in `key` (env_steps or wall_s) where one median missed 0.8 and the
-    other did not: the one that missed counted at its runs' end gives an upper bound (theirs missed) or a lower
-    bound (ours missed) on the ratio. (None, None) where both reached or both missed."""
-    if ours[key] is not None and theirs[key] is None:
-        return ratio(ours[key], theirs[f"{key}_at_least"]), None
-    if ours[key] is None and theirs[key] is not None:
-        return None, ratio(ours[f"{key}_at_least"], theirs[key])
-    return None, None
-
-
-def bounds(ours: dict, theirs: dict) -> dict[str, float | None]:
-    steps_most, steps_least = censored(ours, theirs, "env_steps")
-    wall_most, wall_least = censored(ours, theirs, "wall_s")
-    return {"env_steps_at_most": steps_most, "wall_s_at_most": wall_most, "env_steps_at_least": steps_least,
-            "wall_s_at_least": wall_least}
-
-
-def ratio_text(cell: str, r: dict) -> str:
-    text = (f"{cell} {fmt(r['env_steps'], '.2f', 'n/a')}, {fmt(r['wall_s'], '.2f', 'n/a')}; "
-            f"{fmt(r['env_steps_half'], '.2f', 'n/a')}, {fmt(r['wall_s_half'], '.2f', 'n/a')}")
-    if r.get("env_steps_at_most") is not None:
-        text += (f" (outcome-only+step's median missed 0.8: at most {fmt(r['env_steps_at_most'], '.2f')}, "
-                 f"{fmt(r['wall_s_at_most'], '.2f', 'n/a')}, its misses counted at their end)")
-    if r.get("env_steps_at_least") is not None:
-        text += (f" (immediate+correction's median missed 0.8: at least {fmt(r['env_steps_at_least'], '.2f')}, "
-                 f"{fmt(r['wall_s_at_least'], '.2f', 'n/a')}, its misses counted at their end)")
-    return text
+def staleness_arg(value: str) -> list[int]:
+    if value.lower() == "none":
+        return []
+    values = [int(v) for v in value.split(",") if v.isdigit()]
+    if not values or len(values) != len(value.split(",")) or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 or none, got {value!r}")
+    return values
 
 
 def bound_arg(value: str) -> str:
@@ -299,22 +207,6 @@ def batch_overrides(scale: float) -> list[str]:
         return []
     return [f"learner.batch_tokens={max(1, round(BATCH_TOKENS * scale))}",
             f"learner.min_batch_items={max(1, round(MIN_BATCH_ITEMS * scale))}"]
-
-
-def setting_key(lr: float, scale: float) -> str:
-    """A run's lr (and batch scale, where not 1) in its key: lr0.0005, lr0.0005-b0.25."""
-    return f"lr{lr:g}" if scale == 1 else f"lr{lr:g}-b{scale:g}"
-
-
-def run_key(traps: int | str, d: float, arm: str, lr: float, scale: float, seed: int) -> str:
-    """A run's name: its folder and its file in done/ (what --reuse matches), e.g.
-    hunt-D0-outcome-only+step-lr0.0005-seed0."""
-    return f"{label(traps)}-D{d:g}-{arm}-{setting_key(lr, scale)}-seed{seed}"
-
-
-def label(traps: int | str) -> str:
-    """A setting's name in run keys and result cells: traps2, traps0, hunt."""
-    return "hunt" if traps == "hunt" else f"traps{traps}"
 
 
 def env_overrides(traps: int | str) -> list[str]:
@@ -364,7 +256,22 @@ def main() -> int:
     parser.add_argument("--shipped", action="store_true",
                         help="the shipped config as a user runs it: only the environment, its judge delay, the seeds "
                              "and the budget set; no lr sweep, no learner flags, the config's max_staleness and its "
-                             "auto correction bound (issue: the claim with the shipped defaults)")
+                             "auto correction bound (issue: the claim with the shipped defaults); outcome-only+step "
+                             "at its best max_staleness of --baseline-staleness (default 4,8,16,32)")
+    parser.add_argument("--baseline-staleness", type=staleness_arg, default=None, metavar="N,...|none",
+                        help="sweep outcome-only+step's algo.max_staleness over these values (short runs: "
+                             "--sweep-seeds x --sweep-wall-s, under each cell's judge) and run its arm at the best: "
+                             "the fewest median wall s to 0.8, else the highest success at the sweep's cap (default "
+                             f"with --shipped {BASELINE_STALENESS}: the config's 4 throttles it while the judge is "
+                             "pending; else none: every arm at ceil(D) + 4); the other arms keep theirs")
+    parser.add_argument("--sweep-seeds", type=int, default=2, help="seeds of each --baseline-staleness value "
+                        "(the first ones; default 2, at most --seeds)")
+    parser.add_argument("--sweep-wall-s", type=float, default=None,
+                        help="wall cap of each --baseline-staleness run (default half of --max-wall-s)")
+    parser.add_argument("--step-latency-s", type=float, default=STEP_LATENCY_S,
+                        help="env.kwargs.step_latency_s of every run, both arms, the calibration and fits: a tool "
+                             f"call's wait at every env step (default {STEP_LATENCY_S}, what docs/results.md's cells "
+                             "used; 0: none); printed in the table's caption and the JSON")
     parser.add_argument("--aggregation", default="token-sum", help="algo.aggregation of every arm")
     parser.add_argument("--entropy-per", default="step", choices=["step", "credit"],
                         help="algo.entropy_per of every arm (default the config's, step)")
@@ -407,12 +314,22 @@ def main() -> int:
         args.fit_steps = 200_000 if args.env == "hunt" else 60_000
     if args.fit_d < 0 or args.fit_steps <= 0:
         parser.error(f"--fit-d and --fit-steps: expected >= 0 and > 0, got {args.fit_d} and {args.fit_steps}")
+    if not (math.isfinite(args.step_latency_s) and args.step_latency_s >= 0):
+        parser.error(f"--step-latency-s: expected a finite number >= 0, got {args.step_latency_s}")
+    if args.sweep_seeds < 1 or (args.sweep_wall_s is not None and not args.sweep_wall_s > 0):
+        parser.error(f"--sweep-seeds and --sweep-wall-s: expected >= 1 and > 0, got {args.sweep_seeds} and "
+                     f"{args.sweep_wall_s}")
     if args.quick:
         args.d, args.traps, args.arms, args.lrs, args.seeds = "5", "2", "outcome-only+step,immediate+correction", \
             "5e-4", 1
         args.budget, args.calibrate_steps, args.max_wall_s, args.parallel = 2_000, 2_000, 120.0, 2
         if args.env == "hunt":  # ~15 steps a trajectory, 16 a group: 2k steps are too few learner steps to calibrate
             args.budget = args.calibrate_steps = 8_000
+        args.sweep_seeds = 1  # a --baseline-staleness sweep only where asked: one seed a value
+    if args.baseline_staleness is None:
+        args.baseline_staleness = staleness_arg(BASELINE_STALENESS) if args.shipped else []
+    if args.sweep_wall_s is None:
+        args.sweep_wall_s = args.max_wall_s / 2
     ds = [float(d) for d in args.d.split(",")]
     # a setting: the trap env's env.kwargs.traps, or "hunt"
     traps_list: list[int | str] = ["hunt"] if args.env == "hunt" else [int(t) for t in args.traps.split(",")]
@@ -444,11 +361,14 @@ def main() -> int:
         learner.append(f"algo.ppo_epochs={args.ppo_epochs}")
     if args.omega is not None:
         learner.append(f"algo.omega={args.omega}")
-    common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={STEP_LATENCY_S}", *learner]
+    common = ["run.max_versions=1000000", f"env.kwargs.step_latency_s={args.step_latency_s}", *learner]
+    marks = wall_marks(args.max_wall_s)
 
     result: dict = {"machine": info, "target": TARGET, "window": WINDOW, "learner": learner, "calibration": {},
                     "runs": {}, "best": {}, "ratios": {}, "fits": {},
-                    "fit_steps": args.fit_steps if args.fit_d else None}
+                    "fit_steps": args.fit_steps if args.fit_d else None,
+                    # the simulated tool latency every run had, every arm alike (nothing hidden in one arm)
+                    "step_latency_s": args.step_latency_s, "wall_marks_s": marks, "baseline_staleness": {}}
     jobs: list[tuple[str, list[str], dict]] = []
     for traps in traps_list:
         # Calibration: outcome-only+step, instant judge, the middle lr: trajectories/s and per update.
@@ -482,8 +402,20 @@ def main() -> int:
                     f"algo.max_correction_staleness={bound}", f"run.max_env_steps={args.fit_steps}",
                     "run.target_success=null"])
                 fits.append({"d_got": got, "next_delay_s": delay})
+            cell = f"{label(traps)}-D{d:g}"
             if fits:
-                result["fits"][f"{label(traps)}-D{d:g}"] = fits
+                result["fits"][cell] = fits
+            staleness = dict.fromkeys(arms, max_staleness)
+            if args.baseline_staleness and "outcome-only+step" in arms:
+                lr, scale = settings[0]
+                sweep = sweep_staleness(args, out_dir, done_dir, cell, args.baseline_staleness, [
+                    *ARMS["outcome-only+step"], *common, *env_overrides(traps), f"{delay_key(traps)}={delay}",
+                    f"algo.max_correction_staleness={bound}", f"learner.lr={lr}", *batch_overrides(scale)], {
+                    "traps": traps, "d": d, "arm": "outcome-only+step", "lr": lr, "batch_scale": scale,
+                    "delay_s": delay, "max_correction_staleness": bound, "per_update": per_update,
+                    "learner": learner, "step_latency_s": args.step_latency_s})
+                result["baseline_staleness"][cell] = sweep
+                staleness["outcome-only+step"] = sweep["chosen"]
             # seed outermost and arm innermost: with --parallel 2 the arms of one seed and lr run side by side,
             # under the same load
             for seed in range(args.seeds):
@@ -491,119 +423,43 @@ def main() -> int:
                     for arm in arms:
                         key = run_key(traps, d, arm, lr, scale, seed)
                         overrides = [*ARMS[arm], *common, *env_overrides(traps),
-                                     f"{delay_key(traps)}={delay}", f"algo.max_staleness={max_staleness}",
+                                     f"{delay_key(traps)}={delay}", f"algo.max_staleness={staleness[arm]}",
                                      f"algo.max_correction_staleness={bound}", f"learner.lr={lr}",
                                      *batch_overrides(scale),
                                      f"run.seed={seed}", f"env.kwargs.seed={seed}", f"env.seed={seed}",
                                      f"run.max_env_steps={args.budget}",
                                      f"run.max_wall_s={args.max_wall_s}"]
                         meta = {"traps": traps, "d": d, "arm": arm, "lr": lr, "batch_scale": scale, "seed": seed,
-                                "delay_s": delay, "max_staleness": max_staleness, "max_correction_staleness": bound,
-                                "per_update": per_update, "learner": learner}
+                                "delay_s": delay, "max_staleness": staleness[arm],
+                                "max_correction_staleness": bound, "per_update": per_update, "learner": learner,
+                                "step_latency_s": args.step_latency_s}
                         jobs.append((key, overrides, meta))
 
-    def one(job: tuple[str, list[str], dict]) -> tuple[str, dict]:
-        key, overrides, meta = job
-        saved = done_dir / f"{key}.json"
-        if saved.exists():
-            console.print(f"[bold]delay[/] {key}: reused from {saved}")
-            kept = json.loads(saved.read_text())
-            if kept.get("learner", meta["learner"]) != meta["learner"]:  # runs kept before 2026-11-27 have none
-                raise SystemExit(f"{key}: kept in {saved} with the learner settings {kept['learner']}, and this "
-                                 f"invocation asks for {meta['learner']}: --reuse would mix them; use another --out")
-            stdout, run_dir = out_dir / f"{key}.stdout.log", out_dir / key
-            if "failed" not in kept and stdout.exists() and (run_dir / "metrics.jsonl").exists():
-                # measured again from the run's own files, so that figures added since are filled in too
-                summary = json.loads(stdout.read_text().strip().splitlines()[-1])
-                run = RunResult(key, run_dir, summary, read_metrics(run_dir), 0.0)
-                kept = {**kept, **measure(run, meta["delay_s"], meta["per_update"])}
-            return key, kept
-        console.print(f"[bold]delay[/] {key}: judge {meta['delay_s']} s, max_staleness {meta['max_staleness']}, "
-                      f"max_correction_staleness {meta['max_correction_staleness']}")
-        try:
-            run = train(out_dir, key, overrides, timeout_s=args.max_wall_s + 180)
-        except BenchmarkError as error:  # one failed run is reported, not the whole sweep lost
-            console.print(f"  [red]failed[/]: {error}")
-            return key, {**meta, "failed": str(error).splitlines()[0], "env_steps_to_target": None,
-                         "wall_s_to_target": None, "d_measured": None, "credit_dropped": 0, "guard_held_s": None}
-        measured = {**meta, **measure(run, meta["delay_s"], meta["per_update"])}
-        saved.write_text(json.dumps(measured))
-        console.print(f"  {measured}")
-        return key, measured
-
-    if args.parallel > 1:
-        with ThreadPoolExecutor(args.parallel) as pool:
-            done = list(pool.map(one, jobs))
-    else:
-        done = [one(job) for job in jobs]
+    done = run_all(args, jobs, lambda job: run_job(args, out_dir, done_dir, job, marks))
     result["runs"] = dict(done)
 
-    rows = []
-    for traps in traps_list:
-        for d in ds:
-            best: dict[str, dict] = {}
-            for arm in arms:
-                per_setting = {}
-                for lr, scale in settings:
-                    runs = [m for m in result["runs"].values()
-                            if (m["traps"], m["d"], m["arm"], m["lr"], m.get("batch_scale", 1.0))
-                            == (traps, d, arm, lr, scale)]
-                    per_setting[lr, scale] = {
-                        "env_steps": median_or_none([m["env_steps_to_target"] for m in runs]),
-                        "wall_s": median_or_none([m["wall_s_to_target"] for m in runs]),
-                        "reached": sum(m["env_steps_to_target"] is not None for m in runs),
-                        "seeds": len(runs),
-                        "d_measured": median_or_none([m["d_measured"] for m in runs]),
-                        "d_from_updates": median_or_none([m.get("d_from_updates") for m in runs]),
-                        "credit_dropped": sum(m["credit_dropped"] for m in runs),
-                        "guard_held_s": median_or_none([m["guard_held_s"] for m in runs]),
-                        "bound_needed": median_or_none([m.get("bound_needed") for m in runs]),
-                        "reached_half": sum(m.get("env_steps_to_half") is not None for m in runs),
-                        "env_steps_half": median_or_none([m.get("env_steps_to_half") for m in runs]),
-                        "wall_s_half": median_or_none([m.get("wall_s_to_half") for m in runs]),
-                        "final_success": median_or_none([m.get("final_success_long") for m in runs]),
-                        # a run that missed counted at its end: a lower bound on the median to 0.8
-                        "env_steps_at_least": at_least(runs, "env_steps_to_target", "env_steps_end"),
-                        "wall_s_at_least": at_least(runs, "wall_s_to_target", "wall_s"),
-                    }
-                lr_best, scale_best = best_setting(per_setting)
-                best[arm] = {"lr": lr_best, "batch_scale": scale_best, **per_setting[lr_best, scale_best],
-                             "per_setting": {setting_key(*k): v for k, v in per_setting.items()}}
-                b = best[arm]
-                rows.append([str(traps), f"{d:g}", fmt(b["d_measured"], ".1f", "n/a"),
-                             fmt(b["d_from_updates"], ".1f", "n/a"), arm, f"{lr_best:g}", f"{scale_best:g}",
-                             f"{b['reached']}/{b['seeds']}", fmt(b["env_steps"], ",.0f"), fmt(b["wall_s"], ".0f"),
-                             f"{b['reached_half']}/{b['seeds']}", fmt(b["env_steps_half"], ",.0f"),
-                             fmt(b["wall_s_half"], ".0f"), fmt(b["final_success"], ".2f", "n/a"),
-                             str(b["credit_dropped"]), fmt(b["guard_held_s"], ".0f", "n/a"),
-                             fmt(b["bound_needed"], ".0f", "n/a")])
-            cell = f"{label(traps)}-D{d:g}"
-            result["best"][cell] = best
-            if {"immediate+correction", "outcome-only+step"} <= best.keys():
-                ours, theirs = best["immediate+correction"], best["outcome-only+step"]
-                result["ratios"][cell] = {"env_steps": ratio(ours["env_steps"], theirs["env_steps"]),
-                                          "wall_s": ratio(ours["wall_s"], theirs["wall_s"]),
-                                          "env_steps_half": ratio(ours["env_steps_half"], theirs["env_steps_half"]),
-                                          "wall_s_half": ratio(ours["wall_s_half"], theirs["wall_s_half"]),
-                                          # where one arm's median missed 0.8 within the cap: bounds, its misses
-                                          # counted at their end
-                                          **bounds(ours, theirs)}
+    rows = tabulate(result, traps_list, ds, arms, settings, marks)
     result["credit_dropped_total"] = sum(m["credit_dropped"] for m in result["runs"].values())
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    columns = ["traps (or env)", "D asked", "D measured", "judge delay × updates/s", "arm", "best lr", "batch scale",
-               "reached", "env steps to 0.8", "wall s to 0.8", "reached 0.5", "env steps to 0.5", "wall s to 0.5",
-               "success at end", "credit dropped", "guard held s", "bound needed"]
-    caption = "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
+    header = columns()
+    caption = (f"every run (both arms, calibration, fits): a {args.step_latency_s:g} s simulated tool latency at each "
+               "env step; ")
+    caption += "".join(sweep_text(cell, sweep) + "; " for cell, sweep in result["baseline_staleness"].items())
+    caption += "ratios imm+corr ÷ outcome-only+step (env steps, wall; to 0.8, then to 0.5): " + "; ".join(
         ratio_text(cell, r) for cell, r in result["ratios"].items())
     held = held_too_long(result["runs"].values())
     if held:
         result["guard_bound_warning"] = held
         caption += ("; the guard held the learner over a quarter of the wall time in " + ", ".join(held) +
                     ": the correction bound, not the rule, set their pace (raise --max-correction-staleness)")
-    print_table("delay: immediate credit vs late outcomes", columns, rows, caption)
+    print_table("delay: immediate credit vs late outcomes", header, rows, caption)
+    curve_header, curve_rows = curve_table(result, marks)
+    print_table("delay: success over the last 2,048 trajectories at fixed wall times (median (min–max) over seeds)",
+                curve_header, curve_rows)
     command = " ".join(["python benchmarks/delay.py", *sys.argv[1:]])
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "table.md").write_text(markdown_table(columns, rows, command) + f"\n{caption}\n")
+    (out_dir / "table.md").write_text(markdown_table(header, rows, command) + f"\n{caption}\n\n"
+                                      + markdown_table(curve_header, curve_rows, command))
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
     emit(result)
     return 0

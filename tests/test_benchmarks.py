@@ -176,8 +176,9 @@ def test_sglang_interrupt_quick(servers):
 
 @pytest.mark.slow
 def test_delay_quick():
-    """Slow: two calibration runs side by side, then the two arms side by side: four real `async-rl train` runs."""
-    result = run_benchmark("delay.py", timeout_s=300)
+    """Slow: two calibration runs side by side, the baseline's max_staleness sweep (4 and 8, one seed each, side by
+    side), then the two arms side by side: six real `async-rl train` runs."""
+    result = run_benchmark("delay.py", 420, "--baseline-staleness", "4,8")
     calibration = result["calibration"]["2"]
     assert calibration["trajectories_per_s"] > 0 and calibration["trajectories_per_update"] > 0
     runs = result["runs"].values()
@@ -188,6 +189,19 @@ def test_delay_quick():
     assert all(16 <= run["bound_used_max"] < 1024 for run in runs)
     assert result["credit_dropped_total"] == 0  # the guard at the default bound
     assert "traps2-D5" in result["ratios"]
+    # fairness: the latency every run had is stated, the baseline ran at its best of the sweep, and each arm's
+    # success at fixed wall times (a quarter of the cap each) is there, for a miss to show as a curve
+    assert result["step_latency_s"] == 0.01 and all(run["step_latency_s"] == 0.01 for run in runs)
+    sweep = result["baseline_staleness"]["traps2-D5"]
+    assert sweep["swept"] == [4, 8] and sweep["chosen"] in (4, 8) and set(sweep["per_value"]) == {"4", "8"}
+    assert sorted(run["max_staleness"] for run in sweep["runs"].values()) == [4, 8]
+    best = result["best"]["traps2-D5"]
+    assert best["outcome-only+step"]["max_staleness"] == [sweep["chosen"]]
+    assert best["immediate+correction"]["max_staleness"] == [9]  # ceil(D) + 4: the sweep is the baseline's only
+    assert result["wall_marks_s"] == [30.0, 60.0, 90.0, 120.0]
+    for arm in best.values():
+        assert list(arm["success_at_wall"]) == ["30", "60", "90", "120"]
+        assert all(0 <= s["min"] <= s["median"] <= s["max"] <= 1 for s in arm["success_at_wall"].values())
 
 
 BOTH_ARMS = "outcome-only+step,immediate+correction"
@@ -251,6 +265,70 @@ def test_delay_reuse_tabulates_kept_runs_without_training(tmp_path):
     # the run whose guard held it over a quarter of its wall time is named: the bound set its pace, not the rule
     assert result["guard_bound_warning"] == ["traps0-D10-immediate+correction-lr0.0005-seed0"]
     assert "the correction bound, not the rule, set their pace" in table
+
+
+def test_delay_baseline_runs_at_its_best_max_staleness_of_the_sweep(tmp_path):
+    """`--baseline-staleness 4,16,32` (the default of --shipped is 4,8,16,32) runs outcome-only+step's short sweep
+    first (here kept in done/) and its arm at the best: the fewest median wall s to 0.8, else the highest success
+    at the sweep's cap. The result records the sweep and each arm's success at fixed wall times; the table states
+    the value chosen and the step latency."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-traps2.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    common = {"traps": 2, "d": 10.0, "lr": 0.0005, "delay_s": 5.0, "per_update": 50.0, "d_measured": 9.0,
+              "max_correction_staleness": "auto", "credit_dropped": 0, "guard_held_s": 0.0, "step_latency_s": 0.01,
+              "learner": ["algo.aggregation=token-sum", "algo.entropy_per=step"]}
+    # (value, seed) -> (wall s to 0.8 or None, success at the sweep's cap): 16's median is 120 s, 32's missed
+    sweep = {(4, 0): (None, 0.5), (4, 1): (None, 0.6), (16, 0): (100.0, 0.8), (16, 1): (140.0, 0.8),
+             (32, 0): (90.0, 0.8), (32, 1): (None, 0.7)}
+    for (value, seed), (wall, success) in sweep.items():
+        (done / f"sweep-traps2-D10-ms{value}-seed{seed}.json").write_text(json.dumps({
+            **common, "arm": "outcome-only+step", "seed": seed, "max_staleness": value, "wall_s_to_target": wall,
+            "env_steps_to_target": wall and wall * 100, "final_success_long": success}))
+    curves = {"outcome-only+step": [{"150": 0.3, "300": 0.5}, {"150": 0.4, "300": 0.7}],
+              "immediate+correction": [{"150": 0.6, "300": 0.8}, {"150": 0.5, "300": 0.8}]}
+    for arm, per_seed in curves.items():
+        for seed, curve in enumerate(per_seed):
+            reached = curve["300"] >= 0.8
+            (done / f"traps2-D10-{arm}-lr0.0005-seed{seed}.json").write_text(json.dumps({
+                **common, "arm": arm, "seed": seed, "max_staleness": 16 if arm == "outcome-only+step" else 14,
+                "env_steps_to_target": 50_000 if reached else None, "wall_s_to_target": 280.0 if reached else None,
+                "env_steps_end": 60_000, "wall_s": 300.0, "final_success_long": curve["300"],
+                "success_at_wall": curve}))
+    result = kept_delay(tmp_path, "--d", "10", "--traps", "2", "--arms", BOTH_ARMS, "--lrs", "5e-4", "--seeds", "2",
+                        "--max-wall-s", "300", "--baseline-staleness", "4,16,32", "--fit-d", "0")
+    chosen = result["baseline_staleness"]["traps2-D10"]
+    assert chosen["chosen"] == 16 and chosen["per_value"]["32"]["wall_s"] is None  # 32's median missed
+    assert chosen["per_value"]["4"]["final_success"] == 0.55 and chosen["seeds"] == 2 and chosen["max_wall_s"] == 150
+    assert result["step_latency_s"] == 0.01
+    best = result["best"]["traps2-D10"]
+    assert best["outcome-only+step"]["max_staleness"] == [16]
+    assert best["outcome-only+step"]["success_at_wall"]["150"] == {"median": 0.35, "min": 0.3, "max": 0.4}
+    assert best["immediate+correction"]["success_at_wall"]["300"] == {"median": 0.8, "min": 0.8, "max": 0.8}
+    table = (tmp_path / "table.md").read_text()
+    assert "outcome-only+step at max_staleness 16" in table and "0.01 s simulated tool latency" in table
+    # read at a quarter of the cap each (75, 150, 225, 300 s): these made-up runs have the second and the last
+    assert "| traps2-D10 | outcome-only+step | 16 | 2 | n/a | 0.35 (0.30–0.40) | n/a | 0.60 (0.50–0.70) |" in table
+
+
+def test_delay_reuse_refuses_a_kept_run_made_at_another_step_latency(tmp_path):
+    """The step latency is every run's, stated in the result: a kept run made at 0.01 s (the default; runs kept
+    before the option have none and ran at it) is not taken into a `--step-latency-s 0` invocation."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "calibrate-traps2.json").write_text(json.dumps({"per_s": 100.0, "per_update": 50.0}))
+    (done / "traps2-D0-outcome-only+step-lr0.0005-seed0.json").write_text(json.dumps({
+        "traps": 2, "d": 0.0, "arm": "outcome-only+step", "lr": 0.0005, "seed": 0, "delay_s": 0.0,
+        "per_update": 50.0, "max_staleness": 4, "max_correction_staleness": "auto", "env_steps_to_target": 1000,
+        "wall_s_to_target": 1.0, "d_measured": 0.0, "credit_dropped": 0, "guard_held_s": 0.0,
+        "learner": ["algo.aggregation=token-sum", "algo.entropy_per=step"]}))
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "delay.py"), "--d", "0", "--traps", "2", "--arms",
+         "outcome-only+step", "--lrs", "5e-4", "--seeds", "1", "--step-latency-s", "0", "--out", str(tmp_path),
+         "--reuse"], capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert finished.returncode == 1 and "0.01 s step latency" in finished.stderr
+    assert not any(path.is_dir() and path.name != "done" for path in tmp_path.iterdir())  # nothing was trained
 
 
 def test_delay_reuse_refuses_a_kept_run_made_with_other_learner_flags(tmp_path):
@@ -392,7 +470,9 @@ def test_delay_fit_reuses_kept_refits_in_order(tmp_path, env, setting, fit_steps
 @pytest.mark.parametrize("flag", [("--fit-d", "-1"), ("--entropy-coef", "-0.1"), ("--entropy-coef", "nan"),
                                   ("--entropy-floor", "-1"), ("--entropy-floor", "inf"), ("--batch-scales", "0"),
                                   ("--batch-scales", "1,x"), ("--batch-scales", "2"), ("--ppo-epochs", "0"),
-                                  ("--omega", "nan"), ("--omega", "-1")])
+                                  ("--omega", "nan"), ("--omega", "-1"), ("--step-latency-s", "-0.01"),
+                                  ("--baseline-staleness", "4,x"), ("--baseline-staleness", "0"),
+                                  ("--sweep-seeds", "0")])
 def test_delay_names_a_bad_count_or_coefficient(flag):
     finished = subprocess.run([sys.executable, str(REPO / "benchmarks" / "delay.py"), *flag],
                               capture_output=True, text=True, timeout=60, cwd=REPO)
