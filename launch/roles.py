@@ -13,6 +13,11 @@ from collections.abc import Callable
 from async_rl.config import Config
 from async_rl.errors import CONFIG_EXIT_CODE, AsyncRLError, ConfigError
 
+# Commands that import no torch or transformers in their own process: the replay (a restarted replay is back in
+# about a second) and `train`'s launcher, whose roles are forked from a server that imported them (it imported both
+# here before starting that server: 2.3 CPU-s, ~3 s on the shared 2-core machine, before any role could start).
+NO_TORCH = ("replay", "train")
+
 
 def configure_logging(name: str, config: Config) -> None:
     logging.basicConfig(
@@ -22,8 +27,12 @@ def configure_logging(name: str, config: Config) -> None:
         force=True,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if name == "replay":
-        return  # the replay imports neither transformers nor torch: a restarted replay is back in about a second
+    if name not in NO_TORCH:
+        quiet_transformers()
+
+
+def quiet_transformers() -> None:
+    """No progress bars and only errors from transformers."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -69,7 +78,7 @@ ENTRY_POINTS: dict[str, Callable[[Config, argparse.Namespace], int | None]] = {
 
 
 def run_in_process(command: str, name: str, config: Config, entry: Callable[[], int | None]) -> int:
-    """Logging as `name` (rollout-N for a worker), the configured thread count (the replay imports no torch), then
+    """Logging as `name` (rollout-N for a worker), the configured thread count (NO_TORCH import no torch), then
     `entry`. An AsyncRLError is logged and printed in one line, exit 2; a ConfigError of a service role exits
     CONFIG_EXIT_CODE, which the launcher and a pod's restart policy do not retry (it would stop the same way)."""
     configure_logging(name, config)
@@ -78,7 +87,7 @@ def run_in_process(command: str, name: str, config: Config, entry: Callable[[], 
             from async_rl.security import check_transport
 
             check_transport(config)  # TCP without CURVE: refused unless security.insecure says so
-        if command != "replay":
+        if command not in NO_TORCH:
             import torch
 
             torch.set_num_threads(config.run.threads_per_process)

@@ -170,8 +170,15 @@ def _evaluate(config: Config, console: Console, forks: forkserver.ForkServer | N
     log_path = config.run_dir / "logs" / "evaluate.log"
     if forks is not None and forks.alive():
         return _evaluate_forked(forks, env, config_path, log_path, console)
+    import torch
+    from transformers.utils import logging as hf_logging
+
     from rollout.evaluate import evaluate
 
+    # Here, in the launcher's own process, as launch/roles.py does for a role (`train` leaves torch alone there).
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(config.run.threads_per_process)
     handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [evaluate] %(name)s: %(message)s"))
     root = logging.getLogger()

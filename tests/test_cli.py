@@ -175,3 +175,27 @@ def test_the_runs_summary_carries_the_rollout_sides_sandbox_counts(tmp_path):
     assert summary["sandbox_executions"] == 5 + 7 + 2 and summary["sandbox_executions_without_namespaces"] == 4 + 6 + 2
     assert summary["versions"] == 3 and summary["stop_reason"] == "max_versions"
     assert result["sandbox_executions_without_namespaces"] == 12 and result["sandbox_executions"] == 14
+
+
+def test_the_train_launcher_imports_neither_torch_nor_transformers(tmp_path):
+    """`async-rl train`'s own process (its modules and run_in_process) leaves torch and transformers to the fork
+    server its roles are forked from: importing them here first (2.3 CPU-s) held back the server's start."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from async_rl.config_load import load_config\n"
+        "from launch.roles import run_in_process\n"
+        "import launch.train  # noqa: F401 - the launcher's flow\n"
+        f"config = load_config(None, ['run.dir={tmp_path}', 'run.name=t'])\n"
+        "run_in_process('train', 'train', config,\n"
+        "               lambda: print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]))\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
