@@ -15,13 +15,30 @@ stays what was issued); a group with fewer than two finished members yields no f
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from async_rl.advantages import final_credit, immediate_advantages
-from async_rl.config import AlgoConfig, UpdateMode
+from async_rl.config import CreditMode, UpdateMode
 
 ZERO_CORRECTION = 1e-8  # a correction this small is not sent (docs/algorithm.md, "Final credit and correction")
 
 Stage = tuple[int, int]  # (member i, stage k)
+
+
+class CreditRule(Protocol):
+    """The learning rule's knobs the ledger reads: an `AlgoConfig` has them, and so has the replay's
+    `GroupSettings` (replay/settings.py), which carries only what a group uses."""
+
+    @property
+    def updates(self) -> UpdateMode: ...
+    @property
+    def credit(self) -> CreditMode: ...
+    @property
+    def omega(self) -> float: ...
+    @property
+    def gamma(self) -> float: ...
+    @property
+    def eps(self) -> float: ...
 
 
 def immediate_updates_on(updates: UpdateMode) -> bool:
@@ -79,7 +96,7 @@ class GroupLedger:
             i: stages[k] for i, stages in self.rewards.items() if k in stages and i not in self.abandoned
         }
 
-    def immediate(self, k: int, algo: AlgoConfig) -> dict[int, float]:
+    def immediate(self, k: int, algo: CreditRule) -> dict[int, float]:
         """A_imm for stage group k (call once, when it is complete or timed out); {} in `outcome-only` mode."""
         self.immediate_done.add(k)
         if not immediate_updates_on(algo.updates):
@@ -116,7 +133,7 @@ class GroupLedger:
                 return False
         return True
 
-    def finalize(self, algo: AlgoConfig) -> dict[Stage, float]:
+    def finalize(self, algo: CreditRule) -> dict[Stage, float]:
         """Compute A_final for every stage of every finished member."""
         members = self.finished_members()
         rewards = {i: [self.rewards[i].get(k) for k in range(self.num_stages[i])] for i in members}

@@ -50,7 +50,7 @@ from async_rl.config_load import load_run_config  # noqa: E402
 from async_rl.protocol import BatchAck, BatchRequest, Outcome, StageRecord, decode  # noqa: E402
 from replay.group import Group  # noqa: E402
 from replay.log_format import HEADER, SEGMENT, SNAPSHOT, Received, entry_decoder, read_frames, snapshot_decoder  # noqa: E402
-from replay.server import apply_entry  # noqa: E402
+from replay.server import apply_entry, build_service  # noqa: E402
 from replay.service import ReplayService  # noqa: E402
 from replay.wal import ReplayLog, comparable  # noqa: E402
 from rollout.ack_journal import read_journal  # noqa: E402
@@ -76,7 +76,7 @@ def rebuild(directory: Path, config: Config) -> ReplayService:
     with tempfile.TemporaryDirectory() as scratch:
         copy = Path(scratch) / "log"
         shutil.copytree(directory, copy, ignore=shutil.ignore_patterns("lock"))
-        service = ReplayService(config)
+        service = build_service(config)
         log = ReplayLog(copy, fsync=False)
         try:
             log.recover(service, apply_entry)

@@ -84,7 +84,7 @@ from async_rl.protocol import (  # noqa: E402
 )
 from learner.pack import plan_shards  # noqa: E402
 from replay.leases import STALENESS_RETRY_S  # noqa: E402
-from replay.service import ReplayService  # noqa: E402
+from replay.server import build_service  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CONFIG = REPO / "configs" / "cluster.yaml"
@@ -249,7 +249,7 @@ class Simulation:
             overrides.append(f"algo.groups_per_step={w.round_groups}")
         self.overrides = overrides
         self.config: Config = load_config(CLUSTER_CONFIG, overrides)
-        self.service = ReplayService(self.config)
+        self.service = build_service(self.config)
         self.rng = np.random.default_rng(seed)
         self.heap: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()

@@ -165,13 +165,13 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     from learner.batch import collate
     from learner.engine import build_engine
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
-    from replay.service import ReplayService
+    from replay.server import build_service
     from rollout.prepare import prepare_model_dir
 
     torch.set_num_threads(1)
     config = base_config("learner", overrides)
     padded_config = base_config("learner", [*overrides, "learner.packing=false"])
-    batches = [b.items for b in ReplayDriver(ReplayService(config), config, seed=0).collect_batches(num_batches)]
+    batches = [b.items for b in ReplayDriver(build_service(config), config, seed=0).collect_batches(num_batches)]
     # the bare baseline's tensors: the very micro-batches (packed rows, position ids) the learner trains on
     tensors = [[batch for batch, _ in rank_micro_batches(items, 0, 1, config)] for items in batches]
     real = sum(item.num_tokens() for items in batches for item in items)
@@ -274,9 +274,9 @@ def rss_bytes() -> int:
 def fill(config: Config, records: int):  # noqa: ANN201 - (ReplayService, ReplayDriver)
     """A service holding `records` stage records in open groups: every member but the last sends its stages and
     no outcome arrives, so no stage group completes and nothing is queued."""
-    from replay.service import ReplayService
+    from replay.server import build_service
 
-    service = ReplayService(config)
+    service = build_service(config)
     driver = ReplayDriver(service, config, seed=records)
     while driver.records < records:
         driver.play_group("filler", members=config.rollout.group_size - 1, outcomes=False)
@@ -323,7 +323,7 @@ def measure_guard(open_groups: tuple[int, ...], leases: int, rounds: int) -> dic
     """CPU per lease with the correction guard on ÷ off, with G groups open (their outcomes pending): the guard's
     admission check scans the pending groups and queued corrections, O(G) per lease. The staleness bound is lifted
     so that the guard admits every group (it still does all its work); in a real run it bounds G itself."""
-    from replay.service import ReplayService
+    from replay.server import build_service
 
     configs = {guard: base_config("guard", ["algo.groups_per_step=100000000", f"algo.correction_guard={guard}",
                                             "algo.max_correction_staleness=100000000"]) for guard in (True, False)}
@@ -332,7 +332,7 @@ def measure_guard(open_groups: tuple[int, ...], leases: int, rounds: int) -> dic
         per_lease: dict[bool, list[float]] = {True: [], False: []}
         for r in range(rounds):
             for guard, config in configs.items():
-                driver = ReplayDriver(ReplayService(config), config, seed=r)
+                driver = ReplayDriver(build_service(config), config, seed=r)
                 for _ in range(count):
                     assert driver.play_group("filler", members=1, outcomes=False), "the guard refused a lease"
                 driver.handle_s = 0.0
@@ -355,12 +355,11 @@ def measure_durability(groups: int, rounds: int, round_sizes: tuple[int, ...]) -
     import shutil
 
     from replay.log_format import Received
-    from replay.server import handle_safely
-    from replay.service import ReplayService
+    from replay.server import build_service, handle_safely
     from replay.wal import ReplayLog
 
     config = base_config("wal", ["algo.groups_per_step=100000000"])
-    recorder = RecordingDriver(ReplayService(config), config, seed=0)
+    recorder = RecordingDriver(build_service(config), config, seed=0)
     for _ in range(groups):
         recorder.play_group("worker-0")
         recorder.train_all(config.learner.batch_tokens)
@@ -368,13 +367,13 @@ def measure_durability(groups: int, rounds: int, round_sizes: tuple[int, ...]) -
     directory = OUT / "wal"
 
     def in_memory(_: int) -> None:
-        service = ReplayService(config)
+        service = build_service(config)
         for identity, message in stream:
             service.handle(identity, message, 0.0)
 
     def durable(round_size: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
-        service, wal = ReplayService(config), ReplayLog(directory, fsync=True)
+        service, wal = build_service(config), ReplayLog(directory, fsync=True)
         wal.compact(service, 0.0)  # opens the first segment, as a start does
         for n, (identity, message) in enumerate(stream, 1):
             wal.append(Received(identity, 0.0, encode(message)))

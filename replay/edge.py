@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import re
 
-from async_rl.config import Config
 from async_rl.protocol import TOKEN, AnyMessage, BatchAck, BatchRequest, StageRecord
 from async_rl.security import owns, role_of, routing_name
 from replay.group import Group
+from replay.settings import EdgeSettings
 from replay.state import LearnerState, ReplayState
 
 GROUP_ID = re.compile(r"e(\d{1,10})\.g(\d{1,10})")  # the group ids replay/leases.py makes
@@ -46,19 +46,19 @@ class Edge:
     ratchet it: the ceiling is the first version a learner told (a fresh or restarted replay trusts it), then +
     ppo_epochs per batch served or acked; versions above it + ppo_epochs + replay.max_version_lead are refused."""
 
-    def __init__(self, config: Config, state: ReplayState) -> None:
-        self.config, self.state = config, state
+    def __init__(self, settings: EdgeSettings, state: ReplayState) -> None:
+        self.settings, self.state = settings, state
         self.learner: LearnerState = state.learner
 
     def version_limit(self) -> int | None:
         """The highest version a message may carry (None: no learner has spoken since this replay started)."""
         if self.learner.version_ceiling is None:
             return None
-        return self.learner.version_ceiling + self.config.algo.ppo_epochs + self.config.replay.max_version_lead
+        return self.learner.version_ceiling + self.settings.ppo_epochs + self.settings.max_version_lead
 
     def take_version(self, version: int, acked: bool = False) -> Problem | None:
         """Refuse a learner's version above what it can honestly have; else take it as the latest."""
-        learner, ppo_epochs = self.learner, self.config.algo.ppo_epochs
+        learner, ppo_epochs = self.learner, self.settings.ppo_epochs
         limit = self.version_limit()
         if limit is not None and version > limit:
             return "version_ahead", (f"policy_version {version} is above {limit}, the most the learner can have "
@@ -75,7 +75,7 @@ class Edge:
         learner = self.learner
         if learner.version_ceiling is not None:
             learner.version_ceiling = max(learner.version_ceiling, min(requested_version, learner.version_ceiling)
-                                          + self.config.algo.ppo_epochs)
+                                          + self.settings.ppo_epochs)
 
     def record_problem(self, group: Group, record: StageRecord) -> Problem | None:
         """(reason, detail) for a new stage record whose values the replay's state refuses, or None."""
@@ -83,7 +83,7 @@ class Edge:
         newest = int(record.versions().max())
         if limit is not None and newest > limit:
             return "version_ahead", f"policy version {newest} is above {limit}, the most the learner can have"
-        vocab_size = self.config.replay.vocab_size
+        vocab_size = self.settings.vocab_size
         if vocab_size is not None:
             for name, ids in (("action", record.action_ids()), ("observation", record.observation_ids())):
                 if len(ids) and ids.max() >= vocab_size:
@@ -91,7 +91,7 @@ class Edge:
         trajectory = group.trajectories.get(record.member)
         stored = trajectory.num_tokens if trajectory is not None else 0
         length = stored + (len(record.observation_tokens) + len(record.action_tokens)) // TOKEN.itemsize
-        if length > self.config.model.max_seq_len:
+        if length > self.settings.max_seq_len:
             return "too_long", f"trajectory {record.trajectory_id} would be {length} tokens > model.max_seq_len"
         return None
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from async_rl.config import AlgoConfig, ReplayConfig
 from async_rl.ledger import GroupLedger, Stage, corrections_on, immediate_updates_on
 from async_rl.protocol import Outcome, StageRecord
+from replay.settings import GroupSettings
 from replay.store import QueuedItem, StageTokens, Trajectory, assemble_item
 
 
@@ -123,36 +123,34 @@ class Group:
 
     # --- the state machine ----------------------------------------------------------------------------
 
-    def advance(self, now: float, algo: AlgoConfig, replay: ReplayConfig, item_ids: Iterator[int],
+    def advance(self, now: float, settings: GroupSettings, item_ids: Iterator[int],
                 may_close: Callable[[Group], bool]) -> Advanced:
         """Move as far as the state allows: immediate items, finalization, closing (`may_close`: the rollback's
         say, replay/rollback.py)."""
-        with_corrections = corrections_on(algo.updates)
+        with_corrections = corrections_on(settings.updates)
         # Once every outcome is in, the correction carries the credit of a stage group not yet handed out.
         carried_by_correction = with_corrections and self.ledger.outcomes_complete()
         immediates: list[QueuedItem] = []
-        if immediate_updates_on(algo.updates) and not self.finalized and not carried_by_correction:
-            immediates = self.immediate_items(now, algo, replay, item_ids)
+        if immediate_updates_on(settings.updates) and not self.finalized and not carried_by_correction:
+            immediates = self.immediate_items(now, settings, item_ids)
         finalized, superseded, corrections = self.ready_to_finalize(), [], []
         if finalized:
             if with_corrections:
                 superseded = list(self.queued_immediates)  # never trained: issued stays 0, C carries their credit
-            corrections = self.finalize(algo, item_ids, with_corrections)
+            corrections = self.finalize(settings, item_ids, with_corrections)
         return Advanced(immediates, finalized, superseded, corrections, self.closable() and may_close(self))
 
     # --- immediate update ---------------------------------------------------------------------------
 
-    def immediate_items(
-        self, now: float, algo: AlgoConfig, replay: ReplayConfig, item_ids: Iterator[int]
-    ) -> list[QueuedItem]:
+    def immediate_items(self, now: float, settings: GroupSettings, item_ids: Iterator[int]) -> list[QueuedItem]:
         """Items of the stage groups complete now, or timed out with at least min_stage_peers members (§2)."""
         for k, started in list(self.stage_group_started.items()):
-            timed_out = now >= started + replay.stage_group_timeout_s
+            timed_out = now >= started + settings.stage_group_timeout_s
             if self.ledger.stage_group_complete(k) or (
-                timed_out and len(self.ledger.stage_group(k)) >= replay.min_stage_peers
+                timed_out and len(self.ledger.stage_group(k)) >= settings.min_stage_peers
             ):
                 del self.stage_group_started[k]
-                for i, advantage in self.ledger.immediate(k, algo).items():
+                for i, advantage in self.ledger.immediate(k, settings).items():
                     self.deferred[(i, k)] = advantage
         items = []
         # An item needs its whole prefix; a stage still missing (a resend is on its way) defers it.
@@ -172,7 +170,7 @@ class Group:
         """Outcomes complete, and no immediate item is with a learner (its ack would change `issued`)."""
         return not self.finalized and not self.in_flight_immediates and self.ledger.outcomes_complete()
 
-    def finalize(self, algo: AlgoConfig, item_ids: Iterator[int], with_corrections: bool) -> list[QueuedItem]:
+    def finalize(self, settings: GroupSettings, item_ids: Iterator[int], with_corrections: bool) -> list[QueuedItem]:
         """Fix A_final and return one correction item per member with a nonzero C (none in immediate-only)."""
         self.finalized = True
         self.stage_group_started.clear()
@@ -181,7 +179,7 @@ class Group:
             return []
         self.queued_immediates.clear()  # the caller removed them from the queue: C carries their credit
         ledger = self.ledger
-        ledger.finalize(algo)
+        ledger.finalize(settings)
         per_member: dict[int, dict[int, float]] = {}
         for (i, k), c in ledger.corrections().items():
             per_member.setdefault(i, {})[k] = c

@@ -14,12 +14,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from async_rl.config import Config
 from async_rl.ledger import corrections_on
 from async_rl.protocol import BatchRequest
 from replay.group import Group
 from replay.lengths import MARGIN_SD, LengthModel
 from replay.queue import batch_cost
+from replay.settings import GuardSettings
 from replay.state import GuardState, ReplayState
 from replay.store import QueuedItem
 
@@ -46,8 +46,8 @@ AUTO_WINDOW = 64  # groups whose outcome delay the auto bound remembers
 
 
 class Guard:
-    def __init__(self, config: Config, state: ReplayState) -> None:
-        self.config, self.algo, self.state = config, config.algo, state
+    def __init__(self, settings: GuardSettings, state: ReplayState) -> None:
+        self.settings, self.state = settings, state
         self.own: GuardState = state.guard
         # group id -> (tokens so far, finished?) of each member not abandoned: rebuilt only when the group changes
         # (`forget`: a record, an outcome, an abandonment, its close), so a check costs O(groups), not
@@ -59,7 +59,8 @@ class Guard:
         return self.own.lengths
 
     def on(self) -> bool:
-        return self.algo.correction_guard and corrections_on(self.algo.updates) and self.algo.mode == "async"
+        settings = self.settings
+        return settings.correction_guard and corrections_on(settings.updates) and settings.mode == "async"
 
     def bound(self) -> int:
         """The correction-staleness bound in use: algo.max_correction_staleness, or under `auto`, AUTO_HEADROOM times
@@ -75,13 +76,13 @@ class Guard:
         learner only at the cap. Without that, an outcome-only learner on the hunt at D ~ 43 (every item a
         correction, a judge delay of groups pending at once) was held 116 s of 1,200 with the bound at its floor of
         16 and at 34-62 (docs/results.md, "delay")."""
-        fixed = self.algo.max_correction_staleness
+        fixed = self.settings.max_correction_staleness
         if fixed != "auto":
             self.own.auto_bound = fixed  # what the metrics report as the bound in use
             return fixed
         own, v = self.own, self.state.learner.policy_version
         if own.auto_bound_version != v:
-            bound = self.algo.max_correction_staleness_cap  # no outcome yet: the judge's delay is unknown
+            bound = self.settings.max_correction_staleness_cap  # no outcome yet: the judge's delay is unknown
             if own.outcome_lags:
                 oldest = [g.leased_version if g.oldest_version is None else g.oldest_version
                           for g in self.state.groups.values() if not g.finalized]
@@ -96,8 +97,8 @@ class Guard:
         its latest token budget), the smallest bound up to algo.max_correction_staleness_cap at which they do (the
         cap if none): `fits` only gains slots as every deadline moves later. Before the learner's first request
         (no budget known) `bound` itself."""
-        cap, max_tokens = self.algo.max_correction_staleness_cap, self.own.batch_tokens
-        next_version = self.state.learner.policy_version + self.algo.ppo_epochs
+        cap, max_tokens = self.settings.max_correction_staleness_cap, self.own.batch_tokens
+        next_version = self.state.learner.policy_version + self.settings.ppo_epochs
         if not max_tokens or bound >= cap or self.fits(self.correction_work(bound=bound), next_version, max_tokens):
             return bound
         low, high = bound, cap  # low does not fit; the answer is high when nothing below it fits
@@ -114,7 +115,7 @@ class Guard:
         bound to where they do (they grew since it was set: records and groups arrived), up to the cap."""
         if self.fits(self.correction_work(), next_version, max_tokens):
             return True
-        if self.algo.max_correction_staleness != "auto":
+        if self.settings.max_correction_staleness != "auto":
             return False
         raised = self._fitting_bound(self.bound())
         if raised == self.own.auto_bound:
@@ -143,11 +144,11 @@ class Guard:
         """How long a trajectory still being generated may get: the longest finished so far, and before any has
         finished, model.max_seq_len (at the start every trajectory is short; the first groups must not overfill)."""
         if self.state.counters.trajectories_finished == 0:
-            return self.config.model.max_seq_len
+            return self.settings.max_seq_len
         return max(1, self.own.longest_trajectory)
 
     def _packed(self) -> bool:
-        return self.config.learner.batch_budget == "packed"
+        return self.settings.batch_budget == "packed"
 
     def _by_sum(self) -> bool:
         """Pending work is counted by its expected sum (replay/lengths.py): packed budgets, once a trajectory has
@@ -231,7 +232,7 @@ class Guard:
         longest = np.zeros(len(deadlines))
         np.maximum.at(longest, at, work.longest)
         longest = np.maximum.accumulate(longest)
-        slots = (deadlines - first_version) // self.algo.ppo_epochs + 1
+        slots = (deadlines - first_version) // self.settings.ppo_epochs + 1
         if self._by_sum():
             room = max_tokens - np.maximum(longest, self.own.longest_trajectory)
             due = tokens + MARGIN_SD * self.own.lengths.sd * np.sqrt(growing)
@@ -260,7 +261,7 @@ class Guard:
         if not self.on():
             return "serve"
         self.own.batch_tokens = request.max_tokens
-        next_version = self.state.learner.policy_version + self.algo.ppo_epochs
+        next_version = self.state.learner.policy_version + self.settings.ppo_epochs
         if self._fits_now(next_version, request.max_tokens):
             return "serve"
         bound, groups, queue = self.bound(), self.state.groups, self.state.serving.queue
@@ -297,14 +298,14 @@ class Guard:
         work = self.correction_work()
         if not len(work.deadline):
             return True
-        size = self.config.rollout.group_size
+        size = self.settings.group_size
         if self._by_sum():
             estimate, growing = int(np.ceil(self.own.lengths.expected(np.zeros(1))[0])), size
         else:
             estimate, growing = self._length_estimate(), 0
         deadline = new_group_version + self.bound()
         new = (deadline, size, size * estimate, estimate, growing)
-        return self.fits(work.plus(new), self.state.learner.policy_version + self.algo.ppo_epochs,
+        return self.fits(work.plus(new), self.state.learner.policy_version + self.settings.ppo_epochs,
                          self.own.batch_tokens)
 
     # --- holding the learner ---
@@ -314,7 +315,7 @@ class Guard:
         learner's next batch could serve its corrections. With nothing queued nothing can change that (admission
         refuses every group), so the caller holds, and the abandon clock gives up the group that blocks
         (`blocker_due`)."""
-        next_version = self.state.learner.policy_version + self.algo.ppo_epochs
+        next_version = self.state.learner.policy_version + self.settings.ppo_epochs
         return self.on() and not self._fits_now(next_version, self.own.batch_tokens)
 
     def hold(self, now: float) -> None:
@@ -323,7 +324,7 @@ class Guard:
             own.since = now
             self.state.counters.guard_holds += 1
         if own.abandon_at is None:
-            own.abandon_at = now + self.config.replay.guard_abandon_s
+            own.abandon_at = now + self.settings.guard_abandon_s
 
     def release(self, now: float) -> None:
         own = self.own
@@ -340,7 +341,7 @@ class Guard:
         own = self.own
         if own.abandon_at is None or now < own.abandon_at:
             return False, None
-        own.abandon_at = None if own.since is None else now + self.config.replay.guard_abandon_s
+        own.abandon_at = None if own.since is None else now + self.settings.guard_abandon_s
         # A group with no record yet counts from its lease's version, as in `correction_work`: a worker that leased
         # and never sent anything would otherwise hold the learner for good, and others be abandoned in its place.
         pending = [g for g in self.state.groups.values() if not g.finalized]

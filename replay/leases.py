@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from async_rl.config import Config
 from async_rl.ledger import GroupLedger
 from async_rl.protocol import LeaseDenied, LeaseGrant, LeaseRequest
 from async_rl.staleness import admission_allowed
@@ -17,6 +16,7 @@ from replay.decisions import GiveUp, Steps
 from replay.group import Group
 from replay.guard import Guard
 from replay.rounds import Rounds
+from replay.settings import LeaseSettings
 from replay.state import ID_MASK, LeaseState, ReplayState
 
 log = logging.getLogger("async_rl.replay")
@@ -56,9 +56,9 @@ class AdmissionClock:
 
 
 class Leases:
-    def __init__(self, config: Config, state: ReplayState, guard: Guard, rounds: Rounds,
+    def __init__(self, settings: LeaseSettings, state: ReplayState, guard: Guard, rounds: Rounds,
                  admission: AdmissionClock) -> None:
-        self.config, self.state, self.guard, self.rounds = config, state, guard, rounds
+        self.settings, self.state, self.guard, self.rounds = settings, state, guard, rounds
         self.own: LeaseState = state.leases
         self.admission = admission
 
@@ -80,7 +80,7 @@ class Leases:
         previous = own.last_grant.get(request.worker_id)
         if previous is not None and previous.msg_id == request.msg_id and previous.group_id in state.groups:
             return previous  # a resend (the grant was lost): the group is already started
-        v, budget = state.learner.policy_version, self.config.run.max_env_steps
+        v, budget = state.learner.policy_version, self.settings.max_env_steps
         if budget is not None and counters.env_steps >= budget:
             counters.leases_denied += 1
             return LeaseDenied(msg_id=request.msg_id, reason="budget", retry_after_s=BUDGET_RETRY_S, policy_version=v)
@@ -92,10 +92,10 @@ class Leases:
         yield from self._make_room()
         group_id = f"e{state.epoch}.g{next(state.group_ids) & ID_MASK}"
         counters.groups_started += 1
-        group_size = self.config.rollout.group_size
+        group_size = self.settings.group_size
         state.groups[group_id] = Group(group_id, request.worker_id, GroupLedger(group_size),
                                        leased_version=self.new_group_version(request.worker_id), touched=now)
-        if self.config.algo.mode == "sync":
+        if self.settings.mode == "sync":
             self.rounds.add(group_id)
         own.leases.setdefault(request.worker_id, set()).add(group_id)
         own.worker_seen[request.worker_id] = now
@@ -107,13 +107,13 @@ class Leases:
         """May one more group start? A group that ended with nothing trained never takes learner capacity, so it does
         not count: with it counted, a stretch of zero-variance groups (a random policy's usual output), or of
         immediate-only groups whose items all went stale, stalled admission for good while the learner waited."""
-        algo, counters = self.config.algo, self.state.counters
-        if algo.mode == "sync":
+        settings, counters = self.settings, self.state.counters
+        if settings.mode == "sync":
             return self.rounds.open()
         admitted = counters.groups_started - counters.groups_empty
         # rolled-back versions count as steps taken (LeaseState.admission_offset)
         if not admission_allowed(admitted + 1, self.state.learner.policy_version + self.own.admission_offset,
-                                 algo.max_staleness, algo.groups_per_step):
+                                 settings.max_staleness, settings.groups_per_step):
             return False
         if not self.guard.admits(self.new_group_version(worker_id)):
             counters.guard_leases_denied += 1
@@ -128,7 +128,7 @@ class Leases:
         heartbeats but never finishes would otherwise hold its groups, and their tokens, for good; groups that make
         progress are touched all the time. `state.groups` is in lease order, also when rebuilt from the log."""
         held = self.own.leases
-        while sum(len(groups) for groups in held.values()) >= self.config.replay.max_open_groups:
+        while sum(len(groups) for groups in held.values()) >= self.settings.max_open_groups:
             waiting = (group for group in self.state.groups.values() if group.group_id in held.get(group.worker_id, ()))
             yield GiveUp(min(waiting, key=lambda group: group.touched))
 
@@ -159,7 +159,7 @@ class Leases:
 
     def expired(self, now: float) -> list[str]:
         """The workers silent for replay.lease_timeout_s: their unfinished trajectories are to be abandoned."""
-        timeout_s = self.config.replay.lease_timeout_s
+        timeout_s = self.settings.lease_timeout_s
         silent = [worker_id for worker_id in self.own.leases if now - self.own.worker_seen[worker_id] >= timeout_s]
         for worker_id in silent:
             log.warning("worker %s silent for %.1f s: abandoning its unfinished trajectories", worker_id, timeout_s)

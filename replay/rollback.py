@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-from async_rl.config import Config
 from replay.group import Group
 from replay.state import ReplayState, RollbackState
 from replay.store import QueuedItem
@@ -20,10 +19,10 @@ log = logging.getLogger("async_rl.replay")
 
 
 class Rollback:
-    def __init__(self, config: Config, state: ReplayState) -> None:
+    def __init__(self, checkpoint_every: int, state: ReplayState) -> None:
         self.state = state
         self.own: RollbackState = state.rollback
-        self.checkpoints_on = config.learner.checkpoint_every > 0
+        self.checkpoints_on = checkpoint_every > 0  # learner.checkpoint_every
 
     def retaining(self) -> bool:
         """Keep what a rollback needs: learner checkpoints are on, and the learner tells its session (a client that

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from async_rl.config import Config
+from replay.settings import RoundSettings
 from replay.state import ReplayState, RoundState
 
 
 class Rounds:
-    def __init__(self, config: Config, state: ReplayState) -> None:
-        self.config, self.state = config, state
+    def __init__(self, settings: RoundSettings, state: ReplayState) -> None:
+        self.settings, self.state = settings, state
         self.own: RoundState = state.rounds
 
     def add(self, group_id: str) -> None:
@@ -17,8 +17,8 @@ class Rounds:
     def generated(self) -> bool:
         """Every group of the current round has all its outcomes in (finalized or closed), and the round is full
         (or the env-step budget stopped it)."""
-        budget, groups, round_groups = self.config.run.max_env_steps, self.state.groups, self.own.groups
-        full = len(round_groups) >= self.config.algo.groups_per_step or (
+        budget, groups, round_groups = self.settings.max_env_steps, self.state.groups, self.own.groups
+        full = len(round_groups) >= self.settings.groups_per_step or (
             budget is not None and self.state.counters.env_steps >= budget
         )
         return full and bool(round_groups) and all(gid not in groups or groups[gid].finalized for gid in round_groups)
@@ -26,7 +26,7 @@ class Rounds:
     def open(self) -> bool:
         """May a group start in the current round? A round that is over (every item of it trained: its groups
         closed and their items acknowledged) is replaced by the next one first."""
-        if len(self.own.groups) < self.config.algo.groups_per_step:
+        if len(self.own.groups) < self.settings.groups_per_step:
             return True
         if all(self._group_over(gid) for gid in self.own.groups):
             self.own.groups = set()

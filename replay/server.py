@@ -1,5 +1,8 @@
 """The replay's socket loop and its write-ahead log's wiring: one ROUTER socket in front of `ReplayService`, each
-poll round's inputs logged (replay/wal.py) before its replies leave, and the metrics line."""
+poll round's inputs logged (replay/wal.py) before its replies leave, and the metrics line.
+
+The role's entry: the one place of the replay that takes the run's `Config` (with replay/settings.py's
+`ReplaySettings.from_config`, which it calls); every component below gets only its own settings."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from async_rl.telemetry import RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.log_format import Entry, Received, Refused, Started, Ticked, Undecodable
 from replay.service import ReplayService, Reply
+from replay.settings import ReplaySettings
 from replay.telemetry import metrics_line
 from replay.wal import ReplayLog, WalWriteError
 
@@ -38,7 +42,12 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
     config after a crash, the replay goes on from the last acknowledged input. Every start begins a new epoch.
     A disk that refuses the log (full, failing) holds the replay until it takes it again (`hold_until_written`)."""
     with stop_on_signals(stop) as request:
-        _serve_until_stopped(config, service if service is not None else ReplayService(config), request.event)
+        _serve_until_stopped(config, service if service is not None else build_service(config), request.event)
+
+
+def build_service(config: Config) -> ReplayService:
+    """A fresh replay core for the run's config: the components' settings are read from it here, at the entry."""
+    return ReplayService(ReplaySettings.from_config(config))
 
 
 def _serve_until_stopped(config: Config, service: ReplayService, stop: threading.Event) -> None:

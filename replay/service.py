@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 from typing import TypeVar
 
-from async_rl.config import Config
 from async_rl.ledger import immediate_updates_on
 from async_rl.protocol import (
     Ack,
@@ -54,6 +53,7 @@ from replay.leases import AdmissionClock, Leases
 from replay.rollback import Rollback
 from replay.rounds import Rounds
 from replay.serving import Serving
+from replay.settings import ReplaySettings
 from replay.state import Ids, OutcomeState, ReplayState
 from replay.view import ReplayView
 
@@ -66,29 +66,28 @@ REJECT_LOG_EVERY_S = 10.0  # at most one warning per rejection reason this often
 
 
 class ReplayService(ReplayView):
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.algo = config.algo
+    def __init__(self, settings: ReplaySettings) -> None:
+        """`settings`: built from the run's config at the role's entry (replay/server.py `build_service`)."""
+        self.settings = settings
         self.reject_log = RateLimitedLog(log, REJECT_LOG_EVERY_S)
         self.tick_changed = False  # whether the last tick changed the state (only such ticks need logging)
         self.admission = AdmissionClock()  # lease waits, for the metrics line (not state)
-        replay = config.replay
-        self.restore(ReplayState(outcomes=OutcomeState(window=replay.success_window,
-                                                       long_window=replay.long_success_window)))
-        self.state.guard.batch_tokens = config.learner.batch_tokens
+        self.restore(ReplayState(outcomes=OutcomeState(window=settings.success_window,
+                                                       long_window=settings.long_success_window)))
+        self.state.guard.batch_tokens = settings.batch_tokens
 
     def restore(self, state: ReplayState) -> None:
         """Serve `state` (a fresh one, or a snapshot's): the components are built over its parts."""
-        self.state, config = state, self.config
+        self.state, settings = state, self.settings
         windows = state.outcomes  # the windows are the config's, as the log's were when it wrote them
-        windows.window, windows.long_window = config.replay.success_window, config.replay.long_success_window
+        windows.window, windows.long_window = settings.success_window, settings.long_success_window
         windows.__post_init__()
-        self.edge = Edge(config, state)
-        self.guard = Guard(config, state)
-        self.rounds = Rounds(config, state)
-        self.rollback = Rollback(config, state)
-        self.leases = Leases(config, state, self.guard, self.rounds, self.admission)
-        self.serving = Serving(config, state, self.edge, self.guard, self.rounds, self.rollback)
+        self.edge = Edge(settings.edge, state)
+        self.guard = Guard(settings.guard, state)
+        self.rounds = Rounds(settings.rounds, state)
+        self.rollback = Rollback(settings.checkpoint_every, state)
+        self.leases = Leases(settings.leases, state, self.guard, self.rounds, self.admission)
+        self.serving = Serving(settings.serving, state, self.edge, self.guard, self.rounds, self.rollback)
 
     # --- the two entry points ---------------------------------------------------------------------
 
@@ -199,7 +198,7 @@ class ReplayService(ReplayView):
         """The dispatch of a group's transitions: `Group.advance` says what they produced, this applies it."""
         state = self.state
         self.serving.hold_late_claims(group)  # before A_final is fixed: a late ack may still make credit issued
-        step = group.advance(now, self.algo, self.config.replay, state.item_ids, self.rollback.confirmed)
+        step = group.advance(now, self.settings.group, state.item_ids, self.rollback.confirmed)
         queue, tally = state.serving.queue, state.tally(group.group_id)
         for item in step.immediates:
             queue.append(item)
@@ -244,8 +243,8 @@ class ReplayService(ReplayView):
         if problem is not None:
             return self.reject(record.msg_id, "bad_state", "bad_stage", problem)
         self.guard.forget(group.group_id)
-        if group.add_stage(record, now, track_stage_group=immediate_updates_on(self.algo.updates)):
-            deadline = now + self.config.replay.stage_group_timeout_s
+        if group.add_stage(record, now, track_stage_group=immediate_updates_on(self.settings.group.updates)):
+            deadline = now + self.settings.group.stage_group_timeout_s
             self.state.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
         self.counters.env_steps += 1
         group.touched = now
@@ -340,7 +339,7 @@ class ReplayService(ReplayView):
     def _give_up(self, group: Group, now: float) -> None:
         """replay.max_open_groups: the group idle longest is given up, as for an expired lease."""
         log.warning("%d groups wait for outcomes (replay.max_open_groups): giving up group %s of worker %s, idle "
-                    "%.1f s (%d unfinished trajectories abandoned)", self.config.replay.max_open_groups,
+                    "%.1f s (%d unfinished trajectories abandoned)", self.settings.leases.max_open_groups,
                     group.group_id, group.worker_id, now - group.touched, len(group.unfinished_members()))
         self.counters.groups_given_up += 1
         self._abandon_unfinished(group, "given up at replay.max_open_groups", now)
@@ -377,7 +376,7 @@ class ReplayService(ReplayView):
             return due
         unfinished = blocker.unfinished_members()
         log.warning("group %s held the learner %.0f s for its outcomes: abandoning its %d unfinished trajectories",
-                    blocker.group_id, self.config.replay.guard_abandon_s, len(unfinished))
+                    blocker.group_id, self.settings.guard.guard_abandon_s, len(unfinished))
         for i in unfinished:
             self._abandon(blocker, i, "its outcome held the learner past replay.guard_abandon_s")
         self.counters.guard_abandoned += len(unfinished)

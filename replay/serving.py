@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 
-from async_rl.config import Config
 from async_rl.ledger import corrections_on
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Message
 from async_rl.staleness import correction_trainable, immediate_trainable
@@ -34,6 +33,7 @@ from replay.guard import Guard
 from replay.queue import InFlightBatch, batch_cost
 from replay.rollback import Rollback
 from replay.rounds import Rounds
+from replay.settings import ServingSettings
 from replay.state import ReplayState, ServeState
 from replay.store import QueuedItem
 
@@ -45,9 +45,9 @@ REQUEUED_KEPT = 16  # requeued batches whose late ack is still taken (a learner 
 
 
 class Serving:
-    def __init__(self, config: Config, state: ReplayState, edge: Edge, guard: Guard, rounds: Rounds,
+    def __init__(self, settings: ServingSettings, state: ReplayState, edge: Edge, guard: Guard, rounds: Rounds,
                  rollback: Rollback) -> None:
-        self.config, self.algo, self.state = config, config.algo, state
+        self.settings, self.state = settings, state
         self.own: ServeState = state.serving
         self.edge, self.guard, self.rounds, self.rollback = edge, guard, rounds, rollback
 
@@ -75,12 +75,12 @@ class Serving:
 
     def _answer(self, request: BatchRequest, waited: bool, now: float) -> Steps[Batch | None]:
         """The batch that answers a parked request now, or None (it stays parked)."""
-        queue, budget = self.own.queue, self.config.run.max_env_steps
+        queue, budget = self.own.queue, self.settings.max_env_steps
         if not queue:
             if budget is not None and self.state.counters.env_steps >= budget and waited:
                 return self._empty_batch(request, now)  # no more rollouts will come: the learner may stop
             return None
-        if self.algo.mode == "sync":
+        if self.settings.mode == "sync":
             if not self.rounds.generated():
                 return None  # lock-step: nothing is trained before the whole round is in; then all of it at once
         elif len(queue) < max(1, request.min_items) and not waited:
@@ -99,7 +99,7 @@ class Serving:
         checked at the learner's v); with `corrections_only` (the guard), stop at the first item that is not a
         correction."""
         self.own.serves += 1
-        queue, packed = self.own.queue, self.config.learner.batch_budget == "packed"
+        queue, packed = self.own.queue, self.settings.batch_budget == "packed"
         served: list[QueuedItem] = []
         stale_groups: dict[str, Group] = {}  # a group held open for its immediates may close now (`confirmed`)
         longest = total = 0
@@ -135,8 +135,8 @@ class Serving:
     def _trainable(self, queued: QueuedItem, group: Group | None, stale_groups: dict[str, Group]) -> Steps[bool]:
         """Whether an item taken from the queue may be trained at the learner's version; a stale one is accounted
         here (an immediate's credit goes to its correction, a correction's is dropped)."""
-        v, algo = self.state.learner.policy_version, self.algo
-        if queued.kind == "immediate" and not immediate_trainable(v, queued.oldest_version, algo.max_staleness):
+        v, max_staleness = self.state.learner.policy_version, self.settings.max_staleness
+        if queued.kind == "immediate" and not immediate_trainable(v, queued.oldest_version, max_staleness):
             self.state.counters.immediate_skipped_stale += 1  # issued stays 0: the correction carries its credit
             if group is not None:
                 group.queued_immediates.discard(queued.item_id)
@@ -209,7 +209,7 @@ class Serving:
             yield from self._release_held(item_ids)
             return Ack(msg_id=ack.msg_id)
         log.warning("late ack of batch %d (requeued after %.1f s): %d of its %d items were still queued or held for "
-                    "it and count as trained", ack.batch_id, self.config.replay.batch_ack_timeout_s,
+                    "it and count as trained", ack.batch_id, self.settings.batch_ack_timeout_s,
                     len(items) + len(claimed), len(item_ids))
         self.state.counters.late_batch_acks += 1
         for queued in items:
@@ -225,7 +225,7 @@ class Serving:
         while that ack could still make their credit issued (the correction would carry it a second time)."""
         own = self.own
         if (not own.requeued or group.finalized or not group.queued_immediates
-                or not corrections_on(self.algo.updates) or not group.ledger.outcomes_complete()):
+                or not corrections_on(self.settings.updates) or not group.ledger.outcomes_complete()):
             return
         claimable = {item_id for item_ids in own.requeued.values() for item_id in item_ids}
         for item_id in sorted(group.queued_immediates & claimable):
@@ -295,7 +295,7 @@ class Serving:
     def requeue_unacked(self, now: float, everything: bool = False) -> Steps[bool]:
         """Batches not acked within replay.batch_ack_timeout_s (`everything`: all of them, their learner restarted
         or the replay did) go back to the front of the queue. True if any did."""
-        timeout_s, in_flight = self.config.replay.batch_ack_timeout_s, self.own.in_flight
+        timeout_s, in_flight = self.settings.batch_ack_timeout_s, self.own.in_flight
         expired = [batch_id for batch_id, batch in in_flight.items() if everything or now - batch.sent_at >= timeout_s]
         touched: dict[str, Group] = {}
         no_late_ack: list[int] = []  # item ids of requeued batches whose late ack is no longer taken

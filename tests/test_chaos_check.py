@@ -271,9 +271,9 @@ def test_a_restarted_replay_takes_the_learners_version_again_though_its_log_forg
     sys.path.insert(0, str(REPO / "tests"))
     from test_replay import learner_speaks, make_config, request_batch
 
-    from replay.service import ReplayService
+    from replay.server import build_service
 
-    service = ReplayService(make_config())
+    service = build_service(make_config())
     learner_speaks(service, version=3)
     service.start_epoch(service.epoch + 1, 0.0)  # rebuilt from a log whose later batch acks were cut
     learner_speaks(service, version=40)  # the learner trained 37 versions the log forgot: refused before the fix
@@ -316,11 +316,11 @@ def test_a_rollback_takes_back_what_the_history_counted_trained_and_corrected():
         stage_records,
     )
 
-    from replay.service import ReplayService
+    from replay.server import build_service
 
     fates = Fates()
     with recording(fates):
-        service, worker = ReplayService(make_config(learner={"checkpoint_every": 2})), Worker()
+        service, worker = build_service(make_config(learner={"checkpoint_every": 2})), Worker()
         grant = lease(service, worker)
         send_all(service, stage_records(worker, grant))
         ack_batch(service, session_request(service, 0, 1, -1), 1)  # the immediates, trained at v1

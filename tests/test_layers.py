@@ -1,6 +1,7 @@
 """Imports point one way, read from the code with `ast` (every import, including those inside functions): the
 kernel (async_rl/) imports no role and not the launch layer; a role (rollout/, replay/, learner/) imports only the
-kernel and itself; and no import cycle runs among the product's modules."""
+kernel and itself; no import cycle runs among the product's modules; and below the replay's entry no component
+takes the run's config (each takes its own settings)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,46 @@ def test_every_product_file_says_its_job_and_architecture_md_names_it():
             unlisted.append(str(path.relative_to(REPO)))
     assert unsaid == [], f"files without a docstring saying their job: {unsaid}"
     assert unlisted == [], f"files docs/architecture.md's layout table does not name: {unlisted}"
+
+
+def config_params(path: Path, config_types: set[str]) -> list[tuple[str, int, str]]:
+    """(function, line, parameter) for each parameter of a function or method in the file annotated with one of
+    `config_types` (anywhere in the annotation: `Config | None` counts)."""
+    found = []
+    for scope in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.iter_child_nodes(scope):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            name = f"{scope.name}.{node.name}" if isinstance(scope, ast.ClassDef) else node.name
+            arguments = node.args
+            for arg in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg,
+                        arguments.kwarg]:
+                if arg is None or arg.annotation is None:
+                    continue
+                annotation = arg.annotation  # a quoted one ("Config") is parsed as the expression it quotes
+                if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+                    annotation = ast.parse(annotation.value, mode="eval").body
+                names = {part.id if isinstance(part, ast.Name) else part.attr
+                         for part in ast.walk(annotation) if isinstance(part, ast.Name | ast.Attribute)}
+                if names & config_types:
+                    found.append((name, node.lineno, arg.arg))
+    return found
+
+
+def test_below_the_replays_entry_no_component_takes_the_config():
+    """The replay's entry (replay/server.py) reads the run's `Config`, and replay/settings.py's
+    `ReplaySettings.from_config` builds each component's own settings from it; no other function or constructor in
+    replay/ takes the `Config` or one of its sections (issue 55): a component gets only the values it uses."""
+    import msgspec
+
+    import async_rl.config
+
+    config_types = {name for name, value in vars(async_rl.config).items()
+                    if isinstance(value, type) and issubclass(value, msgspec.Struct)}
+    assert {"Config", "AlgoConfig", "ReplayConfig"} <= config_types
+    allowed = {("server.py", None), ("settings.py", "ReplaySettings.from_config")}
+    wrong = [f"replay/{path.name}:{line}: {function}({param}: ...)"
+             for path in sorted((REPO / "replay").glob("*.py"))
+             for function, line, param in config_params(path, config_types)
+             if (path.name, None) not in allowed and (path.name, function) not in allowed]
+    assert not wrong, "below the replay's entry, a component takes its settings, not the config:\n" + "\n".join(wrong)

@@ -44,7 +44,7 @@ from async_rl.protocol import (
     pack,
 )
 from async_rl.transport import connect_dealer, receive, send
-from replay.server import run
+from replay.server import build_service, run
 from replay.service import ReplayService
 
 LEARNER = b"learner-0"
@@ -211,7 +211,7 @@ def expected_final_credit(config: Config) -> dict[tuple[int, int], float]:
 
 def test_trained_credit_of_every_stage_sums_to_a_final():
     config = make_config()
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     trained: dict[tuple[int, int], float] = {}
@@ -245,7 +245,7 @@ def test_trained_credit_of_every_stage_sums_to_a_final():
 
 def test_immediate_items_carry_a_imm_on_the_last_stage_of_their_prefix():
     config = make_config()
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     batch = request_batch(service, version=0)
@@ -271,7 +271,7 @@ def test_immediate_items_carry_a_imm_on_the_last_stage_of_their_prefix():
 
 
 def test_immediate_items_are_served_before_any_outcome_arrives():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
     batch = request_batch(service, version=0)
@@ -280,7 +280,7 @@ def test_immediate_items_are_served_before_any_outcome_arrives():
 
 
 def test_outcome_only_mode_serves_no_immediate_items():
-    service, worker = ReplayService(make_config(algo={"updates": "outcome-only"})), Worker()
+    service, worker = build_service(make_config(algo={"updates": "outcome-only"})), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     assert request_batch(service, version=0) is None and len(service.queue) == 0
@@ -289,7 +289,7 @@ def test_outcome_only_mode_serves_no_immediate_items():
 
 
 def test_immediate_only_mode_closes_groups_without_corrections():
-    service, worker = ReplayService(make_config(algo={"updates": "immediate-only"})), Worker()
+    service, worker = build_service(make_config(algo={"updates": "immediate-only"})), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     send_all(service, outcome_messages(worker, grant))
@@ -302,7 +302,7 @@ def test_immediate_only_mode_closes_groups_without_corrections():
 
 def test_queued_immediates_are_superseded_by_the_correction():
     config = make_config()
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     queued = len(service.queue)
@@ -319,7 +319,7 @@ def test_queued_immediates_are_superseded_by_the_correction():
 
 
 def test_finalization_waits_for_immediates_in_flight():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     immediates = request_batch(service, version=0)
@@ -340,7 +340,7 @@ def member_credit(batch: Batch) -> dict[tuple[int, int], float]:
 
 def test_admission_denies_past_the_staleness_bound_and_reopens_when_the_learner_steps():
     config = make_config(algo={"max_staleness": 1, "groups_per_step": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     for _ in range((0 + 1 + 1) * 2):
         lease(service, worker)
     denied = only_reply(service.handle(WORKER, worker.lease(), 0.0))
@@ -357,7 +357,7 @@ def test_groups_that_closed_without_items_do_not_hold_admission_back():
     # A random policy's usual group: every reward 0, every outcome 0 -> zero variance -> no item at all. Counted
     # by admission, such groups stalled the first real runs: the learner waited for items forever.
     config = make_config(algo={"max_staleness": 0, "groups_per_step": 1})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)
     records = [worker.stage(grant, i, 0, 0.0, terminal=True) for i in range(4)]
@@ -371,7 +371,7 @@ def test_a_group_whose_items_all_went_stale_does_not_hold_admission_back():
     # immediate-only: no correction will carry the credit of skipped items, so such a group trains nothing. Counted
     # by admission, a run of them deadlocked a real run at version 3 (learner waiting, workers denied).
     config = make_config(algo={"updates": "immediate-only", "max_staleness": 0, "groups_per_step": 1})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     records = [worker.stage(grant, i, 0, 1.0 if i == 0 else 0.0, terminal=True) for i in range(4)]
     send_all(service, records + [worker.outcome(grant, i, 1, 0.0) for i in range(4)])
@@ -386,7 +386,7 @@ def test_a_group_whose_items_all_went_stale_does_not_hold_admission_back():
 
 def test_the_long_success_window_is_what_the_stop_rule_sees():
     config = make_config(replay={"success_window": 4, "long_success_window": 8})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     for outcome in [1.0] * 6 + [0.0] * 4:  # 10 trajectories: the long window keeps the last 8
         grant = lease(service, worker)
         send_all(service, [worker.stage(grant, 0, 0, 1.0, terminal=True), worker.outcome(grant, 0, 1, outcome)])
@@ -396,7 +396,7 @@ def test_the_long_success_window_is_what_the_stop_rule_sees():
 
 
 def test_admission_denies_once_the_env_step_budget_is_spent():
-    service, worker = ReplayService(make_config(run={"max_env_steps": 2})), Worker()
+    service, worker = build_service(make_config(run={"max_env_steps": 2})), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, 0, 0, 1.0), worker.stage(grant, 1, 0, 0.0)])
     denied = only_reply(service.handle(WORKER, worker.lease(), 0.0))
@@ -405,7 +405,7 @@ def test_admission_denies_once_the_env_step_budget_is_spent():
 
 def test_once_the_budget_is_spent_an_idle_learner_gets_an_empty_batch_with_the_stats():
     # Without it a learner whose last groups yielded nothing (GRPO on a sparse task) waited forever.
-    service, worker = ReplayService(make_config(run={"max_env_steps": 2})), Worker()
+    service, worker = build_service(make_config(run={"max_env_steps": 2})), Worker()
     assert request_batch(service, version=0, max_wait_s=1.0) is None  # nothing to train, budget not spent: wait
     grant = lease(service, worker)
     records = [worker.stage(grant, i, 0, 0.0, terminal=True) for i in range(2)]
@@ -418,7 +418,7 @@ def test_once_the_budget_is_spent_an_idle_learner_gets_an_empty_batch_with_the_s
 
 
 def test_a_resent_lease_request_gets_the_same_group():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     request = worker.lease()
     first = only_reply(service.handle(WORKER, request, 0.0))
     again = only_reply(service.handle(WORKER, request, 0.1))
@@ -427,7 +427,7 @@ def test_a_resent_lease_request_gets_the_same_group():
 
 def test_a_stale_immediate_is_skipped_and_its_credit_arrives_in_the_correction():
     config = make_config(algo={"max_staleness": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant, version=0))
     assert request_batch(service, version=3) is None, "every immediate is 3 versions stale: none is served"
@@ -446,7 +446,7 @@ def test_a_stale_immediate_is_skipped_and_its_credit_arrives_in_the_correction()
 
 def test_a_stale_correction_is_dropped_and_counted():
     config = make_config(algo={"updates": "outcome-only", "max_correction_staleness": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant, version=0))
     send_all(service, outcome_messages(worker, grant))
@@ -461,7 +461,7 @@ def test_a_stale_correction_is_dropped_and_counted():
 
 
 def test_a_duplicate_stage_record_is_acked_as_duplicate_and_counted_once():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     record = worker.stage(grant, 0, 0, 1.0)
     first = only_reply(service.handle(WORKER, record, 0.0))
@@ -471,7 +471,7 @@ def test_a_duplicate_stage_record_is_acked_as_duplicate_and_counted_once():
 
 
 def test_records_for_unknown_groups_or_members_are_rejected_without_storing():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     ghost = LeaseGrant(msg_id=0, group_id="g99", group_size=4, policy_version=0)
     error = only_reply(service.handle(WORKER, worker.stage(ghost, 0, 0, 1.0), 0.0))
@@ -485,7 +485,7 @@ def test_records_for_unknown_groups_or_members_are_rejected_without_storing():
 
 def test_lease_expiry_abandons_unfinished_members_and_the_group_still_finalizes():
     config = make_config(replay={"lease_timeout_s": 10.0})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker, now=0.0)
     send_all(service, [worker.stage(grant, i, 0, 0.5, terminal=True) for i in range(3)], now=1.0)
     send_all(service, [worker.outcome(grant, 0, 1, 1.0), worker.outcome(grant, 1, 1, 0.0)], now=2.0)
@@ -510,7 +510,7 @@ def test_an_outcome_that_overtook_its_lost_stage_waits_for_the_resend_or_goes_wi
     the worker was killed before its resend. The group must not wait for that stage for good: the resend completes
     it, or the worker's silence abandons the member like one without an outcome."""
     config = make_config(rollout={"group_size": 2}, replay={"lease_timeout_s": 10.0})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker, now=0.0)
     lost = worker.stage(grant, 1, 1, 0.0, terminal=True)  # sent, never stored
     send_all(service, [worker.stage(grant, 0, 0, 0.5), worker.stage(grant, 0, 1, 1.0, terminal=True),
@@ -537,7 +537,7 @@ def test_an_outcome_that_overtook_its_lost_stage_waits_for_the_resend_or_goes_wi
 
 
 def test_an_abandoned_outcome_abandons_the_member():
-    service, worker = ReplayService(make_config(rollout={"group_size": 2})), Worker()
+    service, worker = build_service(make_config(rollout={"group_size": 2})), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, 0, 0, 1.0, terminal=True), worker.outcome(grant, 0, 1, 1.0)])
     send_all(service, [worker.outcome(grant, 1, 0, None, abandoned=True, reason="engine died")])
@@ -546,7 +546,7 @@ def test_an_abandoned_outcome_abandons_the_member():
 
 
 def test_an_immediate_waits_for_a_missing_prefix_stage():
-    service, worker = ReplayService(make_config(rollout={"group_size": 2})), Worker()
+    service, worker = build_service(make_config(rollout={"group_size": 2})), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, 0, 0, 1.0), worker.stage(grant, 0, 1, 1.0, terminal=True)])
     send_all(service, [worker.stage(grant, 1, 1, 0.0, terminal=True)])  # stage 0 of member 1 lost, resent later
@@ -559,7 +559,7 @@ def test_an_immediate_waits_for_a_missing_prefix_stage():
 
 def test_a_stage_group_times_out_with_min_stage_peers():
     config = make_config(replay={"stage_group_timeout_s": 5.0, "min_stage_peers": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, 0, 0, 1.0)], now=0.0)
     service.tick(6.0)
@@ -581,7 +581,7 @@ def test_a_stage_group_times_out_with_min_stage_peers():
 
 
 def test_an_unacked_batch_is_requeued_and_its_late_ack_refused():
-    service, worker = ReplayService(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
+    service, worker = build_service(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
     first = request_batch(service, version=0, now=0.0)
@@ -629,7 +629,7 @@ def test_a_superseded_immediate_acked_late_gets_its_credit_once(window: str):
     ack no longer taken (REQUEUED_KEPT newer requeued batches) lets the correction carry them instead. Either way
     the optimizer sees A_final per stage, exactly."""
     config = make_config(replay={"batch_ack_timeout_s": 5.0}, learner={"checkpoint_every": 0})  # groups close at once
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     first = request_batch(service, version=0, now=0.0)
@@ -662,7 +662,7 @@ def test_a_superseded_immediate_acked_late_gets_its_credit_once(window: str):
         trained = [Batch(msg_id=b.msg_id, batch_id=b.batch_id, stats=b.stats,
                          items=[item for item in b.items if item.group_id == grant.group_id]) for b in trained]
     seen = trained_credit(trained)
-    expected = expected_final_credit(service.config)
+    expected = expected_final_credit(config)
     assert {stage: round(a, 9) for stage, a in seen.items() if abs(a) > 1e-12} == {
         stage: round(a, 9) for stage, a in expected.items() if abs(a) > 1e-12}, "each stage's credit once"
     stats = service.stats_snapshot()
@@ -672,7 +672,7 @@ def test_a_superseded_immediate_acked_late_gets_its_credit_once(window: str):
 
 
 def test_a_batch_respects_the_token_budget_and_min_items():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
     longest = max(sum(Worker.lengths(i, 0)) for i in range(4))
@@ -687,7 +687,7 @@ def test_a_batch_respects_the_token_budget_and_min_items():
 
 
 def test_an_empty_queue_parks_the_request_until_items_arrive():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     assert request_batch(service, version=0) is None
     batches = send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
@@ -833,7 +833,7 @@ HOSTILE_RECORDS = {  # name -> (how to spoil member 0's first stage record, the 
 @pytest.mark.parametrize("name", HOSTILE_RECORDS)
 def test_a_hostile_stage_record_is_refused_counted_and_stores_nothing(name):
     spoil, reason = HOSTILE_RECORDS[name]
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     learner_speaks(service)
     grant = lease(service, worker)
     error = only_reply(service.handle(WORKER, spoil(worker.stage(grant, 0, 0, 1.0)), 0.0))
@@ -847,7 +847,7 @@ def test_a_hostile_stage_record_is_refused_counted_and_stores_nothing(name):
 
 
 def test_a_group_with_a_refused_member_still_closes_with_a_finite_residual():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     learner_speaks(service)
     grant = lease(service, worker)
     bad = replaced(worker.stage(grant, 0, 0, 1.0, terminal=True), stage_reward=NAN)
@@ -873,7 +873,7 @@ def test_a_group_with_a_refused_member_still_closes_with_a_finite_residual():
 def test_a_resend_for_a_closed_group_is_acked_as_a_duplicate_and_an_unissued_group_is_refused():
     """A worker whose ack was late resends a record after its group closed (issue 41): a duplicate, not an error;
     an id this replay never issued (a later n, a later epoch, another form) is still `unknown_group`."""
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     learner_speaks(service)
     grant = lease(service, worker)
     records = [worker.stage(grant, i, 0, float(i % 2), terminal=True) for i in range(4)]
@@ -910,7 +910,7 @@ HOSTILE_OUTCOMES = {
 @pytest.mark.parametrize("name", HOSTILE_OUTCOMES)
 def test_a_hostile_outcome_is_refused_counted_and_stores_nothing(name):
     changes, reason = HOSTILE_OUTCOMES[name]
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, 0, 0, 1.0, terminal=True)])
     message = msgspec.structs.replace(worker.outcome(grant, 0, 1, 1.0), **changes)
@@ -924,7 +924,7 @@ def test_a_hostile_outcome_is_refused_counted_and_stores_nothing(name):
 
 
 def test_an_absurd_batch_request_version_is_refused_and_does_not_move_the_version():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     learner_speaks(service, version=3)
     for version in (2**40, 3 + 1 + 2 + 1):  # out of int32; above 3 + algo.ppo_epochs + replay.max_version_lead
         request = BatchRequest(learner_id="x", msg_id=70, policy_version=version, max_tokens=4096, min_items=1,
@@ -943,7 +943,7 @@ def test_an_absurd_batch_request_version_is_refused_and_does_not_move_the_versio
 
 def test_an_honest_learner_stays_within_the_version_bound_even_when_its_acks_are_lost():
     config = make_config(algo={"ppo_epochs": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     version = 0
     for _ in range(6):  # each batch served, trained (+2) and never acked: the next request is 2 further on
         grant = lease(service, worker)
@@ -955,7 +955,7 @@ def test_an_honest_learner_stays_within_the_version_bound_even_when_its_acks_are
 
 
 def test_bad_batch_requests_are_refused_by_reason():
-    service = ReplayService(make_config())
+    service = build_service(make_config())
     for changes in (dict(max_tokens=0), dict(min_items=-1), dict(max_wait_s=NAN), dict(max_wait_s=-1.0)):
         fields = dict(learner_id="l", msg_id=3, policy_version=0, max_tokens=4096, min_items=1, max_wait_s=0.0)
         error = only_reply(service.handle(LEARNER, BatchRequest(**{**fields, **changes}), 0.0), LEARNER)
@@ -964,7 +964,7 @@ def test_bad_batch_requests_are_refused_by_reason():
 
 
 def test_rejections_are_logged_at_most_once_per_reason_per_interval(caplog):
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     with caplog.at_level("WARNING", logger="async_rl.replay"):
         for _ in range(200):
@@ -978,7 +978,7 @@ def test_rejections_are_logged_at_most_once_per_reason_per_interval(caplog):
 
 def test_an_untrained_batch_ack_counts_no_credit_and_the_correction_carries_it():
     config = make_config()
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     immediates = request_batch(service, 0)
@@ -1058,7 +1058,7 @@ def hostile_messages(rng: random.Random, grants: list[LeaseGrant], count: int):
 def test_a_wire_fuzz_of_hostile_values_is_refused_by_reason_and_the_service_keeps_serving(tmp_path):
     config = make_config(replay={"endpoint": f"ipc://{tmp_path}/replay.ipc"}, rollout={"group_size": 2},
                          run={"dir": str(tmp_path)}, wandb={"mode": "disabled"})
-    service, stop = ReplayService(config), threading.Event()
+    service, stop = build_service(config), threading.Event()
     thread = threading.Thread(target=run, args=(config, stop, service), daemon=True)
     thread.start()
     context = zmq.Context()
@@ -1135,7 +1135,7 @@ def test_a_learner_that_resumes_from_its_checkpoint_is_rolled_back_exactly(seed)
     rng = random.Random(seed)
     config = make_config(algo={"max_staleness": 100, "max_correction_staleness": 100},
                          learner={"checkpoint_every": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grants = [lease(service, worker) for _ in range(3)]
     pending = [m for grant in grants for m in stage_records(worker, grant)]
     outcomes = [m for grant in grants for m in outcome_messages(worker, grant)]
@@ -1188,7 +1188,7 @@ def test_a_learner_that_resumes_from_its_checkpoint_is_rolled_back_exactly(seed)
 
 def test_a_resume_below_or_above_the_reported_checkpoint_is_refused():
     config = make_config(learner={"checkpoint_every": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     first = lease(service, worker)
     send_all(service, stage_records(worker, first))
     ack_batch(service, session_request(service, 0, 1, -1), 1)  # first's immediates
@@ -1216,7 +1216,7 @@ def test_a_resume_above_the_reported_checkpoint_rolls_back_only_the_acks_above_i
     restarted at a newer checkpoint it still has, the replay takes back only the acks above that one's version,
     exactly: the ones between stay trained once."""
     config = make_config(learner={"checkpoint_every": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     first = lease(service, worker)
     send_all(service, stage_records(worker, first))
     ack_batch(service, session_request(service, 0, 1, -1), 1)  # first's immediates at v1
@@ -1241,7 +1241,7 @@ def test_a_resume_above_the_reported_checkpoint_rolls_back_only_the_acks_above_i
 
 
 def test_without_learner_checkpoints_a_restart_below_the_acked_version_is_refused():
-    service, worker = ReplayService(make_config(learner={"checkpoint_every": 0})), Worker()
+    service, worker = build_service(make_config(learner={"checkpoint_every": 0})), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     batch = session_request(service, 0, 1, -1)
@@ -1251,7 +1251,7 @@ def test_without_learner_checkpoints_a_restart_below_the_acked_version_is_refuse
 
 
 def test_a_restarted_worker_s_old_leases_are_abandoned_at_once():
-    service = ReplayService(make_config())
+    service = build_service(make_config())
     grant = only_reply(service.handle(WORKER, LeaseRequest(worker_id="worker-0", msg_id=1, session=10), 0.0))
     assert isinstance(grant, LeaseGrant)
     service.handle(WORKER, Heartbeat(worker_id="worker-0", session=10), 1.0)
@@ -1269,7 +1269,7 @@ def test_a_rollback_past_a_group_s_immediates_finalizes_it_again():
     restarts at version 0. Both acks are undone, the corrections are withdrawn and the group is finalized again:
     its new corrections carry all of A_final (issued is back to 0), trained once."""
     config = make_config(learner={"checkpoint_every": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     immediates = session_request(service, 0, 1, -1)
@@ -1299,7 +1299,7 @@ def test_admission_after_a_rollback_counts_the_versions_it_took_back_as_steps():
     may retrain their items in fewer steps, so admission must not wait for it to reach that version again (a
     real run stalled so: tests/test_faults.py)."""
     config = make_config(learner={"checkpoint_every": 2}, algo={"groups_per_step": 1, "max_staleness": 0})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     ack_batch(service, session_request(service, 0, 1, -1), 1)

@@ -19,13 +19,14 @@ from test_replay import (
 )
 
 from async_rl.protocol import Ack, Batch, Error, Heartbeat, LeaseGrant, LeaseRequest
+from replay.server import build_service
 from replay.service import ReplayService
 
 WIDE = {"batch_tokens": 10**6}  # one batch holds every pending correction: the guard's sizes play no part here
 
 
 def test_a_frozen_worker_s_late_records_for_an_expired_lease_are_acked_and_store_nothing():
-    service, worker = ReplayService(make_config(replay={"lease_timeout_s": 10.0})), Worker()
+    service, worker = build_service(make_config(replay={"lease_timeout_s": 10.0})), Worker()
     grant = lease(service, worker, now=0.0)
     send_all(service, [worker.stage(grant, i, 0, 0.5, terminal=i < 2) for i in range(4)], now=1.0)
     send_all(service, [worker.outcome(grant, 0, 1, 1.0), worker.outcome(grant, 1, 1, 0.0)], now=1.0)
@@ -50,7 +51,7 @@ def test_a_frozen_worker_s_late_records_for_an_expired_lease_are_acked_and_store
 
 
 def test_a_frozen_learner_s_late_ack_takes_its_requeued_items_so_none_is_trained_twice():
-    service, worker = ReplayService(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
+    service, worker = build_service(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])  # four immediate items
     first = request_batch(service, version=0, now=0.0)
@@ -72,7 +73,7 @@ def test_a_frozen_learner_s_late_ack_takes_its_requeued_items_so_none_is_trained
 
 
 def test_a_late_ack_is_refused_once_its_items_were_served_again_or_a_new_learner_started():
-    service, worker = ReplayService(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
+    service, worker = build_service(make_config(replay={"batch_ack_timeout_s": 5.0})), Worker()
     grant = lease(service, worker)
     send_all(service, [worker.stage(grant, i, 0, float(i)) for i in range(4)])
     first = session_request(service, version=0, session=1, checkpoint=0)
@@ -93,7 +94,7 @@ def test_a_worker_that_never_finishes_holds_at_most_max_open_groups():
     """It heartbeats (its leases never expire) and asks for groups whose outcomes never come; past the cap the group
     leased longest ago is given up, so the groups waiting for outcomes (and their tokens) stay bounded."""
     config = make_config(replay={"max_open_groups": 3}, learner=WIDE)
-    service, stuck, good = ReplayService(config), Worker("stuck"), Worker("good")
+    service, stuck, good = build_service(config), Worker("stuck"), Worker("good")
     held: list[str] = []
     for n in range(10):
         grant = lease_for(service, stuck, now=float(n))
@@ -125,7 +126,7 @@ def test_the_guard_gives_up_a_blocking_group_that_never_sent_a_record():
     """A group leased and never written to counts from its lease version (as its pending corrections do): when it
     holds the learner past replay.guard_abandon_s it is the one abandoned, not a younger group with records."""
     config = make_config(algo={"max_correction_staleness": 2}, replay={"guard_abandon_s": 60.0}, learner=WIDE)
-    service, silent, busy = ReplayService(config), Worker("silent"), Worker("busy")
+    service, silent, busy = build_service(config), Worker("silent"), Worker("busy")
     quiet = lease_for(service, silent, now=0.0)  # v0; heartbeats, never sends anything
     assert request_batch(service, version=1, now=0.0) is None  # the learner is at v1 (a first word is trusted)
     grant = lease_for(service, busy, now=0.0)
@@ -147,7 +148,7 @@ def test_with_nothing_queued_a_group_past_its_deadline_starts_the_abandon_clock(
     """The learner reached a pending group's deadline with the queue empty: admission refuses every group, so
     nothing would ever be queued to hold for. The refusal holds, and the abandon clock gives the group up."""
     config = make_config(algo={"max_correction_staleness": 2}, replay={"guard_abandon_s": 60.0}, learner=WIDE)
-    service, stuck, other = ReplayService(config), Worker("stuck"), Worker("other")
+    service, stuck, other = build_service(config), Worker("stuck"), Worker("other")
     grant = lease_for(service, stuck, now=0.0)
     send_all(service, [stuck.stage(grant, i, 0, float(i)) for i in range(4)], now=0.0)
     batch = request_batch(service, version=0, now=0.0)
@@ -163,7 +164,7 @@ def test_with_nothing_queued_a_group_past_its_deadline_starts_the_abandon_clock(
 
 
 def test_a_resent_lease_request_never_gives_up_a_group():
-    service = ReplayService(make_config(replay={"max_open_groups": 1}))
+    service = build_service(make_config(replay={"max_open_groups": 1}))
     request = LeaseRequest(worker_id="stuck", msg_id=5)
     first = only_reply(service.handle(WORKER, request, 0.0))
     again = only_reply(service.handle(WORKER, request, 1.0))

@@ -28,6 +28,7 @@ from test_replay import (
 from async_rl.protocol import LOGPROB, TOKEN, Batch, LeaseDenied, LeaseGrant, pack
 from replay.guard import Work
 from replay.lengths import MARGIN_SD, LengthModel
+from replay.server import build_service
 from replay.service import ReplayService
 
 
@@ -49,7 +50,7 @@ def step_through_immediates(service: ReplayService, worker: Worker, grant: Lease
 @pytest.mark.parametrize("guard", [True, False])
 def test_the_guard_holds_immediates_until_the_outcome_and_no_correction_is_dropped(guard):
     config = make_config(algo={"max_correction_staleness": 2, "correction_guard": guard})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     step_through_immediates(service, worker, grant)
     send_all(service, stage(worker, grant, 2, version=2))
@@ -81,7 +82,7 @@ def test_a_hold_still_running_is_reported_not_only_a_released_one():
     from replay.telemetry import metrics_line
 
     config = make_config(algo={"max_correction_staleness": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     step_through_immediates(service, worker, grant)
     send_all(service, stage(worker, grant, 2, version=2))
@@ -99,7 +100,7 @@ def test_a_hold_still_running_is_reported_not_only_a_released_one():
 
 def test_the_guard_abandons_a_group_whose_outcome_never_comes():
     config = make_config(algo={"max_correction_staleness": 2}, replay={"guard_abandon_s": 60.0})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     step_through_immediates(service, worker, grant)
     send_all(service, stage(worker, grant, 2, version=2))
@@ -117,7 +118,7 @@ def test_the_guard_abandons_a_group_whose_outcome_never_comes():
 
 def test_corrections_that_cannot_wait_another_batch_go_before_immediates_without_waiting_for_younger_groups():
     config = make_config(algo={"max_correction_staleness": 3})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     old = lease(service, worker)
     step_through_immediates(service, worker, old)
     send_all(service, stage(worker, old, 2, version=2))
@@ -139,7 +140,7 @@ def test_corrections_that_cannot_wait_another_batch_go_before_immediates_without
 
 def test_the_learner_waits_for_a_pending_group_due_before_every_queued_correction():
     config = make_config(algo={"max_correction_staleness": 3})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     old = lease(service, worker)
     step_through_immediates(service, worker, old)
     send_all(service, stage(worker, old, 2, version=2))  # the old group (deadline 0 + 3) waits for its outcomes
@@ -158,7 +159,7 @@ def two_pending_at_their_deadline() -> tuple[ReplayService, Worker, LeaseGrant, 
     """Outcome-only, ppo_epochs 2, bound 2: groups A and B generated at version 0 while a third group's batch took
     the learner to version 2, their deadline; B's outcomes are in (its corrections queued), A's are pending."""
     config = make_config(algo={"updates": "outcome-only", "ppo_epochs": 2, "max_correction_staleness": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     first, a, b = (lease(service, worker) for _ in range(3))
     send_all(service, stage_records(worker, first) + outcome_messages(worker, first) + stage_records(worker, a)
              + stage_records(worker, b))
@@ -192,7 +193,7 @@ def test_a_backlog_that_waiting_cannot_save_is_trained_at_once():
 
 def test_lock_step_rounds_generate_then_train_then_open_the_next_round():
     config = make_config(algo={"mode": "sync", "groups_per_step": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     first, second = lease(service, worker), lease(service, worker)
     assert isinstance(only_reply(service.handle(WORKER, worker.lease(), 0.0)), LeaseDenied)  # the round is full
     send_all(service, stage_records(worker, first) + outcome_messages(worker, first))
@@ -220,7 +221,7 @@ def test_admission_refuses_a_group_whose_corrections_could_not_be_trained_in_tim
     longest = max(sum(sum(Worker.lengths(i, k)) for k in range(len(rewards))) for i, rewards in REWARDS.items())
     budget = 2 * longest  # a batch holds 2 corrections: 3 batches (versions 0, 1, 2) hold 6 by the bound 2
     config = make_config(algo={"max_correction_staleness": 2}, learner={"batch_tokens": budget})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     first = lease(service, worker)
     send_all(service, stage_records(worker, first))
     # 4 corrections to come, and 4 more for a new group: 8 > 6. Refused, and again once the outcomes are in.
@@ -245,7 +246,7 @@ def test_a_lock_step_round_ends_when_its_items_are_acked_even_while_its_groups_w
     from async_rl.protocol import BatchRequest
 
     config = make_config(algo={"mode": "sync", "groups_per_step": 2}, learner={"checkpoint_every": 50})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     first, second = lease(service, worker), lease(service, worker)
     send_all(service, stage_records(worker, first) + outcome_messages(worker, first))
     send_all(service, stage_records(worker, second) + outcome_messages(worker, second))
@@ -273,7 +274,7 @@ def test_the_length_model_expects_the_mean_of_the_finished_lengths_at_least_as_l
 
 def corrections_of_one_group(budget: str) -> tuple[ReplayService, list[int]]:
     config = make_config(algo={"updates": "outcome-only"}, learner={"batch_budget": budget})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant) + outcome_messages(worker, grant))
     return service, sorted(q.num_tokens for q in service.queue)
@@ -322,7 +323,7 @@ def test_with_long_tailed_lengths_the_packed_guard_admits_by_the_sum_not_the_lon
     admitted still have every correction trained in time."""
     config = make_config(algo={"max_correction_staleness": 4, "updates": "outcome-only"},
                          learner={"batch_tokens": 800, "batch_budget": budget}, model={"max_seq_len": 512})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     version = long_tailed_history(service, worker, groups=12, long_tokens=200)
     assert service.longest_trajectory > 200 and service.stats_snapshot().credit_dropped == 0
     grants = []
@@ -350,7 +351,7 @@ def test_the_guard_s_cached_member_tokens_follow_every_record_outcome_and_abando
     """The guard counts pending work from per-group caches (so a check costs O(groups)); after every message its
     view equals one rebuilt from scratch."""
     config = make_config(algo={"max_correction_staleness": 64}, learner={"batch_budget": "packed"})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     long_tailed_history(service, worker, groups=2, long_tokens=40)  # finished lengths to estimate from
     grants = [lease(service, worker) for _ in range(3)]
     per_group = [stage_records(worker, g) + outcome_messages(worker, g) for g in grants]
@@ -372,7 +373,7 @@ def test_the_guard_s_cached_member_tokens_follow_every_record_outcome_and_abando
 def test_the_guard_s_deadline_check_equals_checking_every_correction_in_deadline_order(budget):
     """`Guard.fits` checks once per distinct deadline, vectorised; the rule it implements is the loop below, one
     correction at a time in deadline order (docs/algorithm.md, "Staleness")."""
-    service = ReplayService(make_config(algo={"ppo_epochs": 2}, learner={"batch_budget": budget}))
+    service = build_service(make_config(algo={"ppo_epochs": 2}, learner={"batch_budget": budget}))
     rng = np.random.default_rng(0)
     for n in rng.integers(10, 500, size=20):
         service.guard.length_model.add(int(n))
@@ -399,7 +400,7 @@ def fits_one_at_a_time(service: ReplayService, rows: list, first: int, max_token
             return False
         items, tokens, growing = items + n, tokens + size, growing + item_growing
         longest = max(longest, item_longest)
-        slots = (deadline - first) // service.algo.ppo_epochs + 1
+        slots = (deadline - first) // service.settings.guard.ppo_epochs + 1
         if packed:
             room = max_tokens - max(longest, service.longest_trajectory)
             due = tokens + MARGIN_SD * service.guard.length_model.sd * math.sqrt(growing)
@@ -436,7 +437,7 @@ def judge_schedule(service: ReplayService, delays: list[int]) -> list[tuple[int,
 def test_the_auto_bound_follows_the_judge_as_it_slows_down_and_speeds_up():
     config = make_config()  # the default: algo.max_correction_staleness=auto
     assert config.algo.max_correction_staleness == "auto"
-    service = ReplayService(config)
+    service = build_service(config)
     seen = judge_schedule(service, [1] * 20 + [20] * 60 + [1] * 90)
     assert len(seen) == 170  # the guard never held the learner
     bounds = [bound for bound, _ in seen]
@@ -456,7 +457,7 @@ def test_a_slow_first_judge_stalls_nothing_the_auto_bound_is_its_cap_until_an_ou
     groups: every run lost one judge delay at its start (44 s of a 44.65 s judge in benchmarks/delay.py)."""
     config = make_config()
     cap = config.algo.max_correction_staleness_cap
-    service = ReplayService(config)
+    service = build_service(config)
     seen = judge_schedule(service, [30] * 90)
     assert len(seen) == 90  # never held, never refused a group
     bounds = [bound for bound, _ in seen]
@@ -472,7 +473,7 @@ def test_before_the_first_outcome_the_guard_refuses_no_group_that_admission_lets
     trajectory length known: each member counts as model.max_seq_len, 16 a batch). From the floor bound the guard let
     16 groups start and refused the rest until the first outcomes landed; at the cap only admission's own bound
     ((v + max_staleness + 1) x groups_per_step = 40) stops them."""
-    service = ReplayService(make_config(rollout={"group_size": 16}))
+    service = build_service(make_config(rollout={"group_size": 16}))
     worker, started = Worker(), 0
     for tick in range(20):
         while isinstance(grant := only_reply(service.handle(WORKER, worker.lease(), float(tick))), LeaseGrant):
@@ -481,11 +482,11 @@ def test_before_the_first_outcome_the_guard_refuses_no_group_that_admission_lets
         assert request_batch(service, version=0, now=float(tick), max_tokens=4096) is None  # nothing to train
     stats = service.stats_snapshot()
     assert started == 40 and stats.guard_leases_denied == 0
-    assert stats.correction_bound == service.algo.max_correction_staleness_cap
+    assert stats.correction_bound == service.settings.guard.max_correction_staleness_cap
 
 
 def test_a_fixed_bound_below_the_judges_delay_holds_the_learner():
-    service = ReplayService(make_config(algo={"max_correction_staleness": 16}))
+    service = build_service(make_config(algo={"max_correction_staleness": 16}))
     seen = judge_schedule(service, [1] * 20 + [20] * 60)
     stats = service.stats_snapshot()
     assert len(seen) < 80 and stats.guard_holds + stats.guard_leases_denied > 0  # what auto avoids
@@ -493,7 +494,7 @@ def test_a_fixed_bound_below_the_judges_delay_holds_the_learner():
 
 
 def test_the_auto_bound_stops_at_its_cap():
-    service = ReplayService(make_config(algo={"max_correction_staleness_cap": 24}))
+    service = build_service(make_config(algo={"max_correction_staleness_cap": 24}))
     seen = judge_schedule(service, [1] * 10 + [30] * 60)
     stats = service.stats_snapshot()
     assert max(bound for bound, _ in seen) == 24 and len(seen) < 70  # held at the cap, as a fixed 24 would
@@ -507,7 +508,7 @@ def test_the_auto_bound_rises_to_fit_the_corrections_already_admitted():
     deadline: the guard held the learner there (116 s of 1,200 on the hunt at D ~ 43). Under auto the bound rises
     to where they fit: never held, nothing dropped."""
     config = make_config(algo={"updates": "outcome-only"})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     slow = [lease(service, worker) for _ in range(12)]
     for grant in slow:
         send_all(service, stage_records(worker, grant, version=0))

@@ -19,15 +19,18 @@ from test_replay import (
 
 from async_rl.protocol import Ack, BatchAck, Error, LeaseGrant, LeaseRequest
 from replay.decisions import Advance, Decision, GiveUp, Steps
+from replay.server import build_service
 from replay.service import ReplayService
 
 COMPONENTS = {"edge", "guard", "rounds", "rollback", "leases", "serving", "admission"}
 
 
 def parts_of(service: ReplayService) -> dict[str, object]:
-    """The service's components (objects of a class of replay/), and the replay objects they hold in turn."""
+    """The service's components (objects of a class of replay/), and the replay objects they hold in turn; msgspec
+    Structs are data (the state's parts, the settings), not components."""
     found: dict[str, object] = {}
-    todo = [(name, value) for name, value in vars(service).items() if type(value).__module__.startswith("replay.")]
+    todo = [(name, value) for name, value in vars(service).items()
+            if type(value).__module__.startswith("replay.") and not hasattr(value, "__struct_fields__")]
     while todo:
         name, part = todo.pop(0)  # breadth first: a component is named as the service names it
         if any(part is known for known in found.values()) or part is service.state:
@@ -52,11 +55,11 @@ def held_values(part: object) -> list[tuple[str, object]]:
 
 def test_no_replay_component_holds_a_callable_into_the_service():
     config = make_config(learner={"checkpoint_every": 1}, replay={"max_open_groups": 2})
-    service, worker = ReplayService(config), Worker()
+    service, worker = build_service(config), Worker()
     grant = lease(service, worker)  # some traffic first: what the parts hold once they have served
     send_all(service, stage_records(worker, grant) + outcome_messages(worker, grant))
     assert request_batch(service, 0) is not None
-    restored = ReplayService(config)
+    restored = build_service(config)
     restored.restore(service.state)  # the parts a snapshot's state is served with
     for service_now in (service, restored):
         parts = parts_of(service_now)
@@ -81,7 +84,7 @@ def recorded(step: Steps, seen: list[Decision]) -> Generator:
 
 
 def test_an_ack_yields_its_group_to_advance_and_the_service_finalizes_it():
-    service, worker = ReplayService(make_config()), Worker()
+    service, worker = build_service(make_config()), Worker()
     grant = lease(service, worker)
     send_all(service, stage_records(worker, grant))
     immediates = request_batch(service, 0)
@@ -103,7 +106,7 @@ def test_an_ack_yields_its_group_to_advance_and_the_service_finalizes_it():
 
 
 def test_a_refused_ack_is_a_problem_the_service_counts_and_answers():
-    service = ReplayService(make_config())
+    service = build_service(make_config())
     ack = BatchAck(learner_id="learner", msg_id=3, batch_id=12345, policy_version=0)
     seen: list[Decision] = []
     answer = service.carry_out(recorded(service.serving.batch_ack(ack), seen), 0.0)
@@ -115,7 +118,7 @@ def test_a_refused_ack_is_a_problem_the_service_counts_and_answers():
 
 
 def test_a_full_lease_table_yields_the_idle_group_to_give_up_before_the_new_group_starts():
-    service = ReplayService(make_config(replay={"max_open_groups": 2}))
+    service = build_service(make_config(replay={"max_open_groups": 2}))
     first = lease(service, Worker("stuck-0"), now=0.0)
     lease(service, Worker("stuck-1"), now=1.0)
     seen: list[Decision] = []
@@ -128,7 +131,7 @@ def test_a_full_lease_table_yields_the_idle_group_to_give_up_before_the_new_grou
 
 
 def test_a_part_s_step_does_nothing_until_the_service_runs_it():
-    service = ReplayService(make_config(replay={"max_open_groups": 1}))
+    service = build_service(make_config(replay={"max_open_groups": 1}))
     lease(service, Worker("stuck"), now=0.0)
     service.leases.lease(LeaseRequest(worker_id="worker-0", msg_id=1), 5.0)  # made, never run
     assert service.counters.groups_started == 1 and service.counters.groups_given_up == 0

@@ -38,7 +38,7 @@ from async_rl.errors import ConfigError
 from async_rl.protocol import Ack, Batch, BatchAck, Error, EvalReport, Heartbeat, LeaseGrant, encode
 from learner.replay_client import ReplayClient
 from replay.log_format import LogFormatError, Received, Ticked, Undecodable, WalError
-from replay.server import apply_entry, handle_safely, start_log
+from replay.server import apply_entry, build_service, handle_safely, start_log
 from replay.service import ReplayService
 from replay.wal import ReplayLog, WalWriteError, comparable
 from rollout.link import ReplayLink
@@ -51,7 +51,7 @@ class Logged:
     undecodable frame, every tick that changed the state, one commit per call (a poll round)."""
 
     def __init__(self, config: Config, directory: Path, compact_every: int = 100_000) -> None:
-        self.service = ReplayService(config)
+        self.service = build_service(config)
         self.wal = ReplayLog(directory, fsync=False, compact_every=compact_every)
         self.wal.recover(self.service, apply_entry)
         self.service.start_epoch(self.service.epoch + 1, 0.0)
@@ -83,7 +83,7 @@ class Logged:
 
 
 def rebuilt(config: Config, directory: Path) -> tuple[ReplayService, ReplayLog]:
-    service = ReplayService(config)
+    service = build_service(config)
     wal = ReplayLog(directory, fsync=False)
     wal.recover(service, apply_entry)
     return service, wal
@@ -431,7 +431,7 @@ def test_a_log_written_before_the_split_is_refused_naming_its_format_and_ours(tm
     shutil.copytree(OLD_RUN / "replay", tmp_path / "replay")
     wal = ReplayLog(tmp_path / "replay", fsync=False)
     with pytest.raises(LogFormatError, match=re.escape(OLD_FORMAT)) as refused:
-        wal.recover(ReplayService(make_config()), apply_entry)
+        wal.recover(build_service(make_config()), apply_entry)
     assert isinstance(refused.value, ConfigError), "a restart would meet it again: async-rl train does not restart"
     wal.close()
     for path in (OLD_RUN / "replay").iterdir():
@@ -519,7 +519,7 @@ def test_a_replay_whose_disk_fills_holds_its_acks_and_resumes_when_space_comes_b
 
     config = make_config(run={"dir": str(small_disk), "name": "run"},
                          replay={"endpoint": f"ipc://{tmp_path}/replay.ipc", "lease_timeout_s": 2.0})
-    service, stop = ReplayService(config), threading.Event()
+    service, stop = build_service(config), threading.Event()
     ticks, ticked, tick = [0], threading.Condition(), service.tick
 
     def counted_tick(now: float) -> list:  # the loop's timer rounds, to wait on

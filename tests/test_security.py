@@ -49,8 +49,8 @@ from async_rl.security import (
 )
 from async_rl.transport import connect_dealer, connect_subscriber, poll, receive, send
 from launch.cli import main
+from replay.server import build_service
 from replay.server import run as run_replay
-from replay.service import ReplayService
 from rollout.engines.base import EngineUnavailable
 
 
@@ -186,7 +186,7 @@ def test_a_local_run_that_falls_back_to_loopback_tcp_gets_keys_of_its_own(tmp_pa
 
 
 def test_the_replay_role_check_refuses_learner_messages_from_a_worker_and_back():
-    service = ReplayService(config_from_dict({}))
+    service = build_service(config_from_dict({}))
     request = BatchRequest(learner_id="learner-0", msg_id=7, policy_version=2**40, max_tokens=64, min_items=1,
                            max_wait_s=0.0)
     [(_, error)] = service.handle(b"rollout-0", request, 0.0, peer="rollout-0")
@@ -214,7 +214,7 @@ def _reply(sock: zmq.Socket, timeout_s: float):
 def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, other_keys):
     config = make_config(tmp_path, keys)
     endpoint = config.replay.endpoint
-    service, stop = ReplayService(config), threading.Event()
+    service, stop = build_service(config), threading.Event()
     thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
     thread.start()
     context = zmq.Context()
@@ -265,7 +265,7 @@ def test_a_restarted_peer_is_heard_while_the_replay_still_holds_its_old_connecti
     FIN ever reached it); its restarted process connects under the same identity and must be heard, not dropped
     (benchmarks/chaos.py stalled on a learner so: ZMQ_ROUTER_HANDOVER)."""
     config = make_config(tmp_path, keys)
-    service, stop = ReplayService(config), threading.Event()
+    service, stop = build_service(config), threading.Event()
     thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
     thread.start()
     context, dead = zmq.Context(), zmq.Context()
@@ -329,7 +329,7 @@ def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
 def test_a_plain_heartbeat_is_answered_by_nothing_but_does_not_crash_a_curve_replay(tmp_path, keys):
     """A peer speaking plain ZMTP never reaches `handle`; an authenticated one right after still works."""
     config = make_config(tmp_path, keys)
-    service, stop = ReplayService(config), threading.Event()
+    service, stop = build_service(config), threading.Event()
     thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
     thread.start()
     context = zmq.Context()
