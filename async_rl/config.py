@@ -351,6 +351,14 @@ class AlgoConfig(_Section):
     updates: Annotated[UpdateMode, doc(
         "or `outcome-only` (no immediate items), `immediate-only` (no corrections)"
     )] = "immediate+correction"
+    immediate_hold: Annotated[NonNegFloat, doc(
+        "how long an immediate item waits for its group's outcome before a learner may train it, in outcome-only "
+        "learner steps' worth of generation (`algo.groups_per_step` × `rollout.group_size` finished trajectories, "
+        "timed at the rate the replay measures): an outcome that lands within it supersedes the item and its "
+        "correction carries the whole credit in one update (an instant judge trains as `outcome-only`), a later one"
+        " finds it trained; 0: at once. `immediate+correction` in `async` mode only "
+        "([algorithm](algorithm.md#immediate-hold-algoimmediate_hold))"
+    )] = 1.0
     credit: Annotated[CreditMode, doc(
         "`A_final = A_out + ω·A_step`; or `outcome` (`A_final = A_out`)"
     )] = "outcome+step"

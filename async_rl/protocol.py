@@ -258,6 +258,10 @@ class ReplayStats(Message, tag="replay_stats"):
     groups_given_up: int = 0  # groups whose unfinished trajectories were abandoned at replay.max_open_groups
     env_errors: int = 0  # trajectories abandoned because the environment plugin raised or broke its contract
     immediate_superseded: int = 0  # queued immediate items replaced by their group's correction
+    # immediate items whose group's outcomes all landed while they were on hold (algo.immediate_hold): never made,
+    # their correction carries the credit in one update
+    immediate_held_over: int = 0
+    immediate_hold_s: float = 0.0  # the hold in use, seconds (-1: the finishing pace not known yet, items wait; 0: off)
     immediate_before_outcome: int = 0  # in this batch: immediate items served before their trajectory's outcome
     guard_holds: int = 0  # times the correction-staleness guard held the learner back (algo.correction_guard)
     guard_held_s: float = 0.0  # seconds a ready batch request was held by the guard, in all (a running hold too)

@@ -16,7 +16,9 @@ throughput falls while outcomes are pending); `--fit-d K` then refits each delay
 (outcome-only+step runs of `--fit-steps` env steps at the delay, the delay scaled by D asked ÷ D got).
 Arms, all with `credit=outcome+step`:
   outcome-only+step      the final credit, trained once a group's outcomes are in
-  immediate+correction   this project: stage credit at once, corrected when the outcome lands
+  immediate+correction   this project: stage credit after the hold (`algo.immediate_hold`, the config's), corrected
+                         when the outcome lands
+  immediate-at-once      the same with `algo.immediate_hold=0`: stage credit as soon as its stage group is complete
   immediate-only         stage credit only (the trap check: it should learn the traps and stall)
 Every run: the trap env (`env.kwargs.traps`; `--env hunt`: the long-horizon hunt, its judge delayed by
 `env.kwargs.judge_delay_s`), a simulated tool latency at every env step, the same in every arm and stated in the
@@ -129,6 +131,7 @@ from async_rl.config import AlgoConfig, LearnerConfig  # noqa: E402
 ARMS = {
     "outcome-only+step": ["algo.updates=outcome-only", "algo.credit=outcome+step"],
     "immediate+correction": ["algo.updates=immediate+correction", "algo.credit=outcome+step"],
+    "immediate-at-once": ["algo.updates=immediate+correction", "algo.credit=outcome+step", "algo.immediate_hold=0"],
     "immediate-only": ["algo.updates=immediate-only", "algo.credit=outcome+step"],
 }
 DEFAULT_ARMS = ("outcome-only+step", "immediate+correction", "immediate-only")

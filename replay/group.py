@@ -30,6 +30,7 @@ class Advanced:
     immediates: list[QueuedItem]  # new immediate items, to queue
     finalized: bool  # A_final was fixed now: the lease is over
     superseded: list[int]  # queued immediate items the corrections now carry: they leave the queue untrained
+    held_over: int  # immediate items still on hold (algo.immediate_hold) when it finalized: never made, C carries them
     corrections: list[QueuedItem]  # one per member with a nonzero C, to queue
     closed: bool  # every correction trained or dropped and nothing left to roll back: the group is over
 
@@ -41,7 +42,8 @@ class Group:
     ledger: GroupLedger
     trajectories: dict[int, Trajectory] = field(default_factory=dict)  # member -> tokens
     stage_group_started: dict[int, float] = field(default_factory=dict)  # unhandled stage group k -> first arrival
-    deferred: dict[Stage, float] = field(default_factory=dict)  # (member, k) -> A_imm waiting for a prefix stage
+    deferred: dict[Stage, float] = field(default_factory=dict)  # (member, k) -> A_imm waiting (prefix or hold)
+    held_since: dict[int, float] = field(default_factory=dict)  # stage group k on hold -> when it was handled
     queued_immediates: set[int] = field(default_factory=set)  # item ids waiting in the queue
     in_flight_immediates: set[int] = field(default_factory=set)  # item ids served, not yet acked
     open_corrections: set[int] = field(default_factory=set)  # correction item ids neither acked nor dropped
@@ -124,26 +126,31 @@ class Group:
     # --- the state machine ----------------------------------------------------------------------------
 
     def advance(self, now: float, settings: GroupSettings, item_ids: Iterator[int],
-                may_close: Callable[[Group], bool]) -> Advanced:
+                may_close: Callable[[Group], bool], hold_s: float = 0.0) -> Advanced:
         """Move as far as the state allows: immediate items, finalization, closing (`may_close`: the rollback's
-        say, replay/rollback.py)."""
+        say, replay/rollback.py). `hold_s`: how long a stage group's immediate items wait for the outcome
+        (replay/hold.py)."""
         with_corrections = corrections_on(settings.updates)
         # Once every outcome is in, the correction carries the credit of a stage group not yet handed out.
         carried_by_correction = with_corrections and self.ledger.outcomes_complete()
         immediates: list[QueuedItem] = []
         if immediate_updates_on(settings.updates) and not self.finalized and not carried_by_correction:
-            immediates = self.immediate_items(now, settings, item_ids)
-        finalized, superseded, corrections = self.ready_to_finalize(), [], []
+            immediates = self.immediate_items(now, settings, item_ids, hold_s)
+        finalized, superseded, held_over, corrections = self.ready_to_finalize(), [], 0, []
         if finalized:
             if with_corrections:
                 superseded = list(self.queued_immediates)  # never trained: issued stays 0, C carries their credit
+                held_over = sum(k in self.held_since for _, k in self.deferred)
             corrections = self.finalize(settings, item_ids, with_corrections)
-        return Advanced(immediates, finalized, superseded, corrections, self.closable() and may_close(self))
+        return Advanced(immediates, finalized, superseded, held_over, corrections,
+                        self.closable() and may_close(self))
 
     # --- immediate update ---------------------------------------------------------------------------
 
-    def immediate_items(self, now: float, settings: GroupSettings, item_ids: Iterator[int]) -> list[QueuedItem]:
-        """Items of the stage groups complete now, or timed out with at least min_stage_peers members (§2)."""
+    def immediate_items(self, now: float, settings: GroupSettings, item_ids: Iterator[int],
+                        hold_s: float = 0.0) -> list[QueuedItem]:
+        """Items of the stage groups complete now, or timed out with at least min_stage_peers members (§2), once
+        their hold is over (`hold_s` after the stage group was handled; 0: at once)."""
         for k, started in list(self.stage_group_started.items()):
             timed_out = now >= started + settings.stage_group_timeout_s
             if self.ledger.stage_group_complete(k) or (
@@ -152,10 +159,14 @@ class Group:
                 del self.stage_group_started[k]
                 for i, advantage in self.ledger.immediate(k, settings).items():
                     self.deferred[(i, k)] = advantage
+                    if hold_s > 0:
+                        self.held_since[k] = now
+        for k in [k for k, since in self.held_since.items() if now >= since + hold_s]:
+            del self.held_since[k]  # its hold is over
         items = []
-        # An item needs its whole prefix; a stage still missing (a resend is on its way) defers it.
+        # An item needs its hold over and its whole prefix (a stage still missing, a resend on its way, defers it).
         for (i, k), advantage in list(self.deferred.items()):
-            if self.trajectories[i].has_prefix_through(k):
+            if k not in self.held_since and self.trajectories[i].has_prefix_through(k):
                 del self.deferred[(i, k)]
                 item = assemble_item(
                     next(item_ids), "immediate", self.group_id, self.trajectories[i], k, {k: advantage}
@@ -163,6 +174,12 @@ class Group:
                 self.queued_immediates.add(item.item_id)
                 items.append(item)
         return items
+
+    def hold_over(self, now: float, hold_s: float) -> bool:
+        """Whether a stage group's hold ended by `now`, its items to be made at the next `advance` (once every
+        outcome is in, none is: the finalization carries them)."""
+        due = any(now >= since + hold_s for since in self.held_since.values())
+        return due and not self.ledger.outcomes_complete()
 
     # --- final credit and correction ----------------------------------------------------------------
 
@@ -175,6 +192,7 @@ class Group:
         self.finalized = True
         self.stage_group_started.clear()
         self.deferred.clear()
+        self.held_since.clear()
         if not with_corrections:
             return []
         self.queued_immediates.clear()  # the caller removed them from the queue: C carries their credit

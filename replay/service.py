@@ -26,6 +26,7 @@ or outcome for a group must come from the worker that leased it (`not_leaseholde
 from __future__ import annotations
 
 import logging
+import math
 from typing import TypeVar
 
 from async_rl.ledger import immediate_updates_on
@@ -49,6 +50,7 @@ from replay.decisions import Advance, GiveUp, Steps
 from replay.edge import Edge, Problem, key_problem
 from replay.group import Group
 from replay.guard import Guard
+from replay.hold import PACE_STEPS, Hold
 from replay.leases import AdmissionClock, Leases
 from replay.rollback import Rollback
 from replay.rounds import Rounds
@@ -82,6 +84,9 @@ class ReplayService(ReplayView):
         windows = state.outcomes  # the windows are the config's, as the log's were when it wrote them
         windows.window, windows.long_window = settings.success_window, settings.long_success_window
         windows.__post_init__()
+        state.hold.window = PACE_STEPS * settings.hold.batch_trajectories
+        state.hold.__post_init__()
+        self.hold = Hold(settings.hold, state.hold)
         self.edge = Edge(settings.edge, state)
         self.guard = Guard(settings.guard, state)
         self.rounds = Rounds(settings.rounds, state)
@@ -137,6 +142,7 @@ class ReplayService(ReplayView):
         records only those ticks)."""
         changed = self._expire_leases(now)
         changed |= self._time_out_stage_groups(now)
+        changed |= self._end_holds(now)
         changed |= self.carry_out(self.serving.requeue_unacked(now), now)
         changed |= self._abandon_guard_blocker(now)
         own = self.state.guard
@@ -198,7 +204,10 @@ class ReplayService(ReplayView):
         """The dispatch of a group's transitions: `Group.advance` says what they produced, this applies it."""
         state = self.state
         self.serving.hold_late_claims(group)  # before A_final is fixed: a late ack may still make credit issued
-        step = group.advance(now, self.settings.group, state.item_ids, self.rollback.confirmed)
+        hold_s = self.hold.seconds()
+        state.counters.immediate_hold_s = hold_s if math.isfinite(hold_s) else -1.0
+        step = group.advance(now, self.settings.group, state.item_ids, self.rollback.confirmed, hold_s)
+        self.hold.waits(group.group_id, bool(group.held_since))
         queue, tally = state.serving.queue, state.tally(group.group_id)
         for item in step.immediates:
             queue.append(item)
@@ -209,6 +218,7 @@ class ReplayService(ReplayView):
             for item_id in step.superseded:
                 queue.remove(item_id)
             state.counters.immediate_superseded += len(step.superseded)
+            state.counters.immediate_held_over += step.held_over
             tally[0] -= len(step.superseded)
             for item in step.corrections:
                 queue.append(item)
@@ -220,6 +230,7 @@ class ReplayService(ReplayView):
             state.counters.groups_closed += 1
             self.leases.end(group)
             del state.groups[group.group_id]
+            self.hold.waits(group.group_id, False)
             self.guard.forget(group.group_id)
             state.settle(group.group_id)
 
@@ -247,6 +258,7 @@ class ReplayService(ReplayView):
             deadline = now + self.settings.group.stage_group_timeout_s
             self.state.stage_group_deadlines.append((deadline, group.group_id, record.stage_index))
         self.counters.env_steps += 1
+        self.hold.stored(now, record.terminal)
         group.touched = now
         self.guard.stored(group.trajectories[record.member].num_tokens)
         self.leases.generates_with(record.worker_id, int(record.versions().max()))
@@ -367,6 +379,15 @@ class ReplayService(ReplayView):
             if group is not None and k in group.stage_group_started:
                 self.advance(group, now)
         return changed
+
+    def _end_holds(self, now: float) -> bool:
+        """Groups whose immediate items' hold ended by `now` make them (replay/hold.py)."""
+        hold_s = self.hold.seconds()
+        due = [group_id for group_id in sorted(self.state.hold.waiting)
+               if group_id in self.groups and self.groups[group_id].hold_over(now, hold_s)]
+        for group_id in due:
+            self.advance(self.groups[group_id], now)
+        return bool(due)
 
     def _abandon_guard_blocker(self, now: float) -> bool:
         """A group that held the learner replay.guard_abandon_s: its unfinished trajectories are abandoned (as if

@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from async_rl.config import Config, CreditMode, UpdateMode
+from replay.hold import HoldSettings
 
 
 class GroupSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +95,7 @@ class ReplaySettings(msgspec.Struct, frozen=True, kw_only=True):
     rounds: RoundSettings
     leases: LeaseSettings
     serving: ServingSettings
+    hold: HoldSettings
 
     @classmethod
     def from_config(cls, config: Config) -> ReplaySettings:
@@ -122,4 +124,8 @@ class ReplaySettings(msgspec.Struct, frozen=True, kw_only=True):
             serving=ServingSettings(mode=algo.mode, max_staleness=algo.max_staleness, updates=algo.updates,
                                     batch_budget=learner.batch_budget, max_env_steps=run.max_env_steps,
                                     batch_ack_timeout_s=replay.batch_ack_timeout_s),
+            hold=HoldSettings(
+                immediate_hold=algo.immediate_hold if algo.updates == "immediate+correction" and algo.mode == "async"
+                else 0.0,
+                batch_trajectories=algo.groups_per_step * group_size),
         )

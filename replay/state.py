@@ -18,6 +18,7 @@ import msgspec
 from async_rl.ledger import GroupLedger, Stage
 from async_rl.protocol import BatchRequest, LeaseGrant, ReplayStats
 from replay.group import Group
+from replay.hold import HoldState
 from replay.lengths import LengthModel
 from replay.queue import InFlightBatch, ItemQueue
 from replay.store import QueuedItem
@@ -144,6 +145,7 @@ class ReplayState(msgspec.Struct):
     rounds: RoundState = msgspec.field(default_factory=RoundState)
     rollback: RollbackState = msgspec.field(default_factory=RollbackState)
     outcomes: OutcomeState = msgspec.field(default_factory=OutcomeState)
+    hold: HoldState = msgspec.field(default_factory=HoldState)
 
     # --- the items' tallies (shared by serving, rollback and the group dispatch) ---
 
@@ -181,6 +183,7 @@ class ReplayState(msgspec.Struct):
             stage_reward_mean=reward_sum / stages if stages else 0.0,
             items_queued=len(self.serving.queue),
             correction_bound=self.guard.auto_bound,
+            immediate_hold_s=self.counters.immediate_hold_s,
             rejected=dict(self.counters.rejected),
             guard_held_s=self.counters.guard_held_s + running,
             guard_hold_running_s=running,

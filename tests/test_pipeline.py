@@ -52,8 +52,11 @@ def assert_children_gone(run_dir: Path) -> None:
 
 
 def test_default_mode_streams_stages_and_keeps_every_invariant(tmp_path):
-    """Slow: a real run of 25 versions (checkpoints at 10 and 20) and the final evaluation this test checks."""
-    done, run_dir = train(tmp_path, "run.max_versions=25", "learner.checkpoint_every=10")  # groups close at checkpoints
+    """Slow: a real run of 25 versions (checkpoints at 10 and 20) and the final evaluation this test checks. The
+    immediate hold is 0 here, so that every immediate item is served as soon as its stage group is complete: this
+    judge (0.3 s) is about two steps' worth of this run's generation, past the default hold, but not by much."""
+    done, run_dir = train(tmp_path, "run.max_versions=25", "learner.checkpoint_every=10",  # groups close at checkpoints
+                          "algo.immediate_hold=0")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["versions"] == 25 and result["run_dir"] == str(run_dir)
@@ -78,6 +81,20 @@ def test_outcome_only_trains_no_immediate_items(tmp_path):
     lines = metrics(run_dir)
     assert all(m["items_immediate"] == 0 for m in lines)
     assert sum(m["items_correction"] for m in lines) > 0
+
+
+def test_under_the_default_hold_an_instant_judge_trains_as_outcome_only(tmp_path):
+    """Slow: a real `async-rl train` run of 6 versions with the shipped `algo.immediate_hold` (one learner step's
+    worth of generation, ~0.1 s here) and an instant judge: the outcomes land while the immediate items wait, so the
+    corrections carry the whole credit in one update each (docs/algorithm.md, "Immediate hold") and the ledger is
+    exact."""
+    done, run_dir = train(tmp_path, "run.max_versions=6", "run.eval_samples_per_task=0", "env.kwargs.outcome_delay_s=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = metrics(run_dir)
+    assert lines[-1]["immediate_held_over"] > 0 and all(m["immediate_hold_s"] != 0 for m in lines)
+    immediates, corrections = (sum(m[key] for m in lines) for key in ("items_immediate", "items_correction"))
+    assert corrections > 0 and immediates <= 0.1 * corrections, (immediates, corrections)
+    assert all(m["ledger_residual_max"] < 1e-6 for m in lines)
 
 
 def test_immediate_only_trains_no_corrections(tmp_path):

@@ -52,7 +52,9 @@ WORKER = b"worker-0"
 
 
 def make_config(**sections: dict) -> Config:
-    raw: dict = {"rollout": {"group_size": 4}, "run": {"seed": 0}}
+    """A small run's config. `algo.immediate_hold` 0: these tests drive the immediate items' mechanics message by
+    message, at once; the hold that makes them wait for their outcome has its own (tests/test_replay_hold.py)."""
+    raw: dict = {"rollout": {"group_size": 4}, "run": {"seed": 0}, "algo": {"immediate_hold": 0}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return config_from_dict(raw)
