@@ -91,14 +91,15 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     from async_rl.protocol import MASK, unpack
     from learner.attention import use_attention
     from learner.engine import build_engine
+    from learner.settings import LearnerSettings
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from rollout.prepare import prepare_model_dir
 
     run_dir = tempfile.mkdtemp(prefix="run-", dir=OUT)  # a fresh model directory for this invocation's sizes
     config = load_config(None, [f"run.dir={run_dir}", "run.name=learner", "wandb.mode=disabled", "replay.durable=false",
                                 "algo.entropy_coef=0.01", *overrides])
-    model_dir = prepare_model_dir(config)
-    engine, reference = build_engine(config)
+    model_dir, settings = prepare_model_dir(config), LearnerSettings.from_config(config)
+    engine, reference = build_engine(settings.engine, model_dir)
     device = engine.device
     cuda = device.type == "cuda"
 
@@ -111,11 +112,11 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     data = [agent_items(vocab, items_per_batch, mean_tokens, config.model.max_seq_len, seed) for seed in range(batches)]
     tokens = sum(item.num_tokens() for items in data for item in items)
     trained = sum(int(unpack(item.loss_mask, MASK).sum()) for items in data for item in items)
-    layout = [layout_metrics(items, 1, config) for items in data]
+    layout = [layout_metrics(items, 1, settings.step.layout) for items in data]
 
     def ours(version: int = 0) -> None:
         for items in data:
-            version, _ = train_on_items(engine, reference, items, version, config)
+            version, _ = train_on_items(engine, reference, items, version, settings.step)
         sync()
 
     started = time.perf_counter()
@@ -130,7 +131,7 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     print(f"ours alone {alone_s:.1f} s: {tokens / alone_s:,.0f} tokens/s, peak "
           + (f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a"), flush=True)
 
-    micro = [[batch.to(device) for batch, _ in rank_micro_batches(items, 0, 1, config)] for items in data]
+    micro = [[batch.to(device) for batch, _ in rank_micro_batches(items, 0, 1, settings.step)] for items in data]
     attention = engine.module.config._attn_implementation  # learner.attention resolved (learner/attention.py)
     bare = load_model(model_dir).to(device).train()
     use_attention(bare, attention)  # the learner's attention kernel: the same work

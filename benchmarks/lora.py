@@ -95,6 +95,7 @@ def arm(args: argparse.Namespace) -> dict:
 
     from async_rl.config_load import load_config
     from learner.engine import build_engine
+    from learner.settings import LearnerSettings
     from learner.step import train_on_items
     from rollout.prepare import prepare_model_dir
 
@@ -106,15 +107,15 @@ def arm(args: argparse.Namespace) -> dict:
                  f"learner.lora.alpha={args.alpha}", f"learner.micro_batch_tokens={args.items * args.item_tokens}",
                  *(QUICK_MODEL if args.model is None else [f"model.path={args.model}"]), *args.set]
     config = load_config(None, overrides)
-    prepare_model_dir(config)
-    engine, reference = build_engine(config)
+    settings = LearnerSettings.from_config(config)
+    engine, reference = build_engine(settings.engine, prepare_model_dir(config))
     parameters = sum(p.numel() for p in engine.module.parameters())
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     data = batches(engine.module.config.vocab_size, args.warmup + args.steps, args.items, args.item_tokens)
     wall, version = [], 0
     for n, items in enumerate(data):
         started = time.perf_counter()
-        version, _ = train_on_items(engine, reference, items, version, config)
+        version, _ = train_on_items(engine, reference, items, version, settings.step)
         if n >= args.warmup:
             wall.append(time.perf_counter() - started)
     reference_bytes = tensor_bytes(reference.parameters()) if hasattr(reference, "parameters") else 0

@@ -164,6 +164,7 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     from learner.attention import use_attention
     from learner.batch import collate
     from learner.engine import build_engine
+    from learner.settings import LearnerSettings
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from replay.server import build_service
     from rollout.prepare import prepare_model_dir
@@ -171,16 +172,17 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     torch.set_num_threads(1)
     config = base_config("learner", overrides)
     padded_config = base_config("learner", [*overrides, "learner.packing=false"])
+    settings, padded = LearnerSettings.from_config(config), LearnerSettings.from_config(padded_config)
     batches = [b.items for b in ReplayDriver(build_service(config), config, seed=0).collect_batches(num_batches)]
     # the bare baseline's tensors: the very micro-batches (packed rows, position ids) the learner trains on
-    tensors = [[batch for batch, _ in rank_micro_batches(items, 0, 1, config)] for items in batches]
+    tensors = [[batch for batch, _ in rank_micro_batches(items, 0, 1, settings.step)] for items in batches]
     real = sum(item.num_tokens() for items in batches for item in items)
     packed_slots = sum(t.tokens.numel() for micro in tensors for t in micro)
     padded_slots = sum(collate(items).tokens.numel() for items in batches)
 
     model_dir = prepare_model_dir(config)  # the learner waits for the rollout side to build it
-    engine, reference = build_engine(config)
-    padded_engine, _ = build_engine(padded_config)
+    engine, reference = build_engine(settings.engine, model_dir)
+    padded_engine, _ = build_engine(padded.engine, model_dir)
     attention = engine.module.config._attn_implementation  # learner.attention resolved (learner/attention.py)
 
     def bare_copy(fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -200,11 +202,11 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
 
     def ours(version: int = 0) -> None:
         for items in batches:
-            version, _ = train_on_items(engine, reference, items, version, config)
+            version, _ = train_on_items(engine, reference, items, version, settings.step)
 
     def ours_padded(version: int = 0) -> None:  # the same code with learner.packing=false: one item per row
         for items in batches:
-            version, _ = train_on_items(padded_engine, None, items, version, padded_config)
+            version, _ = train_on_items(padded_engine, None, items, version, padded.step)
 
     def nll_loop(model: torch.nn.Module, step: torch.optim.Optimizer) -> None:
         for micro in tensors:
@@ -248,7 +250,8 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
         "items_per_batch": statistics.mean(len(b) for b in batches),
         "real_tokens_per_batch": real / len(batches), "packed_tokens_per_batch": packed_slots / len(batches),
         "padded_tokens_per_batch": padded_slots / len(batches),
-        "micro_batches_per_batch": statistics.mean(layout_metrics(b, 1, config)["micro_batches"] for b in batches),
+        "micro_batches_per_batch": statistics.mean(layout_metrics(b, 1, settings.step.layout)["micro_batches"]
+                                                   for b in batches),
         "padding_frac": 1 - real / packed_slots, "padding_frac_unpacked": 1 - real / padded_slots,
         # throughput in real (trained) tokens per CPU second
         "ours_tokens_per_s": real / ours_s, "bare_tokens_per_s": real / bare_s, "padded_tokens_per_s": real / padded_s,

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from async_rl.config import LearnerConfig
 from async_rl.errors import ConfigError
+from learner.settings import LayoutSettings
 
 VARLEN = "sdpa_varlen"  # the name under which transformers knows the varlen choice
 IMPLEMENTATIONS = {"dense": "sdpa", "varlen": VARLEN, "flash": "flash_attention_2", "flex": "flex_attention"}
@@ -68,9 +68,9 @@ def select_attention(setting: str, device: str, flash_installed: bool, row_token
     return IMPLEMENTATIONS[setting]
 
 
-def row_tokens(learner: LearnerConfig) -> int | None:
+def row_tokens(layout: LayoutSettings) -> int | None:
     """The packed row length the learner plans (learner/pack.py), None when it does not pack."""
-    return (learner.pack_row_tokens or learner.micro_batch_tokens) if learner.packing else None
+    return (layout.pack_row_tokens or layout.micro_batch_tokens) if layout.packing else None
 
 
 def use_attention(model: torch.nn.Module, implementation: str) -> None:

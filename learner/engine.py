@@ -25,12 +25,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-from async_rl.config import Config, LearnerConfig
 from async_rl.errors import ConfigError
-from async_rl.model import load_model, resolve_device, wait_for_model_dir
+from async_rl.model import load_model, resolve_device
 from learner import checkpoint, lora
 from learner.attention import flash_attn_installed, row_tokens, select_attention, use_attention
 from learner.checkpoint import CheckpointError
+from learner.settings import EngineSettings
 
 log = logging.getLogger("async_rl.learner")
 
@@ -42,12 +42,12 @@ LORA_FILE = "lora.json"  # in a LoRA run's checkpoint: the adapters' rank, alpha
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def select_device(learner: LearnerConfig, cuda_available: bool) -> str:
+def select_device(learner: EngineSettings, cuda_available: bool) -> str:
     """learner.device resolved: "cuda" or "cpu" (auto: cuda when torch sees a GPU)."""
     return resolve_device(learner.device, "learner.device", cuda_available)
 
 
-def select_precision(learner: LearnerConfig, device: str, bf16_supported: bool) -> str:
+def select_precision(learner: EngineSettings, device: str, bf16_supported: bool) -> str:
     """learner.precision resolved: "bf16" or "fp32" (auto: bf16 on a GPU that supports it)."""
     if learner.precision == "bf16" and not (device == "cuda" and bf16_supported):
         raise ConfigError(
@@ -64,7 +64,7 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def resolve_hardware(learner: LearnerConfig) -> tuple[str, str]:
+def resolve_hardware(learner: EngineSettings) -> tuple[str, str]:
     """(device, precision) on this machine."""
     cuda = torch.cuda.is_available()
     device = select_device(learner, cuda)
@@ -131,14 +131,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def clips_itself(config: Config, precision: str, ranks: int) -> bool:
+def clips_itself(learner: EngineSettings, precision: str, ranks: int) -> bool:
     """Whether the learner clips gradients with torch instead of DeepSpeed: in a world of one at ZeRO-0 in fp32,
     where DeepSpeed would still all-reduce the gradient norm over a group of one (5% of a step on the benchmark)."""
-    return ranks == 1 and config.learner.zero_stage == 0 and precision == "fp32" and config.learner.grad_clip > 0
+    return ranks == 1 and learner.zero_stage == 0 and precision == "fp32" and learner.grad_clip > 0
 
 
-def deepspeed_config(config: Config, precision: str = "fp32", ranks: int = 1) -> dict:
-    learner = config.learner
+def deepspeed_config(learner: EngineSettings, precision: str = "fp32", ranks: int = 1) -> dict:
     ds_config: dict = {
         # Nominal sizes: our micro-batches are token-budgeted (learner/pack.py), their number varies per batch, and
         # the loss is scaled by hand (learner/step.py), so DeepSpeed must neither count nor divide by them.
@@ -157,57 +156,59 @@ def deepspeed_config(config: Config, precision: str = "fp32", ranks: int = 1) ->
         if learner.zero_stage >= 1:
             ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
     # Always set: DeepSpeed's default is 1.0, so leaving it out would clip at 1.0 even with learner.grad_clip 0.
-    ds_config["gradient_clipping"] = 0.0 if clips_itself(config, precision, ranks) else learner.grad_clip
+    ds_config["gradient_clipping"] = 0.0 if clips_itself(learner, precision, ranks) else learner.grad_clip
     return ds_config
 
 
-def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | lora.AdapterOff | None]:
-    """The trained engine (torch AdamW, or SGD under learner.optimizer sgd; fp32, or bf16 with fp32 master weights)
-    on learner.device and, when algo.kl_beta > 0, a frozen copy of the initial policy on the same device in the same
-    precision. Under learner.lora the model is the peft-wrapped one, only its adapters are in the optimizer, and
-    the reference is the same model with its adapter off (learner/lora.py), not a copy."""
-    device, precision = resolve_hardware(config.learner)
+def build_engine(
+    learner: EngineSettings, model_dir: Path,
+) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | lora.AdapterOff | None]:
+    """The trained engine on the model in `model_dir` (torch AdamW, or SGD under learner.optimizer sgd; fp32, or
+    bf16 with fp32 master weights) on learner.device and, when algo.kl_beta > 0, a frozen copy of the initial policy
+    on the same device in the same precision. Under learner.lora the model is the peft-wrapped one, only its
+    adapters are in the optimizer, and the reference is the same model with its adapter off (learner/lora.py), not a
+    copy."""
+    device, precision = resolve_hardware(learner)
     init_distributed(device)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.manual_seed(config.run.seed)
-    torch.set_num_threads(config.run.threads_per_process)
-    model = load_model(wait_for_model_dir(config))
-    attention = select_attention(config.learner.attention, device, flash_attn_installed(), row_tokens(config.learner))
+    torch.manual_seed(learner.seed)
+    torch.set_num_threads(learner.threads_per_process)
+    model = load_model(model_dir)
+    attention = select_attention(learner.attention, device, flash_attn_installed(), row_tokens(learner.layout))
     use_attention(model, attention)
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
-    if config.learner.activation_checkpointing:
+    if learner.activation_checkpointing:
         model.config.use_cache = False
         enable_activation_checkpointing(model)
-    adapted = lora.lora_on(config.learner.lora)
+    adapted = lora.lora_on(learner.lora)
     if adapted:
-        model = lora.wrap(model, config.learner.lora)  # A drawn from the run.seed-seeded RNG, B zero
+        model = lora.wrap(model, learner.lora)  # A drawn from the run.seed-seeded RNG, B zero
     reference = None
-    if config.algo.kl_beta > 0 and not adapted:
+    if learner.kl_beta > 0 and not adapted:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         reference = copy.deepcopy(model).eval().requires_grad_(False).to(device=_local_device(device), dtype=dtype)
     # torch's AdamW with its fused kernel (CPU and CUDA), not DeepSpeed's FusedAdam, which would be JIT-built; on CPU
     # torch's default is a per-tensor Python loop (docs/results.md, "systems": the learner against bare loops
     # with and without it). The update is the same AdamW.
-    learner = config.learner
     trained = lora.trainable(model) if adapted else model.parameters()
     if learner.optimizer == "sgd":
         optimizer = torch.optim.SGD(trained, lr=learner.lr, momentum=learner.momentum,
                                     weight_decay=learner.weight_decay)
     else:
         optimizer = torch.optim.AdamW(trained, lr=learner.lr, weight_decay=learner.weight_decay, fused=True)
-    ds_config = deepspeed_config(config, precision, world_size())
+    ds_config = deepspeed_config(learner, precision, world_size())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.train()
-    if adapted and config.algo.kl_beta > 0:
+    if adapted and learner.kl_beta > 0:
         reference = lora.AdapterOff(engine.module)
-    if world_size() == 1 and config.learner.zero_stage == 0:
+    if world_size() == 1 and learner.zero_stage == 0:
         # A world of one has nothing to average; DeepSpeed would still flatten every gradient and all-reduce it.
         engine.enable_backward_allreduce = False
     log.info(
         "DeepSpeed engine ready: ZeRO-%d, %d rank(s), %s, %s (%s), %s, attention %s, %d parameters%s%s",
-        config.learner.zero_stage, world_size(), engine.device, precision, backend_for(device),
+        learner.zero_stage, world_size(), engine.device, precision, backend_for(device),
         type(optimizer).__name__, attention, parameters,
-        ", activation checkpointing" if config.learner.activation_checkpointing else "",
+        ", activation checkpointing" if learner.activation_checkpointing else "",
         f", LoRA rank {learner.lora.rank}: {sum(p.numel() for p in lora.trainable(model))} trained" if adapted else "",
     )
     return engine, reference

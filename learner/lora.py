@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from async_rl.config import LoraConfig
 from async_rl.errors import ConfigError
+from learner.settings import LoraSettings
 
 ADAPTER = "default"  # peft's name for the one adapter we train
 
 
-def lora_on(lora: LoraConfig) -> bool:
+def lora_on(lora: LoraSettings) -> bool:
     return lora.rank > 0
 
 
@@ -50,7 +50,7 @@ def check_targets(model: torch.nn.Module, targets: Iterable[str]) -> None:
                               f"adapts linear layers only ({', '.join(linear)})")
 
 
-def wrap(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     """`model` with LoRA adapters on learner.lora.target_modules (peft): B starts at zero, so the wrapped model
     computes exactly what the base did; A is drawn from torch's RNG (seeded by the caller). Everything but the
     adapters is frozen."""

@@ -8,18 +8,19 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from async_rl.config import Config
 from async_rl.loss import LossStats
 from async_rl.protocol import ReplayStats
 from async_rl.telemetry import RoleMetrics, stats_line
 from learner.batch import TrainBatch
 
 log = logging.getLogger("async_rl.learner")
+
+METRICS_FILE = "metrics.jsonl"  # in the run directory
+HISTOGRAMS = ("staleness_hist",)  # keys logged to W&B as histograms
 
 
 def batch_metrics(batch: TrainBatch, version: int) -> dict[str, Any]:
@@ -111,10 +112,11 @@ class GuardWatch:
 
 class MetricsLog:
     """Appends the learner's lines to metrics.jsonl (flushed per line), mirrored to the learner's W&B run
-    (async_rl/telemetry.py: one W&B run per role, grouped per training run)."""
+    (async_rl/telemetry.py: one W&B run per role, grouped per training run): `metrics`, opened by the role's entry
+    on <run_dir>/METRICS_FILE with HISTOGRAMS (async_rl/telemetry.py takes the config)."""
 
-    def __init__(self, config: Config, run_dir: Path) -> None:
-        self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
+    def __init__(self, metrics: RoleMetrics) -> None:
+        self._metrics = metrics
         self._guard = GuardWatch(0)
 
     def write(self, line: dict[str, Any]) -> None:

@@ -19,21 +19,22 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import zmq
 
-from async_rl.config import Config
 from async_rl.durable import write_atomically
 from async_rl.errors import WeightsError
 from async_rl.protocol import WeightsPublished
 from async_rl.ratelimit import RateLimitedLog
-from async_rl.security import CurveKeys, load_keys
+from async_rl.security import CurveKeys
 from async_rl.transport import CurveServerSocket, bind_publisher, send
 from async_rl.weights.base import Publisher
 from async_rl.weights.file import FilePublisher
 from async_rl.weights.hf_dir import HFDirPublisher
+from learner.settings import PublisherSettings
 
 log = logging.getLogger("async_rl.learner")
 
@@ -102,15 +103,17 @@ class WeightPublisher:
         self._socket.close(linger=0)
 
 
-def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> WeightPublisher:
-    """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and `rollout.sglang.weight_sync`."""
-    learner, weights_dir, curve = config.learner, (config.run_dir / "weights").resolve(), load_keys(config, "learner")
-    sglang = config.rollout.sglang
+def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir: Path, curve: CurveKeys | None,
+                   sglang_headers: Callable[[], dict[str, str]] = dict) -> WeightPublisher:
+    """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and `rollout.sglang.weight_sync`.
+    `curve`: the learner's keys (None: CURVE off); `sglang_headers`: the HTTP headers of the `distributed` transport's
+    calls to the servers (async_rl/security.py `sglang_headers`), asked for by that transport alone."""
+    weights_dir = settings.weights_dir
     transport: Publisher = FilePublisher(weights_dir)
-    if config.rollout.engine == "sglang" and sglang.weight_sync == "distributed":
+    if settings.engine == "sglang" and settings.weight_sync == "distributed":
         from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: SGLang users only
 
-        transport = DistributedWeightSync(sglang)
-    elif config.rollout.engine == "sglang":
+        transport = DistributedWeightSync(settings.sglang, sglang_headers())
+    elif settings.engine == "sglang":
         transport = HFDirPublisher(weights_dir, model_dir)
-    return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights, curve, transport)
+    return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport)

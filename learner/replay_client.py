@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 import zmq
 
-from async_rl.config import LearnerConfig
 from async_rl.errors import AsyncRLError
 from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import CurveKeys
 from async_rl.transport import Inbox, connect_dealer, send
+from learner.settings import RequestSettings
 
 log = logging.getLogger("async_rl.learner")
 
@@ -61,10 +61,10 @@ class ReplayClient:
         self.checkpoint = -1
 
     def next_batch(
-        self, version: int, learner: LearnerConfig, should_stop: Callable[[], bool], while_idle: Callable[[], None],
+        self, version: int, request: RequestSettings, should_stop: Callable[[], bool], while_idle: Callable[[], None],
     ) -> Batch | None:
         """The next batch to train at `version`, or None once `should_stop()` says so."""
-        msg_id = self._request(version, learner)
+        msg_id = self._request(version, request)
         sent_at = time.monotonic()
         while not should_stop():
             while_idle()
@@ -79,14 +79,14 @@ class ReplayClient:
                     raise ResumeRefused(f"the replay refused this learner's resume: {reply.detail}")
                 if reply.msg_id == msg_id:
                     time.sleep(RETRY_AFTER_ERROR_S)
-                    msg_id, sent_at = self._request(version, learner), time.monotonic()
+                    msg_id, sent_at = self._request(version, request), time.monotonic()
             elif reply is not None and getattr(reply, "msg_id", None) in self._acked_copies:
                 log.debug("a late reply to a copy of an ack already answered: %s", reply)
             elif reply is not None:
                 log.warning("ignoring unexpected %s while waiting for batch request %d", type(reply).__name__, msg_id)
             elif time.monotonic() - sent_at >= self.request_timeout_s:
                 self._log_resend(msg_id)
-                msg_id, sent_at = self._request(version, learner), time.monotonic()
+                msg_id, sent_at = self._request(version, request), time.monotonic()
         return None
 
     def ack(self, batch: Batch, version: int, trained: bool = True,
@@ -134,11 +134,11 @@ class ReplayClient:
                             type(reply).__name__, batch.batch_id)
         return None
 
-    def _request(self, version: int, learner: LearnerConfig) -> int:
+    def _request(self, version: int, request: RequestSettings) -> int:
         msg_id = next(self._msg_ids)
         send(self._socket, BatchRequest(
-            learner_id=self.learner_id, msg_id=msg_id, policy_version=version, max_tokens=learner.batch_tokens,
-            min_items=learner.min_batch_items, max_wait_s=learner.batch_wait_s, session=self.session,
+            learner_id=self.learner_id, msg_id=msg_id, policy_version=version, max_tokens=request.batch_tokens,
+            min_items=request.min_batch_items, max_wait_s=request.batch_wait_s, session=self.session,
             checkpoint=min(self.checkpoint, version),
         ))
         self._open.append(msg_id)

@@ -26,10 +26,11 @@ import numpy as np
 from async_rl.config import Config
 from async_rl.errors import AsyncRLError
 from async_rl.hf_io import refuse_non_empty, write_model_dir
-from async_rl.model import load_tokenizer
+from async_rl.model import load_tokenizer, wait_for_model_dir
 from async_rl.protocol import ADVANTAGE, LOGPROB, TOKEN, TrainItem
 from async_rl.telemetry import RoleMetrics
 from learner.engine import build_engine, full_state_dict, load_checkpoint, rank, save_checkpoint
+from learner.settings import LearnerSettings
 from learner.sft_data import read_demonstrations, render
 from learner.step import train_on_items
 
@@ -46,22 +47,14 @@ class SftPlan:
     max_steps: int | None = None  # stop after this many optimizer steps (None: every batch of every epoch)
 
 
-def sft_config(config: Config) -> Config:
-    """The config the warm start trains under: the demonstrations' likelihood has no reference, no second epoch
-    over a batch, no entropy bonus; every action token weighs the same (token mean)."""
-    algo = msgspec.structs.replace(config.algo, kl_beta=0.0, ppo_epochs=1, entropy_coef=0.0,
-                                   aggregation="token-mean")
-    return msgspec.structs.replace(config, algo=algo)
-
-
-def demonstration_items(config: Config, model_dir: Path, data: Path) -> tuple[list[TrainItem], int]:
+def demonstration_items(max_seq_len: int, model_dir: Path, data: Path) -> tuple[list[TrainItem], int]:
     """The file's conversations as TrainItems (advantage 1 on the trained tokens) and how many were skipped for
     being longer than model.max_seq_len."""
     tokenizer = load_tokenizer(model_dir)
     items, skipped = [], 0
     for demonstration in read_demonstrations(data):
         rendered = render(tokenizer, demonstration)
-        if len(rendered.tokens) > config.model.max_seq_len or not rendered.mask.any():
+        if len(rendered.tokens) > max_seq_len or not rendered.mask.any():
             skipped += 1
             continue
         n = len(rendered.tokens)
@@ -71,7 +64,7 @@ def demonstration_items(config: Config, model_dir: Path, data: Path) -> tuple[li
             advantages=rendered.mask.astype(ADVANTAGE).tobytes(), behaviour_logprobs=np.zeros(n, LOGPROB).tobytes(),
             policy_versions=np.zeros(n, TOKEN).tobytes()))
     if not items:
-        raise AsyncRLError(f"--data: no conversation of {data} fits model.max_seq_len {config.model.max_seq_len} "
+        raise AsyncRLError(f"--data: no conversation of {data} fits model.max_seq_len {max_seq_len} "
                            f"({skipped} skipped)")
     return items, skipped
 
@@ -98,24 +91,27 @@ def batches(items: list[TrainItem], batch_tokens: int, epochs: int, seed: int) -
 
 
 def run_sft(config: Config, model_dir: Path, plan: SftPlan) -> dict[str, Any]:
-    """Train on the demonstrations, write OUT_DIR; returns (and writes to <run_dir>/summary.json) the summary."""
+    """The `async-rl sft` entry (launch/warm_start.py): train on the demonstrations, write OUT_DIR; returns (and
+    writes to <run_dir>/summary.json) the summary. The warm start's one reader of the `Config`: its components get
+    their settings (learner/settings.py, `LearnerSettings.for_sft`)."""
     if not plan.resume:
         refuse_non_empty(plan.out_dir, plan.force)  # before minutes of training, not after
-    config = sft_config(config)
-    items, skipped = demonstration_items(config, model_dir, plan.data)
-    planned = batches(items, config.learner.batch_tokens, plan.epochs, config.run.seed)[: plan.max_steps]
+    settings = LearnerSettings.from_config(config).for_sft()
+    items, skipped = demonstration_items(settings.max_seq_len, model_dir, plan.data)
+    planned = batches(items, settings.batch_tokens, plan.epochs, settings.seed)[: plan.max_steps]
     log.info("warm start: %d conversation(s) (%d skipped, longer than %d tokens), %d step(s) over %d epoch(s)",
-             len(items), skipped, config.model.max_seq_len, len(planned), plan.epochs)
-    engine, _ = build_engine(config)
-    checkpoints = config.run_dir / "checkpoints"
-    metrics = RoleMetrics(config, "sft", path=config.run_dir / "metrics.jsonl") if rank() == 0 else None
+             len(items), skipped, settings.max_seq_len, len(planned), plan.epochs)
+    engine, _ = build_engine(settings.engine, wait_for_model_dir(config))
+    checkpoints = settings.checkpoints
+    trained_under = msgspec.structs.replace(config, algo=settings.step.loss)  # what W&B records of the run
+    metrics = RoleMetrics(trained_under, "sft", path=settings.run_dir / "metrics.jsonl") if rank() == 0 else None
     started, step = time.time(), 0
     try:
         if plan.resume:
-            step = load_checkpoint(engine, checkpoints) or 0
+            step = load_checkpoint(engine, checkpoints.directory) or 0
         for epoch, batch in planned[step:]:
             began = time.monotonic()
-            new_step, losses = train_on_items(engine, None, batch, step, config, objective="sft")
+            new_step, losses = train_on_items(engine, None, batch, step, settings.step, objective="sft")
             if not losses:
                 log.warning("step %d: non-finite loss or gradient, skipped", step + 1)
             step = step + 1 if not losses else new_step
@@ -126,8 +122,8 @@ def run_sft(config: Config, model_dir: Path, plan: SftPlan) -> dict[str, Any]:
                                "trained_tokens": int(sum(i.mask().sum() for i in batch)), "items": len(batch),
                                "epoch": epoch, "lr": float(engine.get_lr()[0]),
                                "step_s": time.monotonic() - began, "wall_s": time.time() - started}, step=step)
-            if config.learner.checkpoint_every and step % config.learner.checkpoint_every == 0:
-                save_checkpoint(engine, checkpoints, step, keep=config.learner.keep_checkpoints)
+            if checkpoints.checkpoint_every and step % checkpoints.checkpoint_every == 0:
+                save_checkpoint(engine, checkpoints.directory, step, keep=checkpoints.keep_checkpoints)
         state = full_state_dict(engine)
     finally:
         if metrics is not None:
@@ -135,8 +131,8 @@ def run_sft(config: Config, model_dir: Path, plan: SftPlan) -> dict[str, Any]:
         engine.destroy()
     summary = {"out_dir": str(plan.out_dir.resolve()), "steps": step, "conversations": len(items),
                "skipped_too_long": skipped, "wall_s": time.time() - started,
-               "run_dir": str(config.run_dir.resolve())}
+               "run_dir": str(settings.run_dir.resolve())}
     if rank() == 0:
         write_model_dir(model_dir, state, plan.out_dir, force=plan.force or plan.resume)
-        (config.run_dir / "summary.json").write_text(msgspec.json.encode(summary).decode() + "\n")
+        (settings.run_dir / "summary.json").write_text(msgspec.json.encode(summary).decode() + "\n")
     return summary

@@ -20,10 +20,9 @@ from typing import Any
 import httpx
 import torch
 
-from async_rl.config import SGLangConfig
 from async_rl.protocol import WeightsPublished
-from async_rl.security import sglang_headers
 from async_rl.weights.distributed import BroadcastGroup
+from learner.settings import SGLangSyncSettings
 
 log = logging.getLogger("async_rl.learner")
 
@@ -36,14 +35,14 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per reques
 class DistributedWeightSync:
     """The learner's side of SGLang's weight-update group: rank 0 here, the servers' ranks after it. An
     `async_rl.weights.base.Publisher` of format "distributed" (nothing on disk: `write` pushes, `prune` has nothing
-    to remove)."""
+    to remove). `headers`: of every HTTP request to the servers (async_rl/security.py `sglang_headers`)."""
 
     format = "distributed"
 
-    def __init__(self, config: SGLangConfig) -> None:
+    def __init__(self, config: SGLangSyncSettings, headers: dict[str, str]) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config))
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=headers)
         self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-sync")
         tp_sizes = [int(self._call(url, "GET", "/get_server_info").get("tp_size", 1)) for url in self.urls]
         self.world_size = 1 + sum(tp_sizes)

@@ -11,13 +11,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from async_rl.config import AlgoConfig, Config
 from async_rl.loss import LossStats, aggregate, policy_loss, sft_loss
 from async_rl.protocol import TrainItem
 from learner.batch import TrainBatch, collate, collate_micro_batch
 from learner.engine import rank, world_size
 from learner.logits import trained_logprobs
 from learner.pack import padding_fraction, plan_shards
+from learner.settings import LayoutSettings, StepSettings
 
 log = logging.getLogger("async_rl.learner")
 
@@ -25,43 +25,42 @@ Objective = Literal["policy", "sft"]  # the policy loss (RL), or the demonstrati
 SFT_STATS = LossStats(is_ratio_mean=1.0, is_ratio_max=1.0, is_capped_frac=0.0, kl=0.0)  # no ratio, no reference
 
 
-def aggregate_denominator(mask: torch.Tensor, algo: AlgoConfig) -> float:
+def aggregate_denominator(mask: torch.Tensor, step: StepSettings) -> float:
     """What `async_rl.loss.aggregate` divides a batch's masked token-loss sum by. The aggregate is linear in the
     token loss (Σ ℓ·mask / d, d fixed by the mask: action tokens, or items × seq_norm), so d is read off by
     aggregating ones; 1.0 for an empty mask (nothing to scale)."""
-    value = float(aggregate(torch.ones_like(mask, dtype=torch.float32), mask, algo))
+    value = float(aggregate(torch.ones_like(mask, dtype=torch.float32), mask, step.loss))
     return float(mask.sum()) / value if value else 1.0
 
 
-def share_scale(local: torch.Tensor, whole_denominator: float, world_size: int, algo: AlgoConfig) -> float:
+def share_scale(local: torch.Tensor, whole_denominator: float, world_size: int, step: StepSettings) -> float:
     """The factor on a part's aggregated loss (a rank's share, a micro-batch of it) that makes the parts add up to
     the whole batch's loss: the part was divided by its own denominator, the whole by the batch's, and DeepSpeed
     averages gradients over ranks, so world_size · d_part / d_whole."""
-    return world_size * aggregate_denominator(local, algo) / whole_denominator
+    return world_size * aggregate_denominator(local, step) / whole_denominator
 
 
 def rank_micro_batches(
-    items: list[TrainItem], rank: int, world_size: int, config: Config
+    items: list[TrainItem], rank: int, world_size: int, step: StepSettings
 ) -> list[tuple[TrainBatch, float]]:
     """This rank's micro-batches (learner/pack.py: balanced shards, packed rows, token budget) with their loss
     scales: summed over micro-batches and averaged over ranks, the scaled losses (and so the accumulated gradients)
     are the whole batch's. As many micro-batches on every rank."""
-    learner = config.learner
+    layout = step.layout
     lengths = [item.num_tokens() for item in items]
-    plan = plan_shards(lengths, world_size, learner.micro_batch_tokens, learner.packing, learner.pack_row_tokens)[rank]
-    micro = [collate_micro_batch(items, m, learner.packing) for m in plan]
+    plan = plan_shards(lengths, world_size, layout.micro_batch_tokens, layout.packing, layout.pack_row_tokens)[rank]
+    micro = [collate_micro_batch(items, m, layout.packing) for m in plan]
     if world_size == 1 and len(micro) == 1:
         return [(micro[0], 1.0)]
-    whole = aggregate_denominator(collate(items).loss_mask, config.algo)
-    return [(batch, share_scale(batch.loss_mask, whole, world_size, config.algo)) for batch in micro]
+    whole = aggregate_denominator(collate(items).loss_mask, step)
+    return [(batch, share_scale(batch.loss_mask, whole, world_size, step)) for batch in micro]
 
 
-def layout_metrics(items: list[TrainItem], world_size: int, config: Config) -> dict[str, float | int]:
+def layout_metrics(items: list[TrainItem], world_size: int, layout: LayoutSettings) -> dict[str, float | int]:
     """How the batch was laid out over every rank: the padding share of the tensors trained (fillers included) and
     the micro-batches per rank."""
-    learner = config.learner
     lengths = [item.num_tokens() for item in items]
-    plans = plan_shards(lengths, world_size, learner.micro_batch_tokens, learner.packing, learner.pack_row_tokens)
+    plans = plan_shards(lengths, world_size, layout.micro_batch_tokens, layout.packing, layout.pack_row_tokens)
     return {"padding_frac": padding_fraction(plans, lengths), "micro_batches": len(plans[0])}
 
 
@@ -150,16 +149,16 @@ def _combined_stats(parts: list[tuple[LossStats, float, float]]) -> LossStats:
 
 def train_on_items(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, items: list[TrainItem], version: int,
-    config: Config, objective: Objective = "policy",
+    step: StepSettings, objective: Objective = "policy",
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """This rank's share of a batch's items, in micro-batches: `train_on_micro_batches`."""
-    micro = rank_micro_batches(items, rank(), world_size(), config)
-    return train_on_micro_batches(engine, reference, micro, version, config, objective)
+    micro = rank_micro_batches(items, rank(), world_size(), step)
+    return train_on_micro_batches(engine, reference, micro, version, step, objective)
 
 
 def train_on_micro_batches(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    version: int, config: Config, objective: Objective = "policy",
+    version: int, step: StepSettings, objective: Objective = "policy",
 ) -> tuple[int, list[tuple[float, LossStats]]]:
     """Run algo.ppo_epochs optimizer steps (version +1 each); returns the new version and (loss, stats) per step.
 
@@ -177,10 +176,10 @@ def train_on_micro_batches(
     if _on_any_rank(not all(_inputs_finite(batch) for batch, _ in micro), engine.device):
         log.warning("non-finite advantages or behaviour log-probs at version %d: the step is skipped", version)
         return version, []
-    fixed = _fixed_logprobs(engine, reference, micro, config)
+    fixed = _fixed_logprobs(engine, reference, micro, step)
     results = []
-    for _ in range(config.algo.ppo_epochs):
-        result = _optimizer_step(engine, micro, fixed, version, config, objective)
+    for _ in range(step.ppo_epochs):
+        result = _optimizer_step(engine, micro, fixed, version, step, objective)
         if result is None:
             break
         version += 1
@@ -193,45 +192,45 @@ Fixed = list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per micro-batch
 
 def _fixed_logprobs(
     engine: deepspeed.DeepSpeedEngine, reference: torch.nn.Module | None, micro: list[tuple[TrainBatch, float]],
-    config: Config,
+    step: StepSettings,
 ) -> Fixed:
     """What stays fixed over the batch's epochs, with no gradient: each micro-batch's log-probs under the reference
     model (the KL term; None without one) and under the policy as the batch arrived (π_prox; None with one epoch)."""
-    temperature = config.rollout.temperature
+    temperature = step.temperature
     fixed: Fixed = []
     with torch.no_grad():
         for batch, _ in micro:
             ref = _logp(reference, batch, temperature)[0] if reference is not None else None
-            prox = _logp(engine, batch, temperature)[0] if config.algo.ppo_epochs > 1 else None
+            prox = _logp(engine, batch, temperature)[0] if step.ppo_epochs > 1 else None
             fixed.append((ref, prox))
     return fixed
 
 
 def _optimizer_step(
     engine: deepspeed.DeepSpeedEngine, micro: list[tuple[TrainBatch, float]], fixed: Fixed, version: int,
-    config: Config, objective: Objective,
+    step: StepSettings, objective: Objective,
 ) -> tuple[float, LossStats] | None:
     """One optimizer step over every micro-batch: the whole batch's loss and the step's statistics, or None (the
     step was refused for a non-finite loss or gradient, on some rank, and its gradients dropped)."""
-    accumulated = _accumulate_gradients(engine, micro, fixed, version, config, objective)
+    accumulated = _accumulate_gradients(engine, micro, fixed, version, step, objective)
     norm = None if accumulated is None else _gradient_norm(engine)
     norm_value = None if norm is None else float(norm)
     if accumulated is None or not _finite_gradient(norm_value, version, engine.device):
         _drop_gradients(engine)
         return None
-    _clip(engine, config, norm)
+    _clip(engine, step, norm)
     engine.step()
     total, parts = accumulated
-    return _whole_batch_loss(total), _step_stats(engine, parts, norm_value, config)
+    return _whole_batch_loss(total), _step_stats(engine, parts, norm_value, step)
 
 
 def _accumulate_gradients(
     engine: deepspeed.DeepSpeedEngine, micro: list[tuple[TrainBatch, float]], fixed: Fixed, version: int,
-    config: Config, objective: Objective,
+    step: StepSettings, objective: Objective,
 ) -> tuple[torch.Tensor, list[tuple[LossStats, float, float]]] | None:
     """Forward and backward of every micro-batch's scaled loss: their sum and each one's (stats, action tokens,
     scale); None where a loss is not finite on some rank (checked before its backward: nothing more runs)."""
-    algo, device = config.algo, engine.device
+    algo, device = step.loss, engine.device
     # The entropy is a second vocabulary-sized tensor: computed only when trained (entropy_mean is 0 otherwise).
     want_entropy = algo.entropy_coef > 0
     total = torch.zeros((), device=device)
@@ -240,7 +239,7 @@ def _accumulate_gradients(
         if objective == "sft":
             loss, stats = sft_loss(_logp(engine, batch, 1.0)[0], batch.loss_mask), SFT_STATS
         else:
-            logp, entropy = _logp(engine, batch, config.rollout.temperature, entropy=want_entropy)
+            logp, entropy = _logp(engine, batch, step.temperature, entropy=want_entropy)
             loss, stats = policy_loss(
                 logp, batch.behaviour_logp, batch.advantages, batch.staleness(version), batch.loss_mask, algo,
                 prox_logp=prox_logp, ref_logp=ref_logp, entropy=entropy,
@@ -263,24 +262,24 @@ def _finite_gradient(norm: float | None, version: int, device: torch.device) -> 
     return True
 
 
-def _clip(engine: deepspeed.DeepSpeedEngine, config: Config, norm: torch.Tensor | None) -> None:
+def _clip(engine: deepspeed.DeepSpeedEngine, step: StepSettings, norm: torch.Tensor | None) -> None:
     """Clip the gradient to learner.grad_clip where DeepSpeed does not (learner.engine.clips_itself): only at ZeRO-0
     in a world of one, where the norm just read is the one to clip by (not computed twice)."""
-    if engine.gradient_clipping() == 0 and config.learner.grad_clip > 0:
+    if engine.gradient_clipping() == 0 and step.grad_clip > 0:
         assert norm is not None, "torch clips only at ZeRO-0, where _gradient_norm reads the norm"
-        torch.nn.utils.clip_grads_with_norm_(_parameters(engine), config.learner.grad_clip, norm)
+        torch.nn.utils.clip_grads_with_norm_(_parameters(engine), step.grad_clip, norm)
 
 
 def _step_stats(
     engine: deepspeed.DeepSpeedEngine, parts: list[tuple[LossStats, float, float]], norm: float | None,
-    config: Config,
+    step: StepSettings,
 ) -> LossStats:
     """The step's statistics: this rank's micro-batches combined, the gradient norm (DeepSpeed's where it clipped
     or reduced, ZeRO >= 1; else the one read before the step) and, where computed, the whole batch's entropy."""
     reported = engine.get_global_grad_norm()
     grad_norm = float(reported) if reported is not None else (norm if norm is not None else 0.0)
     stats = replace(_combined_stats(parts), grad_norm=grad_norm)
-    if config.algo.entropy_coef > 0:
+    if step.loss.entropy_coef > 0:
         tokens = sum(n for _, n, _ in parts)
         stats = replace(stats, entropy=_mean_over_ranks(stats.entropy, tokens, engine.device))
     return stats

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,9 @@ from async_rl.evidence import trained_item
 from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
-from async_rl.security import load_keys
+from async_rl.security import CurveKeys, load_keys, sglang_headers
 from async_rl.signals import StopRequest, stop_on_signals
+from async_rl.telemetry import RoleMetrics
 from learner.batch import collate
 from learner.checkpoint import rollback_point
 from learner.engine import (
@@ -45,9 +47,10 @@ from learner.engine import (
     save_checkpoint,
     world_size,
 )
-from learner.metrics import MetricsLog, batch_metrics, step_metrics
+from learner.metrics import HISTOGRAMS, METRICS_FILE, MetricsLog, batch_metrics, step_metrics
 from learner.publisher import WeightPublisher, make_publisher
 from learner.replay_client import ReplayClient, ResumeRefused
+from learner.settings import LearnerSettings, StopSettings
 from learner.step import layout_metrics, train_on_items
 
 log = logging.getLogger("async_rl.learner")
@@ -55,30 +58,48 @@ log = logging.getLogger("async_rl.learner")
 LEARNER_ID = "learner-0"
 
 
-def stop_reason(config: Config, version: int, stats: ReplayStats, wall_s: float, request: StopRequest) -> str | None:
-    run = config.run
+def stop_reason(stop: StopSettings, version: int, stats: ReplayStats, wall_s: float,
+                request: StopRequest) -> str | None:
+    """Why training stops now (a signal, a budget, the target success rate), or None."""
     if request.event.is_set():
         return f"signal:{request.signal_name}" if request.signal_name else "stop_requested"
-    if run.max_versions is not None and version >= run.max_versions:
+    if stop.max_versions is not None and version >= stop.max_versions:
         return "max_versions"
-    if run.max_env_steps is not None and stats.env_steps >= run.max_env_steps:
+    if stop.max_env_steps is not None and stats.env_steps >= stop.max_env_steps:
         return "max_env_steps"
     if (
-        run.target_success is not None
-        and stats.trajectories_finished >= config.replay.long_success_window
-        and stats.success_rate_long >= run.target_success
+        stop.target_success is not None
+        and stats.trajectories_finished >= stop.long_success_window
+        and stats.success_rate_long >= stop.target_success
     ):
         return "target_success"
-    if run.max_wall_s is not None and wall_s >= run.max_wall_s:
+    if stop.max_wall_s is not None and wall_s >= stop.max_wall_s:
         return "max_wall_s"
     return None
 
 
+@dataclass(frozen=True)
+class Outside:
+    """What the entry hands the loop from the config's readers outside learner/ (async_rl/model.py, security.py,
+    telemetry.py take the `Config`), each asked for where needed: the model directory on every rank, the rest on 0."""
+
+    model_dir: Callable[[], Path]  # async_rl/model.py `wait_for_model_dir`
+    keys: Callable[[], CurveKeys | None]  # the learner's CURVE keys (async_rl/security.py `load_keys`)
+    metrics: Callable[[], RoleMetrics]  # <run_dir>/metrics.jsonl and the learner's W&B run
+    sglang_headers: Callable[[], dict[str, str]]  # of the `distributed` weight transport's HTTP calls
+
+
 def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Train until a stop condition; returns (and on rank 0 writes to <run_dir>/summary.json) the summary."""
+    """The role's entry (launch/roles.py), the loop's one reader of the `Config`: train until a stop condition;
+    returns (and on rank 0 writes to <run_dir>/summary.json) the summary."""
     started = float(os.environ.get("ASYNC_RL_RUN_START", time.time()))
+    settings = LearnerSettings.from_config(config)
+    outside = Outside(
+        model_dir=lambda: wait_for_model_dir(config), keys=lambda: load_keys(config, "learner"),
+        metrics=lambda: RoleMetrics(config, "learner", path=settings.run_dir / METRICS_FILE, histograms=HISTOGRAMS),
+        sglang_headers=lambda: sglang_headers(config.rollout.sglang))
     with stop_on_signals(stop) as request:  # a signal finishes the current step, then stops
-        summary = _train(config, request, started)
+        summary = _train(settings, outside, request, started)
     # With several ranks at ZeRO-3, a rank that exits while the engine's threads still hold the process group
     # aborts ("terminate called without an active exception"): free the engine, then leave together.
     gc.collect()
@@ -86,29 +107,30 @@ def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
     return summary
 
 
-def _train(config: Config, request: StopRequest, started: float) -> dict[str, Any]:
+def _train(settings: LearnerSettings, outside: Outside, request: StopRequest, started: float) -> dict[str, Any]:
     """The loop of the module's docstring, on every rank."""
-    engine, reference = build_engine(config)
+    model_dir = outside.model_dir()
+    engine, reference = build_engine(settings.engine, model_dir)
     log.info("learner rank %d of world size %d", rank(), world_size())
     context = zmq.Context()
-    side = _Leader(context, config, request) if rank() == 0 else _Rank()
+    side = _Leader(context, settings, outside, model_dir, request) if rank() == 0 else _Rank()
     try:
-        progress = _resume(engine, side, config, started)
+        progress = _resume(engine, side, settings, started)
         while (batch := _share_batch(side.next_batch(progress))) is not None:
             items = _trainable_items(batch, engine.module.config.vocab_size, progress)
             if not items:
                 side.ack(batch, progress.version, trained=False)  # nothing of it was trained
                 continue
             trained_at = progress.version
-            losses, step_s = _optimize(engine, reference, items, progress, config)
+            losses, step_s = _optimize(engine, reference, items, progress, settings)
             # Honest acks: a batch with no step taken says so, and the replay counts none of its credit trained.
             side.ack(batch, progress.version, trained=bool(losses))
             if not losses:
                 continue  # the weights did not change: nothing to publish, checkpoint or log as a step
-            _publish_if_due(engine, side, progress, config)
+            _publish_if_due(engine, side, progress, settings)
             side.log_step(engine, items, trained_at, losses, step_s, progress)
-            _checkpoint_if_due(engine, side, progress, config)
-        return _finish(engine, side, progress, config)
+            _checkpoint_if_due(engine, side, progress, settings)
+        return _finish(engine, side, progress, settings)
     finally:
         side.close()
         context.term()
@@ -169,19 +191,20 @@ class _Leader(_Rank):
     (learner/publisher.py: its transport by the rollout engine), the replay's latest stats, the metrics log and the
     summary."""
 
-    def __init__(self, context: zmq.Context, config: Config, request: StopRequest) -> None:
-        self.config, self.request = config, request
-        self.client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s,
-                                   load_keys(config, "learner"))
-        self.publisher = make_publisher(context, config, wait_for_model_dir(config))
-        self.metrics = MetricsLog(config, config.run_dir)
+    def __init__(self, context: zmq.Context, settings: LearnerSettings, outside: Outside, model_dir: Path,
+                 request: StopRequest) -> None:
+        self.settings, self.request = settings, request
+        keys, client = outside.keys(), settings.client
+        self.client = ReplayClient(context, client.endpoint, LEARNER_ID, client.request_timeout_s, keys)
+        self.publisher = make_publisher(context, settings.publisher, model_dir, keys, outside.sglang_headers)
+        self.metrics = MetricsLog(outside.metrics())
         self.stats = ReplayStats()
         self.reason: str | None = None  # why the loop stopped
         self.damage = ""  # the damaged checkpoints a resume skipped (named if the replay refuses the resume)
         self.parent = os.getppid()  # under `async-rl train` the launcher (or its fork server): the replay's too
 
     def _stop_reason(self, progress: _Progress) -> str | None:
-        return stop_reason(self.config, progress.version, self.stats, progress.wall_s(), self.request)
+        return stop_reason(self.settings.stop, progress.version, self.stats, progress.wall_s(), self.request)
 
     def next_batch(self, progress: _Progress) -> Batch | None:
         """The replay's next batch, or None once a stop condition holds (`reason` names it)."""
@@ -189,7 +212,7 @@ class _Leader(_Rank):
         if self.reason is not None:
             return None
         try:
-            batch = self.client.next_batch(progress.version, self.config.learner,
+            batch = self.client.next_batch(progress.version, self.settings.client.request,
                                            lambda: self._stop_reason(progress) is not None,
                                            self.publisher.republish_if_due)
         except ResumeRefused as exc:
@@ -218,32 +241,32 @@ class _Leader(_Rank):
         self.checkpointed(version)
         # weights of versions above the checkpoint died with the learner that wrote them (or are a damaged
         # checkpoint's versions, trained again)
-        for dead in (self.config.run_dir / "weights").glob("v*.safetensors"):
+        for dead in self.settings.publisher.weights_dir.glob("v*.safetensors"):
             if dead.stem[1:].isdigit() and int(dead.stem[1:]) > version:
                 dead.unlink(missing_ok=True)
 
     def checkpointed(self, version: int) -> None:
         """The next BatchRequest reports durable the oldest checkpoint kept, not `version`: the replay keeps the acks
         above it undoable, so a resume that falls back past a damaged newer checkpoint can be rolled back to."""
-        learner = self.config.learner
-        self.client.checkpoint = rollback_point(self.config.run_dir / "checkpoints", version, learner.keep_checkpoints)
+        checkpoints = self.settings.checkpoints
+        self.client.checkpoint = rollback_point(checkpoints.directory, version, checkpoints.keep_checkpoints)
 
     def log_step(self, engine: Any, items: list[TrainItem], trained_at: int, losses: list[tuple[float, LossStats]],
                  step_s: float, progress: _Progress) -> None:
         """The step's metrics line (learner/metrics.py). Written before the checkpoint: a learner killed between
         the two resumes from the previous checkpoint (this line is then superseded), never from a version whose
         line was not written."""
-        config, stats = self.config, self.stats
-        layout = layout_metrics(items, world_size(), config)  # padding_frac of the tensors trained
+        settings, stats = self.settings, self.stats
+        layout = layout_metrics(items, world_size(), settings.step.layout)  # padding_frac of the tensors trained
         batch_line = {**batch_metrics(collate(items), trained_at), **layout}
         line = step_metrics(progress.version, stats, batch_line, losses, step_s, progress.wall_s(),
                             self.client.bad_messages + progress.bad_items, progress.skipped_nonfinite,
                             lr=float(engine.get_lr()[0]))
-        line["entropy_coef"] = config.algo.entropy_coef  # the coefficient this step trained with
+        line["entropy_coef"] = settings.step.loss.entropy_coef  # the coefficient this step trained with
         if engine.device.type == "cuda":  # this rank's peak since the last line: weights, state, activations
             line["gpu_peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
             torch.cuda.reset_peak_memory_stats(engine.device)
-        if config.learner.log_item_ids:
+        if settings.log_item_ids:
             line["item_ids"] = [item.item_id for item in items]
             line["items"] = [trained_item(item) for item in items]  # what each trained, for the soak's join
         self.metrics.write(line)
@@ -261,12 +284,12 @@ class _Leader(_Rank):
             "steps_skipped_nonfinite": progress.skipped_nonfinite,
             "versions": progress.version,
             "wall_s": progress.wall_s(),
-            "run_dir": str(self.config.run_dir.resolve()),
+            "run_dir": str(self.settings.run_dir.resolve()),
             "stop_reason": self.reason,
         }
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        _write_json(self.config.run_dir / "summary.json", summary)
+        _write_json(self.settings.run_dir / "summary.json", summary)
         log.info("learner stopped (%s) at v%d after %.1f s", self.reason, summary["versions"], summary["wall_s"])
 
     def close(self) -> None:
@@ -274,13 +297,13 @@ class _Leader(_Rank):
             owned.close()
 
 
-def _resume(engine: Any, side: _Rank, config: Config, started: float) -> _Progress:
+def _resume(engine: Any, side: _Rank, settings: LearnerSettings, started: float) -> _Progress:
     """Where the loop starts: v0, or the latest checkpoint in the run directory with its version numbering,
     optimizer and RNG states (docs/architecture.md, "Resume after a crash": the replay rolls back to it if it saw
     later versions acked). Its weights are published again: the workers may hold weights of versions that died
     with the learner."""
     progress = _Progress(started)
-    resume = resume_checkpoint(engine, config.run_dir / "checkpoints")
+    resume = resume_checkpoint(engine, settings.checkpoints.directory)
     if resume is not None:
         progress.version = progress.checkpointed = progress.published = resume.version
         side.resumed(resume.version, resume.damage)
@@ -309,45 +332,47 @@ def _trainable_items(batch: Batch, vocab_size: int, progress: _Progress) -> list
 
 
 def _optimize(
-    engine: Any, reference: torch.nn.Module | None, items: list[TrainItem], progress: _Progress, config: Config,
+    engine: Any, reference: torch.nn.Module | None, items: list[TrainItem], progress: _Progress,
+    settings: LearnerSettings,
 ) -> tuple[list[tuple[float, LossStats]], float]:
     """The optimizer step(s) on this rank's share of the items (learner/step.py): (loss, stats) per step taken
     (`progress.version` moves on by as many) and the seconds they took."""
     started = time.monotonic()
-    progress.version, losses = train_on_items(engine, reference, items, progress.version, config)
-    progress.skipped_nonfinite += len(losses) < config.algo.ppo_epochs
+    progress.version, losses = train_on_items(engine, reference, items, progress.version, settings.step)
+    progress.skipped_nonfinite += len(losses) < settings.step.ppo_epochs
     return losses, time.monotonic() - started
 
 
-def _publish_if_due(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
-    if progress.version % config.learner.publish_every == 0:
+def _publish_if_due(engine: Any, side: _Rank, progress: _Progress, settings: LearnerSettings) -> None:
+    if progress.version % settings.publish_every == 0:
         _publish(engine, side.publisher, progress.version)
         progress.published = progress.version
 
 
-def _checkpoint_if_due(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
+def _checkpoint_if_due(engine: Any, side: _Rank, progress: _Progress, settings: LearnerSettings) -> None:
     """Every learner.checkpoint_every versions, after the ack: a learner killed before this completes resumes from
     the previous checkpoint, and the replay rolls back the acks above it."""
-    every = config.learner.checkpoint_every
+    every = settings.checkpoints.checkpoint_every
     if every and progress.version - max(progress.checkpointed, progress.checkpoint_failed, 0) >= every:
-        _checkpoint(engine, side, progress, config)
+        _checkpoint(engine, side, progress, settings)
 
 
-def _checkpoint(engine: Any, side: _Rank, progress: _Progress, config: Config) -> None:
+def _checkpoint(engine: Any, side: _Rank, progress: _Progress, settings: LearnerSettings) -> None:
     """A checkpoint of this version; one the disk refused (logged, naming it) is not reported to the replay, and
     the learner goes on: the previous checkpoint stays the one to resume from."""
-    if save_checkpoint(engine, config.run_dir / "checkpoints", progress.version, config.learner.keep_checkpoints):
+    checkpoints = settings.checkpoints
+    if save_checkpoint(engine, checkpoints.directory, progress.version, checkpoints.keep_checkpoints):
         progress.checkpointed = progress.version
         side.checkpointed(progress.version)
     else:
         progress.checkpoint_failed = progress.version
 
 
-def _finish(engine: Any, side: _Rank, progress: _Progress, config: Config) -> dict[str, Any]:
+def _finish(engine: Any, side: _Rank, progress: _Progress, settings: LearnerSettings) -> dict[str, Any]:
     """The last version checkpointed and published (if it is not yet), then the summary, rank 0's on every rank
     (it alone knows the replay's stats); rank 0 writes it to <run_dir>/summary.json."""
     if progress.checkpointed != progress.version:
-        _checkpoint(engine, side, progress, config)
+        _checkpoint(engine, side, progress, settings)
     if progress.published != progress.version:
         _publish(engine, side.publisher, progress.version)
     summary = _share_summary(side.summary(progress))

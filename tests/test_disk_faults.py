@@ -18,6 +18,7 @@ import pytest
 import torch
 import zmq
 from disk_helpers import fill
+from learner_helpers import engine_for
 from test_learner import LearnerRun
 from test_learner import make_config as learner_config
 from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
@@ -28,7 +29,7 @@ from async_rl.model import WeightsError, load_model
 from async_rl.telemetry import RoleMetrics
 from async_rl.weights.file import read_weights, save_weights
 from learner.checkpoint import CheckpointError
-from learner.engine import build_engine, load_checkpoint, save_checkpoint
+from learner.engine import load_checkpoint, save_checkpoint
 from learner.publisher import WeightPublisher
 from learner.replay_client import ResumeRefused
 from rollout.engines.thread import EngineThread
@@ -94,7 +95,7 @@ def learner_engine(tmp_path: Path) -> Iterator:
     """A DeepSpeed engine on the tiny model of a learner config in `tmp_path`, destroyed after."""
     config = learner_config(tmp_path)
     prepare_model_dir(config)
-    engine, _ = build_engine(config)
+    engine, _ = engine_for(config)
     try:
         yield engine
     finally:

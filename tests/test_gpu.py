@@ -21,13 +21,14 @@ from safetensors.torch import load_file
 from async_rl.loss import token_logprobs
 from async_rl.model import load_model, load_weights
 from async_rl.weights.file import save_weights
-from learner.engine import build_engine
+from learner.settings import LearnerSettings
 from learner.step import train_on_items
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.prepare import prepare_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learner_helpers import engine_for  # noqa: E402
 from test_learner import LearnerRun, make_config  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
@@ -42,7 +43,7 @@ def test_bf16_engine_keeps_fp32_master_weights_and_learns_what_fp32_learns(tmp_p
     for precision in ("auto", "fp32"):
         config = make_config(tmp_path / precision, learner={"precision": precision})
         items = LearnerRun(config).items
-        engine, reference = build_engine(config)
+        engine, reference = engine_for(config)
         try:
             assert engine.device.type == "cuda"
             weights = {p.dtype for p in engine.module.parameters()}
@@ -52,9 +53,9 @@ def test_bf16_engine_keeps_fp32_master_weights_and_learns_what_fp32_learns(tmp_p
                 assert master and {p.dtype for p in master} == {torch.float32}
             else:
                 assert not engine.bfloat16_enabled() and weights == {torch.float32}
-            version, losses = 0, []
+            version, losses, settings = 0, [], LearnerSettings.from_config(config).step
             for _ in range(3):
-                version, step = train_on_items(engine, reference, items, version, config)
+                version, step = train_on_items(engine, reference, items, version, settings)
                 losses += [loss for loss, _ in step]
             results[precision] = losses, {k: v.float().cpu() for k, v in engine.module.state_dict().items()}
         finally:

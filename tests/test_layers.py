@@ -180,3 +180,23 @@ def test_below_the_replays_entry_no_component_takes_the_config():
              for function, line, param in config_params(path, config_types)
              if (path.name, None) not in allowed and (path.name, function) not in allowed]
     assert not wrong, "below the replay's entry, a component takes its settings, not the config:\n" + "\n".join(wrong)
+
+
+def test_below_the_learners_entries_no_component_takes_the_config():
+    """The learner's entries (learner/trainer.py `run`, the role's; learner/sft.py `run_sft`, `async-rl sft`'s) read
+    the run's `Config`, and learner/settings.py's `LearnerSettings.from_config` builds each component's own settings
+    from it; no other function or constructor in learner/ takes the `Config` or one of its sections (issue 55)."""
+    import msgspec
+
+    import async_rl.config
+
+    config_types = {name for name, value in vars(async_rl.config).items()
+                    if isinstance(value, type) and issubclass(value, msgspec.Struct)}
+    assert {"Config", "AlgoConfig", "LearnerConfig", "LoraConfig", "SGLangConfig"} <= config_types
+    allowed = {("trainer.py", "run"), ("sft.py", "run_sft"), ("settings.py", "LearnerSettings.from_config")}
+    found = [(path.name, function, line, param) for path in sorted((REPO / "learner").glob("*.py"))
+             for function, line, param in config_params(path, config_types)]
+    assert allowed <= {(name, function) for name, function, _, _ in found}, "the entries take the config"
+    wrong = [f"learner/{name}:{line}: {function}({param}: ...)" for name, function, line, param in found
+             if (name, function) not in allowed]
+    assert not wrong, "below the learner's entries, a component takes its settings:\n" + "\n".join(wrong)

@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from learner_helpers import rank_share, train_on_batch
+from learner_helpers import engine_for, rank_share, train_on_batch
 
 from async_rl.config import Config
 from async_rl.config_load import config_from_dict
@@ -47,9 +47,9 @@ from async_rl.protocol import (
 from async_rl.transport import bind_router, connect_subscriber, poll, receive, send
 from learner import replay_client
 from learner.batch import collate
-from learner.engine import build_engine
 from learner.metrics import GuardWatch
 from learner.replay_client import ReplayClient
+from learner.settings import LearnerSettings
 from learner.trainer import StopRequest, run, stop_reason
 from rollout.prepare import prepare_model_dir
 
@@ -475,19 +475,20 @@ def test_bad_frames_and_out_of_vocabulary_items_are_counted_not_fatal(tmp_path):
 def test_stop_reasons():
     config = make_config(Path("/unused"), run={"max_versions": 10, "max_env_steps": 500, "target_success": 0.8,
                                              "max_wall_s": 60.0}, replay={"long_success_window": 8})
+    stop = LearnerSettings.from_config(config).stop
     idle = StopRequest(threading.Event())
-    assert stop_reason(config, 9, ReplayStats(env_steps=499), 1.0, idle) is None
-    assert stop_reason(config, 10, ReplayStats(), 1.0, idle) == "max_versions"
-    assert stop_reason(config, 0, ReplayStats(env_steps=500), 1.0, idle) == "max_env_steps"
+    assert stop_reason(stop, 9, ReplayStats(env_steps=499), 1.0, idle) is None
+    assert stop_reason(stop, 10, ReplayStats(), 1.0, idle) == "max_versions"
+    assert stop_reason(stop, 0, ReplayStats(env_steps=500), 1.0, idle) == "max_env_steps"
     reached = ReplayStats(trajectories_finished=8, success_rate_long=0.8)
-    assert stop_reason(config, 0, reached, 1.0, idle) == "target_success"
+    assert stop_reason(stop, 0, reached, 1.0, idle) == "target_success"
     # a high success rate over too few finished trajectories is not yet evidence
-    assert stop_reason(config, 0, ReplayStats(trajectories_finished=7, success_rate_long=1.0), 1.0, idle) is None
+    assert stop_reason(stop, 0, ReplayStats(trajectories_finished=7, success_rate_long=1.0), 1.0, idle) is None
     # the short window alone (a few lucky groups) does not stop the run
-    assert stop_reason(config, 0, ReplayStats(trajectories_finished=8, success_rate=1.0), 1.0, idle) is None
-    assert stop_reason(config, 0, ReplayStats(), 60.0, idle) == "max_wall_s"
+    assert stop_reason(stop, 0, ReplayStats(trajectories_finished=8, success_rate=1.0), 1.0, idle) is None
+    assert stop_reason(stop, 0, ReplayStats(), 60.0, idle) == "max_wall_s"
     idle.event.set()
-    assert stop_reason(config, 0, ReplayStats(), 1.0, idle) == "stop_requested"
+    assert stop_reason(stop, 0, ReplayStats(), 1.0, idle) == "stop_requested"
 
 
 def test_the_guard_watch_names_the_bound_that_would_not_have_held_the_learner(caplog):
@@ -524,7 +525,7 @@ def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path, aggregation):
         return aggregate(-batch.advantages * logp, batch.loss_mask, config.algo)
 
     whole = loss_of(collate(items))
-    shares = [rank_share(items, r, 2, config.algo) for r in range(2)]
+    shares = [rank_share(items, r, 2, LearnerSettings.from_config(config).step) for r in range(2)]
     averaged = sum(scale * loss_of(batch) for batch, scale in shares) / 2
     assert float(averaged) == pytest.approx(float(whole), rel=1e-5)
 
@@ -751,7 +752,7 @@ def poisoned(items: list[TrainItem]) -> list[TrainItem]:
 def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights_exactly_as_they_were(tmp_path):
     config = make_config(tmp_path)
     items = Sequences(config).items(config)
-    engine, _ = build_engine(config)
+    engine, _ = engine_for(config)
     try:
         before = {k: v.clone() for k, v in engine.module.state_dict().items()}
         version, results = train_on_batch(engine, None, collate(poisoned(items)), 0, config)
@@ -822,7 +823,8 @@ def test_the_replay_client_sends_a_lost_request_again_after_its_timeout(tmp_path
                        lambda m: Batch(msg_id=m.msg_id, batch_id=7, items=[], stats=ReplayStats()))
     with client_of(replay, config) as client:
         started = time.monotonic()
-        batch = client.next_batch(3, config.learner, lambda: time.monotonic() - started > 10, lambda: None)
+        request = LearnerSettings.from_config(config).client.request
+        batch = client.next_batch(3, request, lambda: time.monotonic() - started > 10, lambda: None)
         waited = time.monotonic() - started
     assert isinstance(batch, Batch) and batch.batch_id == 7, "no permanent stall"
     assert 0.3 <= waited < 3
@@ -883,7 +885,7 @@ def test_a_checkpoint_saved_with_the_entropy_floor_s_state_still_resumes(tmp_pat
 
     config = make_config(tmp_path)
     prepare_model_dir(config)
-    engine, _ = build_engine(config)
+    engine, _ = engine_for(config)
     try:
         engine.save_checkpoint(str(tmp_path / "ck"), tag="v3", client_state={
             "version": 3, "rng": _rng_state(), "learner": {"entropy_boost": 0.3}})
@@ -901,7 +903,7 @@ def test_sgd_moves_each_weight_by_lr_times_its_gradient_so_two_half_losses_step_
     def delta(optimizer: str, lr: float, *batches: list[TrainItem]) -> torch.Tensor:
         config = make_config(tmp_path, learner={"optimizer": optimizer, "lr": lr, "grad_clip": 0.0},
                              algo={"aggregation": "token-sum"})
-        engine, _ = build_engine(config)
+        engine, _ = engine_for(config)
         try:
             inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
             assert isinstance(inner, torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)

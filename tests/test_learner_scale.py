@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from learner_helpers import activation_checkpointing_on
+from learner_helpers import activation_checkpointing_on, engine_for
 
 from async_rl.config import Config
 from async_rl.config_load import config_from_dict
@@ -24,7 +24,6 @@ from learner.attention import row_tokens, select_attention, use_attention
 from learner.batch import collate, collate_rows
 from learner.engine import (
     backend_for,
-    build_engine,
     deepspeed_config,
     enable_activation_checkpointing,
     local_gpu,
@@ -32,6 +31,7 @@ from learner.engine import (
     select_precision,
 )
 from learner.pack import MicroBatch, balance_shards, pack_rows, padding_fraction, plan_shards
+from learner.settings import LearnerSettings
 from learner.step import rank_micro_batches, train_on_items
 from rollout.prepare import prepare_model_dir
 
@@ -48,6 +48,11 @@ def make_config(tmp_path: Path, **sections: dict) -> Config:
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return config_from_dict(raw)
+
+
+def settings_of(config: Config) -> LearnerSettings:
+    """The learner's settings, as its entry builds them."""
+    return LearnerSettings.from_config(config)
 
 
 def random_items(config: Config, count: int = 10, seed: int = 0) -> list[TrainItem]:
@@ -146,10 +151,10 @@ def test_attention_selection_and_its_errors():
     assert select_attention("dense", "cpu", False, 4096) == "sdpa"
     assert select_attention("varlen", "cpu", False, 64) == "sdpa_varlen"
     assert select_attention("flex", "cuda", False) == "flex_attention"
-    learner = make_config(Path("/unused")).learner  # pack_row_tokens null here: a row is a micro-batch
-    assert row_tokens(learner) == learner.micro_batch_tokens == 4096
-    assert row_tokens(make_config(Path("/unused"), learner={"pack_row_tokens": 64}).learner) == 64
-    assert row_tokens(make_config(Path("/unused"), learner={"packing": False}).learner) is None
+    config = make_config(Path("/unused"))  # pack_row_tokens null here: a row is a micro-batch
+    assert row_tokens(settings_of(config).engine.layout) == config.learner.micro_batch_tokens == 4096
+    assert row_tokens(settings_of(make_config(Path("/unused"), learner={"pack_row_tokens": 64})).engine.layout) == 64
+    assert row_tokens(settings_of(make_config(Path("/unused"), learner={"packing": False})).engine.layout) is None
     with pytest.raises(ConfigError, match="learner.attention: flex needs a GPU"):
         select_attention("flex", "cpu", False)
     with pytest.raises(ConfigError, match="learner.attention: flash needs the flash_attn package"):
@@ -172,7 +177,7 @@ def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, agg
     expected, _ = loss_and_grads(whole, collate(items), config)
     world, total, micro_counts = 2, 0.0, []
     for rank in range(world):
-        micro = rank_micro_batches(items, rank, world, config)
+        micro = rank_micro_batches(items, rank, world, settings_of(config).step)
         micro_counts.append(len(micro))
         for batch, scale in micro:
             assert batch.tokens.numel() <= 32 or len(batch) == 1
@@ -217,20 +222,20 @@ def test_ranks_with_fewer_micro_batches_get_masked_fillers():
 
 
 def test_device_precision_and_backend_selection():
-    learner = make_config(Path("/unused"), learner={"precision": "auto"}).learner
+    learner = settings_of(make_config(Path("/unused"), learner={"precision": "auto"})).engine
     assert select_device(learner, cuda_available=False) == "cpu"
     assert select_device(learner, cuda_available=FAKE_GPU_PRESENT) == "cuda"
     assert select_precision(learner, "cuda", bf16_supported=True) == "bf16"
     assert select_precision(learner, "cuda", bf16_supported=False) == "fp32"
     assert select_precision(learner, "cpu", bf16_supported=False) == "fp32"
     assert (backend_for("cuda"), backend_for("cpu")) == ("nccl", "gloo")
-    pinned = make_config(Path("/unused"), learner={"device": "cpu", "precision": "fp32"}).learner
+    pinned = settings_of(make_config(Path("/unused"), learner={"device": "cpu", "precision": "fp32"})).engine
     assert select_device(pinned, cuda_available=FAKE_GPU_PRESENT) == "cpu"
     assert select_precision(pinned, "cuda", bf16_supported=True) == "fp32"
     with pytest.raises(ConfigError, match="learner.device: cuda"):
-        select_device(make_config(Path("/unused"), learner={"device": "cuda"}).learner, cuda_available=False)
+        select_device(settings_of(make_config(Path("/unused"), learner={"device": "cuda"})).engine, False)
     with pytest.raises(ConfigError, match="learner.precision: bf16 needs a CUDA device"):
-        select_precision(make_config(Path("/unused"), learner={"precision": "bf16"}).learner, "cpu", False)
+        select_precision(settings_of(make_config(Path("/unused"), learner={"precision": "bf16"})).engine, "cpu", False)
 
 
 def test_each_rank_takes_its_own_gpu_and_a_rank_without_one_is_named():
@@ -264,16 +269,18 @@ def test_activation_checkpointing_is_enabled_under_either_name_transformers_give
 
 def test_deepspeed_config_for_bf16_and_caller_owned_accumulation():
     config = make_config(Path("/unused"), learner={"zero_stage": 3})
-    fp32, bf16 = deepspeed_config(config, "fp32"), deepspeed_config(config, "bf16")
+    engine = settings_of(config).engine
+    fp32, bf16 = deepspeed_config(engine, "fp32"), deepspeed_config(engine, "bf16")
     assert fp32["managed_gradient_accumulation"] is False and "bf16" not in fp32
     assert bf16["bf16"] == {"enabled": True} and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in deepspeed_config(make_config(Path("/unused")), "bf16")  # ZeRO-0: DeepSpeed's rule
-    # DeepSpeed clips (and all-reduces the norm) except in a world of one at ZeRO-0 in fp32, where torch clips
     zero0 = make_config(Path("/unused"))
-    assert deepspeed_config(zero0, "fp32", ranks=1)["gradient_clipping"] == 0.0
+    assert "data_types" not in deepspeed_config(settings_of(zero0).engine, "bf16")  # ZeRO-0: DeepSpeed's rule
+    # DeepSpeed clips (and all-reduces the norm) except in a world of one at ZeRO-0 in fp32, where torch clips
+    assert deepspeed_config(settings_of(zero0).engine, "fp32", ranks=1)["gradient_clipping"] == 0.0
     unclipped = make_config(Path("/unused"), learner={"grad_clip": 0.0, "zero_stage": 3})
-    assert deepspeed_config(unclipped, "fp32", ranks=2)["gradient_clipping"] == 0.0  # DeepSpeed's default is 1.0
-    assert deepspeed_config(zero0, "fp32", ranks=2)["gradient_clipping"] == zero0.learner.grad_clip
+    # DeepSpeed's default is 1.0
+    assert deepspeed_config(settings_of(unclipped).engine, "fp32", ranks=2)["gradient_clipping"] == 0.0
+    assert deepspeed_config(settings_of(zero0).engine, "fp32", ranks=2)["gradient_clipping"] == zero0.learner.grad_clip
     assert fp32["gradient_clipping"] == bf16["gradient_clipping"] == config.learner.grad_clip
 
 
@@ -294,12 +301,13 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
     algo = {"entropy_coef": 0.1, "kl_beta": 0.05, "entropy_per": entropy_per}
     for learner in ({"packing": False}, {"micro_batch_tokens": 24, "activation_checkpointing": True}):
         config = make_config(Path(base.run.dir), learner=learner, algo=algo)
-        engine, reference = build_engine(config)
+        engine, reference = engine_for(config)
         try:
             assert activation_checkpointing_on(engine.module) == learner.get("activation_checkpointing", False)
-            assert (len(rank_micro_batches(items, 0, 1, config)) > 1) == ("micro_batch_tokens" in learner)
-            version, losses = train_on_items(engine, reference, items, 0, config)
-            version, more = train_on_items(engine, reference, items, version, config)
+            step = settings_of(config).step
+            assert (len(rank_micro_batches(items, 0, 1, step)) > 1) == ("micro_batch_tokens" in learner)
+            version, losses = train_on_items(engine, reference, items, 0, step)
+            version, more = train_on_items(engine, reference, items, version, step)
             results.append(([loss for loss, _ in losses + more], [s for _, s in losses + more],
                             {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}, version))
         finally:
@@ -330,7 +338,7 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
 def test_a_world_of_one_clips_gradients_with_torch_before_the_step(setup, monkeypatch):
     base, items = setup
     config = make_config(Path(base.run.dir), learner={"grad_clip": 1e-3})
-    engine, _ = build_engine(config)
+    engine, _ = engine_for(config)
     try:
         assert engine.gradient_clipping() == 0  # DeepSpeed's clipping (with its norm all-reduce) is off here
         norms, step = [], engine.step
@@ -341,7 +349,7 @@ def test_a_world_of_one_clips_gradients_with_torch_before_the_step(setup, monkey
             return step(*args, **kwargs)
 
         monkeypatch.setattr(engine, "step", recorded_step)
-        version, _ = train_on_items(engine, None, items, 0, config)
+        version, _ = train_on_items(engine, None, items, 0, settings_of(config).step)
         assert version == 1 and norms[0] == pytest.approx(1e-3, rel=1e-4)
     finally:
         engine.destroy()

@@ -28,11 +28,11 @@ from async_rl.weights.file import save_weights
 from learner import lora
 from learner.attention import use_attention
 from learner.batch import collate
-from learner.engine import CheckpointError, build_engine, full_state_dict, load_checkpoint, save_checkpoint
+from learner.engine import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
 from rollout.prepare import prepare_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learner_helpers import train_on_batch  # noqa: E402
+from learner_helpers import engine_for, train_on_batch  # noqa: E402
 from test_learner import LearnerRun, Sequences  # noqa: E402
 from test_learner import make_config as learner_config  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_the_learners_lora_step_is_a_plain_peft_step_and_trains_only_the_adapter
                                             "activation_checkpointing": checkpointing, "precision": "fp32",
                                             "device": "cpu", "lora": LORA})
     batch = collate(items)
-    engine, reference = build_engine(config)
+    engine, reference = engine_for(config)
     learner_grads: dict[str, torch.Tensor] = {}
     try:
         assert reference is None
@@ -168,7 +168,7 @@ def test_published_weights_are_the_base_model_with_the_adapter_merged_and_the_mo
     config = make_config(tmp_path, learner={"zero_stage": zero_stage, "precision": "fp32", "device": "cpu",
                                             "lora": {**LORA, "dropout": 0.1}})
     batch = collate(items)
-    engine, _ = build_engine(config)
+    engine, _ = engine_for(config)
     try:
         adapters = randomize_adapters(engine)
         merged = full_state_dict(engine)
@@ -195,7 +195,7 @@ def test_published_weights_are_the_base_model_with_the_adapter_merged_and_the_mo
 def test_the_kl_reference_is_the_base_model_with_the_adapter_off(tmp_path, items):
     config = make_config(tmp_path, algo={"kl_beta": 0.1})
     batch = collate(items)
-    engine, reference = build_engine(config)
+    engine, reference = engine_for(config)
     try:
         assert isinstance(reference, lora.AdapterOff) and reference.model is engine.module, "no second copy"
         randomize_adapters(engine)
@@ -239,7 +239,7 @@ def test_a_resumed_lora_learner_continues_bit_identically(tmp_path, zero_stage):
         assert torch.equal(value, again[name]), name
     assert [line["loss"] for line in straight.metrics()] == [line["loss"] for line in resumed.metrics()]
     other = config("a", 8, rank=8)
-    engine, _ = build_engine(other)
+    engine, _ = engine_for(other)
     try:
         with pytest.raises(CheckpointError, match=r"LoRA \{'rank': 4.*learner.lora asks for LoRA \{'rank': 8"):
             load_checkpoint(engine, first.run_dir / "checkpoints")
@@ -249,12 +249,12 @@ def test_a_resumed_lora_learner_continues_bit_identically(tmp_path, zero_stage):
 
 def test_a_full_fine_tune_checkpoint_is_not_resumed_under_lora(tmp_path):
     full = make_config(tmp_path, learner={"lora": {"rank": 0}})
-    engine, _ = build_engine(full)
+    engine, _ = engine_for(full)
     try:
         save_checkpoint(engine, tmp_path / "ck", 1)
     finally:
         engine.destroy()
-    engine, _ = build_engine(make_config(tmp_path))
+    engine, _ = engine_for(make_config(tmp_path))
     try:
         with pytest.raises(CheckpointError, match=r"written by a full fine-tune .* asks for LoRA"):
             load_checkpoint(engine, tmp_path / "ck")
@@ -278,17 +278,17 @@ def test_a_bad_lora_config_is_named(override, message):
 
 def test_a_target_module_the_model_does_not_have_is_named_with_the_ones_it_has(tmp_path):
     with pytest.raises(ConfigError) as caught:
-        build_engine(make_config(tmp_path, {"target_modules": ["q_proj", "qkv_proj"]}))
+        engine_for(make_config(tmp_path, {"target_modules": ["q_proj", "qkv_proj"]}))
     assert str(caught.value) == (
         "learner.lora.target_modules: 'qkv_proj' matches no module of the model (its linear layers are named "
         "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)")
     with pytest.raises(ConfigError, match=r"learner.lora.target_modules: 'embed_tokens' names Embedding modules"):
-        build_engine(make_config(tmp_path, {"target_modules": ["embed_tokens"]}))
+        engine_for(make_config(tmp_path, {"target_modules": ["embed_tokens"]}))
 
 
 def test_lora_is_off_by_default_and_a_full_fine_tune_has_no_adapter(tmp_path):
     assert load_config(None, []).learner.lora.rank == 0
-    engine, _ = build_engine(make_config(tmp_path, {"rank": 0}))
+    engine, _ = engine_for(make_config(tmp_path, {"rank": 0}))
     try:
         assert not lora.is_adapted(engine.module)
         assert all(p.requires_grad for p in engine.module.parameters())

@@ -37,6 +37,7 @@ from async_rl.config_load import config_to_dict
 from async_rl.errors import ConfigError
 from async_rl.protocol import Ack, Batch, BatchAck, Error, EvalReport, Heartbeat, LeaseGrant, encode
 from learner.replay_client import ReplayClient
+from learner.settings import LearnerSettings
 from replay.log_format import LogFormatError, Received, Ticked, Undecodable, WalError
 from replay.server import apply_entry, build_service, handle_safely, start_log
 from replay.service import ReplayService
@@ -346,7 +347,8 @@ def test_a_sigkilled_replay_restarted_with_the_same_config_loses_no_acked_record
         return finished or time.monotonic() > deadline
 
     try:
-        while (batch := client.next_batch(version, config.learner, done, pump)) is not None:
+        request = LearnerSettings.from_config(config).client.request
+        while (batch := client.next_batch(version, request, done, pump)) is not None:
             version += 1
             client.ack(batch, version)
             residual = max(residual, batch.stats.ledger_residual_max)

@@ -26,10 +26,12 @@ import pytest
 import torch
 from sglang_server import free_port
 
-from async_rl.config import SGLangConfig
+from async_rl.config import Config, RolloutConfig, SGLangConfig
 from async_rl.loss import token_logprobs
 from async_rl.model import WeightsError, load_model
+from async_rl.security import sglang_headers
 from async_rl.weights.hf_dir import write_hf_dir
+from learner.settings import LearnerSettings
 from learner.sglang_sync import DistributedWeightSync
 from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
 from rollout.engines.sglang import SGLangEngine
@@ -205,8 +207,9 @@ def test_a_directory_pruned_between_the_check_and_the_servers_read_kills_no_serv
 def test_distributed_sync_pushes_the_learners_tensors_to_every_server(servers):
     model, base = load_model(servers.model_dir).eval(), load_model(servers.model_dir).eval()
     state_dict = learner_step(model, favoured_token=9)
-    sync = DistributedWeightSync(SGLangConfig(urls=servers.urls, weight_sync="distributed",
-                                              dist_master_port=free_port()))
+    sglang = SGLangConfig(urls=servers.urls, weight_sync="distributed", dist_master_port=free_port())
+    settings = LearnerSettings.from_config(Config(rollout=RolloutConfig(sglang=sglang))).publisher.sglang
+    sync = DistributedWeightSync(settings, sglang_headers(sglang))
     try:
         sync.push(state_dict, version=2)
         assert [s.model_info()["weight_version"] for s in servers.servers] == ["2", "2"]

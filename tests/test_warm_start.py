@@ -233,7 +233,7 @@ def test_a_conversation_longer_than_the_context_is_skipped_and_counted(tmp_path,
     long = {"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]}
     path.write_text("\n".join(json.dumps(c) for c in (short, long, short)) + "\n")
     config = load_config(None, [f"model.path={smollm2}", "model.max_seq_len=128"])
-    items, skipped = demonstration_items(config, smollm2, path)
+    items, skipped = demonstration_items(config.model.max_seq_len, smollm2, path)
     assert len(items) == 2 and skipped == 1
     assert [len(b) for _, b in batches(items, 10_000, 2, seed=0)] == [2, 2]
 

@@ -26,9 +26,11 @@ from async_rl.config import SGLangConfig
 from async_rl.config_load import load_config
 from async_rl.model import load_model
 from async_rl.protocol import WeightsPublished
+from async_rl.security import load_keys, sglang_headers
 from async_rl.transport import bind_publisher, connect_subscriber, send
 from async_rl.weights.base import WeightsFormatError, loader_for
 from learner.publisher import WeightPublisher, make_publisher
+from learner.settings import LearnerSettings
 from rollout.engines.sglang import SGLangEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine
@@ -51,6 +53,12 @@ def new_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 def learner_config(run_dir: Path, *overrides: str):
     return load_config(None, [f"run.dir={run_dir}", f"learner.publish_endpoint=tcp://127.0.0.1:{free_port()}",
                               *overrides])
+
+
+def publisher_of(context: zmq.Context, config, model_dir: Path) -> WeightPublisher:
+    """The learner's publisher (rank 0's) as the learner's entry builds it from the config."""
+    return make_publisher(context, LearnerSettings.from_config(config).publisher, model_dir,
+                          load_keys(config, "learner"), lambda: sglang_headers(config.rollout.sglang))
 
 
 class Worker:
@@ -132,7 +140,7 @@ def test_safetensors_published_loads_in_the_built_in_engine_and_sglang_refuses_i
     model_dir = servers.model_dir
     config = learner_config(tmp_path / "run")  # rollout.engine: torch
     context = zmq.Context()
-    publisher = make_publisher(context, config, model_dir)
+    publisher = publisher_of(context, config, model_dir)
     built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
     sglang, sent = sglang_worker(context, servers, config.learner.publish_endpoint,
                                  config.run_dir)  # weight_sync: disk, an hf-dir worker
@@ -163,7 +171,7 @@ def test_an_hf_dir_published_for_sglang_loads_in_a_distributed_sglang_worker_and
     model_dir = servers.model_dir
     config = learner_config(tmp_path / "run", "rollout.engine=sglang", f"rollout.sglang.urls={servers.urls}")
     context = zmq.Context()
-    publisher = make_publisher(context, config, model_dir)  # weight_sync: disk
+    publisher = publisher_of(context, config, model_dir)  # weight_sync: disk
     built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
     sglang, sent = sglang_worker(context, servers, config.learner.publish_endpoint, config.run_dir,
                                  weight_sync="distributed")
@@ -207,7 +215,7 @@ def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_ref
                             "rollout.sglang.weight_sync=distributed", "rollout.sglang.dist_backend=gloo",
                             f"rollout.sglang.dist_master_port={free_port()}")
     context = zmq.Context()
-    publisher = make_publisher(context, config, model_dir)  # joins the servers' group, as rank 0
+    publisher = publisher_of(context, config, model_dir)  # joins the servers' group, as rank 0
     built_in = Worker(context, TorchEngine(model_dir, seed=0), config.learner.publish_endpoint, config.run_dir)
     sglang, sent = sglang_worker(context, servers, config.learner.publish_endpoint,
                                  config.run_dir)  # weight_sync: disk
