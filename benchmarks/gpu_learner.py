@@ -93,11 +93,12 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     from learner.engine import build_engine
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from rollout.prepare import prepare_model_dir
+    from rollout.settings import RolloutSettings
 
     run_dir = tempfile.mkdtemp(prefix="run-", dir=OUT)  # a fresh model directory for this invocation's sizes
     config = load_config(None, [f"run.dir={run_dir}", "run.name=learner", "wandb.mode=disabled", "replay.durable=false",
                                 "algo.entropy_coef=0.01", *overrides])
-    model_dir = prepare_model_dir(config)
+    model_dir = prepare_model_dir(RolloutSettings.from_config(config).model_dir)
     engine, reference = build_engine(config)
     device = engine.device
     cuda = device.type == "cuda"

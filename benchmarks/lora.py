@@ -97,6 +97,7 @@ def arm(args: argparse.Namespace) -> dict:
     from learner.engine import build_engine
     from learner.step import train_on_items
     from rollout.prepare import prepare_model_dir
+    from rollout.settings import RolloutSettings
 
     imported = rss_mib()
     run_dir = tempfile.mkdtemp(prefix="lora-bench-")
@@ -106,7 +107,7 @@ def arm(args: argparse.Namespace) -> dict:
                  f"learner.lora.alpha={args.alpha}", f"learner.micro_batch_tokens={args.items * args.item_tokens}",
                  *(QUICK_MODEL if args.model is None else [f"model.path={args.model}"]), *args.set]
     config = load_config(None, overrides)
-    prepare_model_dir(config)
+    prepare_model_dir(RolloutSettings.from_config(config).model_dir)
     engine, reference = build_engine(config)
     parameters = sum(p.numel() for p in engine.module.parameters())
     trainable = [p for p in engine.module.parameters() if p.requires_grad]

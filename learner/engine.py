@@ -171,7 +171,7 @@ def build_engine(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Mo
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.manual_seed(config.run.seed)
     torch.set_num_threads(config.run.threads_per_process)
-    model = load_model(wait_for_model_dir(config))
+    model = load_model(wait_for_model_dir(config.model.path, config.run_dir))
     attention = select_attention(config.learner.attention, device, flash_attn_installed(), row_tokens(config.learner))
     use_attention(model, attention)
     parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from async_rl.config import Config
+from async_rl.config_load import config_to_dict
 from async_rl.loss import LossStats
 from async_rl.protocol import ReplayStats
-from async_rl.telemetry import RoleMetrics, stats_line
+from async_rl.telemetry import MetricsSettings, RoleMetrics, stats_line
 from learner.batch import TrainBatch
 
 log = logging.getLogger("async_rl.learner")
@@ -114,7 +115,9 @@ class MetricsLog:
     (async_rl/telemetry.py: one W&B run per role, grouped per training run)."""
 
     def __init__(self, config: Config, run_dir: Path) -> None:
-        self._metrics = RoleMetrics(config, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
+        settings = MetricsSettings(run_dir=config.run_dir, name=config.run.name, wandb=config.wandb,
+                                   run_config=config_to_dict(config))
+        self._metrics = RoleMetrics(settings, "learner", path=run_dir / "metrics.jsonl", histograms=("staleness_hist",))
         self._guard = GuardWatch(0)
 
     def write(self, line: dict[str, Any]) -> None:

@@ -104,7 +104,8 @@ class WeightPublisher:
 
 def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> WeightPublisher:
     """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and `rollout.sglang.weight_sync`."""
-    learner, weights_dir, curve = config.learner, (config.run_dir / "weights").resolve(), load_keys(config, "learner")
+    learner, weights_dir = config.learner, (config.run_dir / "weights").resolve()
+    curve = load_keys(config.security.curve_dir, "learner")
     sglang = config.rollout.sglang
     transport: Publisher = FilePublisher(weights_dir)
     if config.rollout.engine == "sglang" and sglang.weight_sync == "distributed":

@@ -24,11 +24,12 @@ import msgspec
 import numpy as np
 
 from async_rl.config import Config
+from async_rl.config_load import config_to_dict
 from async_rl.errors import AsyncRLError
 from async_rl.hf_io import refuse_non_empty, write_model_dir
 from async_rl.model import load_tokenizer
 from async_rl.protocol import ADVANTAGE, LOGPROB, TOKEN, TrainItem
-from async_rl.telemetry import RoleMetrics
+from async_rl.telemetry import MetricsSettings, RoleMetrics
 from learner.engine import build_engine, full_state_dict, load_checkpoint, rank, save_checkpoint
 from learner.sft_data import read_demonstrations, render
 from learner.step import train_on_items
@@ -108,7 +109,9 @@ def run_sft(config: Config, model_dir: Path, plan: SftPlan) -> dict[str, Any]:
              len(items), skipped, config.model.max_seq_len, len(planned), plan.epochs)
     engine, _ = build_engine(config)
     checkpoints = config.run_dir / "checkpoints"
-    metrics = RoleMetrics(config, "sft", path=config.run_dir / "metrics.jsonl") if rank() == 0 else None
+    settings = MetricsSettings(run_dir=config.run_dir, name=config.run.name, wandb=config.wandb,
+                               run_config=config_to_dict(config))
+    metrics = RoleMetrics(settings, "sft", path=config.run_dir / "metrics.jsonl") if rank() == 0 else None
     started, step = time.time(), 0
     try:
         if plan.resume:

@@ -43,7 +43,7 @@ class DistributedWeightSync:
     def __init__(self, config: SGLangConfig) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config))
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config.api_key_file))
         self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-sync")
         tp_sizes = [int(self._call(url, "GET", "/get_server_info").get("tp_size", 1)) for url in self.urls]
         self.world_size = 1 + sum(tp_sizes)

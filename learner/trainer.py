@@ -172,8 +172,8 @@ class _Leader(_Rank):
     def __init__(self, context: zmq.Context, config: Config, request: StopRequest) -> None:
         self.config, self.request = config, request
         self.client = ReplayClient(context, config.replay.endpoint, LEARNER_ID, config.learner.request_timeout_s,
-                                   load_keys(config, "learner"))
-        self.publisher = make_publisher(context, config, wait_for_model_dir(config))
+                                   load_keys(config.security.curve_dir, "learner"))
+        self.publisher = make_publisher(context, config, wait_for_model_dir(config.model.path, config.run_dir))
         self.metrics = MetricsLog(config, config.run_dir)
         self.stats = ReplayStats()
         self.reason: str | None = None  # why the loop stopped
