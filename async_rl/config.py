@@ -462,9 +462,14 @@ class Config(_Section):
 def configured_model_path(config: Config) -> Path | None:
     """`model.path` checked (a Hugging Face model directory: it has config.json), or None when it is empty. Cheap:
     `async-rl train` runs it before importing torch, so a wrong path is reported at once."""
-    if not config.model.path:
+    return checked_model_path(config.model.path)
+
+
+def checked_model_path(model_path: str) -> Path | None:
+    """`configured_model_path` for the value of `model.path` itself (what a component below a role's entry gets)."""
+    if not model_path:
         return None
-    path = Path(config.model.path)
+    path = Path(model_path)
     if not (path / "config.json").exists():
         raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
     return path

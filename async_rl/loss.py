@@ -14,10 +14,35 @@ With one epoch (π_prox = π_θ) both give the same gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
-from async_rl.config import AlgoConfig
+
+class LossRule(Protocol):
+    """The learning rule's knobs the loss reads (algo.*): an `AlgoConfig` has them, and so has any settings struct
+    of a role that carries only these."""
+
+    @property
+    def is_cap(self) -> float: ...
+    @property
+    def staleness_decay(self) -> float: ...
+    @property
+    def clip_low(self) -> float: ...
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def aggregation(self) -> Literal["token-mean", "seq-mean-token-sum", "token-sum"]: ...
+    @property
+    def seq_norm(self) -> float: ...
+    @property
+    def token_norm(self) -> float: ...
+    @property
+    def kl_beta(self) -> float: ...
+    @property
+    def entropy_coef(self) -> float: ...
+    @property
+    def entropy_per(self) -> Literal["step", "credit"]: ...
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -46,7 +71,7 @@ def importance_weights(
     logp_reference: torch.Tensor,
     behaviour_logp: torch.Tensor,
     staleness: torch.Tensor,
-    algo: AlgoConfig,
+    algo: LossRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w_t = min(ρ_t, is_cap) · decay**s_t with no gradient; returns (w, ρ)."""
     rho = torch.exp(logp_reference.detach() - behaviour_logp)
@@ -56,7 +81,7 @@ def importance_weights(
 
 def tis_token_loss(
     logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, staleness: torch.Tensor,
-    algo: AlgoConfig,
+    algo: LossRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ℓ_t = − w_t · Â_t · log π_θ(a_t); returns (ℓ, ρ)."""
     weight, rho = importance_weights(logp, behaviour_logp, staleness, algo)
@@ -65,7 +90,7 @@ def tis_token_loss(
 
 def decoupled_ppo_token_loss(
     logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
-    staleness: torch.Tensor, algo: AlgoConfig,
+    staleness: torch.Tensor, algo: LossRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ℓ_t = − w_t · min(u·Â, clip(u, 1−ε_low, 1+ε_high)·Â), u = π_θ/π_prox; returns (ℓ, ρ = π_prox/μ)."""
     weight, rho = importance_weights(prox_logp, behaviour_logp, staleness, algo)
@@ -87,7 +112,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, algo: LossRule) -> torch.Tensor:
     """Token mean over all action tokens of the batch, Dr. GRPO's seq-mean-token-sum / seq_norm, or token-sum /
     token_norm: a fixed weight per token, whatever else the batch holds (docs/algorithm.md, "Loss")."""
     if algo.aggregation == "token-mean":
@@ -120,7 +145,7 @@ def policy_loss(
     advantages: torch.Tensor,
     staleness: torch.Tensor,
     mask: torch.Tensor,
-    algo: AlgoConfig,
+    algo: LossRule,
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,

@@ -28,7 +28,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from async_rl.config import Config, configured_model_path
+from async_rl.config import ModelConfig, checked_model_path
 from async_rl.errors import AsyncRLError, ConfigError, WeightsError  # noqa: F401 - WeightsError: its old home
 from async_rl.weights.file import read_weights
 
@@ -58,8 +58,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, unk_token=UNK)
 
 
-def build_tiny_model(config: Config, vocab_size: int, pad_id: int, eos_id: int) -> LlamaForCausalLM:
-    m = config.model
+def build_tiny_model(model: ModelConfig, seed: int, vocab_size: int, pad_id: int, eos_id: int) -> LlamaForCausalLM:
+    """The tiny Llama of the `model` section's sizes (the section as a whole: its sizes are the model), initialized
+    from `seed` (run.seed)."""
+    m = model
     if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.hidden_size ({m.hidden_size}) must divide by model.num_heads ({m.num_heads}), "
@@ -78,41 +80,42 @@ def build_tiny_model(config: Config, vocab_size: int, pad_id: int, eos_id: int) 
         eos_token_id=eos_id,
         bos_token_id=eos_id,
     )
-    torch.manual_seed(config.run.seed)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(llama).float()
 
 
-def ensure_model_dir(config: Config, words: list[str] | None = None) -> Path:
-    """The HF directory every role loads; built (atomically, once) for the tiny default model, with a word-level
-    tokenizer over `words` (an environment's declared vocabulary) or a byte-level one when None."""
-    configured = configured_model_path(config)
+def ensure_model_dir(model: ModelConfig, run_dir: Path, seed: int, words: list[str] | None = None) -> Path:
+    """The HF directory every role loads: `model.path`, or `<run_dir>/model` built (atomically, once) for the tiny
+    default model of the `model` section's sizes (seeded by `seed`, run.seed), with a word-level tokenizer over
+    `words` (an environment's declared vocabulary) or a byte-level one when None."""
+    configured = checked_model_path(model.path)
     if configured is not None:
         return configured
-    target = config.run_dir / "model"
+    target = run_dir / "model"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = word_tokenizer(words) if words else byte_tokenizer()
-    model = build_tiny_model(config, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    built = build_tiny_model(model, seed, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     staging = Path(tempfile.mkdtemp(prefix=".model-", dir=target.parent))
-    model.save_pretrained(staging, safe_serialization=True)
+    built.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     try:
         os.rename(staging, target)
-        log.info("built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), target)
+        log.info("built tiny model (%d parameters) at %s", sum(p.numel() for p in built.parameters()), target)
     except OSError:  # another role won the race; its copy is identical (same seed and config)
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def wait_for_model_dir(config: Config, timeout_s: float = 600.0, poll_s: float = 0.5) -> Path:
+def wait_for_model_dir(model_path: str, run_dir: Path, timeout_s: float = 600.0, poll_s: float = 0.5) -> Path:
     """The model directory, for a role that cannot build it (the learner does not know the environment, which
-    chooses the tiny model's tokenizer): `model.path`, or the run directory's model once the launcher or a rollout
-    worker has built it."""
-    configured = configured_model_path(config)
+    chooses the tiny model's tokenizer): `model_path` (model.path), or `<run_dir>/model` once the launcher or a
+    rollout worker has built it."""
+    configured = checked_model_path(model_path)
     if configured is not None:
         return configured
-    target = config.run_dir / "model"
+    target = run_dir / "model"
     deadline = time.monotonic() + timeout_s
     if not (target / "config.json").exists():
         log.info("waiting for a rollout worker to build the model directory %s", target)

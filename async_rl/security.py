@@ -30,7 +30,6 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from async_rl.config import Config, SGLangConfig
 from async_rl.errors import ConfigError
 
 ROLES = ("replay", "learner", "rollout")
@@ -133,11 +132,10 @@ def create_keys(directory: str | Path, workers: int) -> list[Path]:
     return written
 
 
-def load_keys(config: Config, identity: str) -> CurveKeys | None:
-    """The keys `identity` (replay, learner, rollout-<i>) needs from `security.curve_dir`, or None when CURVE is
-    off. The replay and the learner admit every `rollout-<i>.key` there. A missing or malformed file is a
+def load_keys(curve_dir: str | None, identity: str) -> CurveKeys | None:
+    """The keys `identity` (replay, learner, rollout-<i>) needs from `curve_dir` (security.curve_dir), or None when
+    CURVE is off. The replay and the learner admit every `rollout-<i>.key` there. A missing or malformed file is a
     ConfigError naming `security.curve_dir`, the file, and how to make keys."""
-    curve_dir = config.security.curve_dir
     if curve_dir is None:
         return None
     directory = Path(curve_dir)
@@ -187,35 +185,37 @@ def _read(directory: Path, name: str, secret: bool) -> tuple[bytes, bytes | None
     return public, secret_key
 
 
-def insecure_endpoints(config: Config) -> list[str]:
-    """The tcp:// endpoints of a config without CURVE: anyone who reaches them may lease, forge outcomes or ack
-    batches. ipc:// (a Unix socket, guarded by its file's permissions) and inproc:// are not among them."""
-    if config.security.curve_dir is not None:
+def insecure_endpoints(curve_dir: str | None, endpoints: Sequence[str]) -> list[str]:
+    """The tcp:// ones of a run's `endpoints` (replay.endpoint, learner.publish_endpoint) without CURVE (`curve_dir`,
+    security.curve_dir, unset): anyone who reaches them may lease, forge outcomes or ack batches. ipc:// (a Unix
+    socket, guarded by its file's permissions) and inproc:// are not among them."""
+    if curve_dir is not None:
         return []
-    return [e for e in (config.replay.endpoint, config.learner.publish_endpoint) if e.startswith("tcp://")]
+    return [e for e in endpoints if e.startswith("tcp://")]
 
 
-def check_transport(config: Config) -> None:
-    """Every role at its start: TCP without CURVE is refused (a ConfigError naming the keys and the fixes) unless
-    `security.insecure: true` says so in so many words; then it is a loud warning."""
-    endpoints = insecure_endpoints(config)
-    if not endpoints:
+def check_transport(curve_dir: str | None, insecure: bool, endpoints: Sequence[str]) -> None:
+    """Every role at its start: TCP without CURVE (`insecure_endpoints`) is refused (a ConfigError naming the keys
+    and the fixes) unless `insecure` (security.insecure: true) says so in so many words; then it is a loud
+    warning."""
+    exposed = insecure_endpoints(curve_dir, endpoints)
+    if not exposed:
         return
-    if not config.security.insecure:
-        raise ConfigError(f"security.curve_dir: not set, and {', '.join(endpoints)} would run in the clear: anyone "
+    if not insecure:
+        raise ConfigError(f"security.curve_dir: not set, and {', '.join(exposed)} would run in the clear: anyone "
                           "who reaches these ports could take leases, forge outcomes and ack batches. Create keys "
                           "with `async-rl keys DIR --workers N` and set security.curve_dir=DIR, use ipc:// endpoints "
                           "(or auto) on one machine, or set security.insecure=true to run unauthenticated anyway")
     log.warning("UNAUTHENTICATED (security.insecure): %s without security.curve_dir: any peer that reaches these "
                 "ports can take leases, forge outcomes and ack batches (create keys with `async-rl keys DIR`; "
-                "docs/deploy.md)", ", ".join(endpoints))
+                "docs/deploy.md)", ", ".join(exposed))
 
 
-def sglang_headers(config: SGLangConfig) -> dict[str, str]:
+def sglang_headers(api_key_file: str | None) -> dict[str, str]:
     """The HTTP headers of every request to the SGLang servers: `Authorization: Bearer <key>` with a key from
-    `rollout.sglang.api_key_file` (or, without one, a non-empty SGLANG_API_KEY), else none."""
-    if config.api_key_file is not None:
-        path = Path(config.api_key_file)
+    `api_key_file` (rollout.sglang.api_key_file; or, without one, a non-empty SGLANG_API_KEY), else none."""
+    if api_key_file is not None:
+        path = Path(api_key_file)
         try:
             key = path.read_text().strip()
         except OSError as exc:

@@ -20,8 +20,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from async_rl.config import Config
-from async_rl.config_load import config_to_dict
+import msgspec
+
+from async_rl.config import WandbConfig
 from async_rl.protocol import ReplayStats
 from async_rl.ratelimit import RateLimitedLog
 
@@ -31,12 +32,21 @@ DROPPED_LOG_EVERY_S = 60.0
 GROUP_FILE = "wandb_group"
 
 
-def run_group(config: Config) -> str:
-    """The W&B group of this training run: created once, atomically, by whichever role gets there first."""
-    run_dir = config.run_dir
+class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What a role's metrics read of the run's config, built at the role's entry (a role's settings carry it)."""
+
+    run_dir: Path  # run.dir / run.name
+    name: str  # run.name (the W&B group's name starts with it)
+    wandb: WandbConfig  # wandb (the section as a whole: each of its keys is an argument of W&B's init)
+    run_config: dict[str, Any]  # the whole config as a dict (async_rl/config_load.py `config_to_dict`): W&B's config
+
+
+def run_group(run_dir: Path, name: str) -> str:
+    """The W&B group of the training run in `run_dir` named `name` (run.name): created once, atomically, by whichever
+    role gets there first."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / GROUP_FILE
-    candidate = f"{config.run.name}-{secrets.token_hex(4)}"
+    candidate = f"{name}-{secrets.token_hex(4)}"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -82,11 +92,11 @@ class RoleMetrics:
     run in the training run's group. `histograms`: keys whose values are per-bucket counts (bucket i = value i),
     logged to W&B as histograms."""
 
-    def __init__(self, config: Config, role: str, path: Path | None = None,
+    def __init__(self, settings: MetricsSettings, role: str, path: Path | None = None,
                  histograms: tuple[str, ...] = ()) -> None:
         self.role = role
         self.histograms = histograms
-        path = path if path is not None else config.run_dir / "metrics" / f"{role}.jsonl"
+        path = path if path is not None else settings.run_dir / "metrics" / f"{role}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         _drop_partial_line(path)  # a restarted (or resumed) role appends to its file
         self.path = path
@@ -94,27 +104,28 @@ class RoleMetrics:
         self.dropped = 0  # lines the disk refused
         self._dropped_log = RateLimitedLog(log, DROPPED_LOG_EVERY_S)
         self._wandb = None
-        if config.wandb.mode != "disabled":
+        wandb_config = settings.wandb
+        if wandb_config.mode != "disabled":
             import wandb  # slow to import; only when used
 
-            group = run_group(config)
+            group = run_group(settings.run_dir, settings.name)
             # This role owns its wandb-core service. A process that started one (a notebook, a test runner, a
             # launcher that logged to W&B) leaves WANDB_SERVICE in its environment, and a child would share that
             # service: a role SIGKILLed there leaves its run stream open in it, and the restarted role's init
             # fails with "run ID ... is in use" (seen: a restarted replay died at start).
             os.environ.pop("WANDB_SERVICE", None)
             wandb.init(
-                mode=config.wandb.mode,
-                project=config.wandb.project,
-                entity=config.wandb.entity,
+                mode=wandb_config.mode,
+                project=wandb_config.project,
+                entity=wandb_config.entity,
                 group=group,
                 job_type=role.split("-")[0],
                 name=role,
                 id=f"{group}-{role}",
                 resume="allow",
-                dir=str(config.run_dir),
-                config=config_to_dict(config),
-                tags=config.wandb.tags,
+                dir=str(settings.run_dir),
+                config=settings.run_config,
+                tags=wandb_config.tags,
                 settings=wandb.Settings(silent=True, console="off"),
             )
             self._wandb = wandb

@@ -45,6 +45,7 @@ from rollout.engines import SamplingParams  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.envs.base import load_factory  # noqa: E402
 from rollout.prepare import prepare_model_dir  # noqa: E402
+from rollout.settings import RolloutSettings  # noqa: E402
 
 BATCH_WAIT_S = load_config().rollout.engine_batch_wait_s  # the shipped config's
 
@@ -96,7 +97,8 @@ class _Count:
 
 
 def model_dir(out: Path, layers: int) -> Path:
-    tiny = prepare_model_dir(load_config(None, [f"run.dir={out}", "run.name=tiny", "model.max_seq_len=4096"]))
+    tiny_config = load_config(None, [f"run.dir={out}", "run.name=tiny", "model.max_seq_len=4096"])
+    tiny = prepare_model_dir(RolloutSettings.from_config(tiny_config).model_dir)
     if not layers:
         return tiny
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -96,7 +96,7 @@ def measure(overrides: list[str], row_tokens: int, rows: int, rounds: int) -> di
     device = "cuda" if cuda else "cpu"
     torch.set_num_threads(1)
     config = load_config(None, ["wandb.mode=disabled", *overrides])
-    model = build_tiny_model(config, VOCAB, 0, 1).to(device).train()
+    model = build_tiny_model(config.model, config.run.seed, VOCAB, 0, 1).to(device).train()
     dtype = torch.bfloat16 if cuda else torch.float32
     names = implementations_here(cuda)
     batches = {mix: packed_rows(low, high, row_tokens, rows).to(device)

@@ -34,6 +34,7 @@ from async_rl.config_load import load_config  # noqa: E402
 from rollout.engines import SamplingParams  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.prepare import prepare_model_dir  # noqa: E402
+from rollout.settings import RolloutSettings  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
@@ -44,7 +45,8 @@ def model_dir(out: Path, layers: int) -> Path:
     path = out / f"smollm2-shape-{layers}"
     if (path / "config.json").exists():
         return path
-    tiny = prepare_model_dir(load_config(None, [f"run.dir={out}", "run.name=tiny"]))
+    tiny_config = load_config(None, [f"run.dir={out}", "run.name=tiny"])
+    tiny = prepare_model_dir(RolloutSettings.from_config(tiny_config).model_dir)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{**SMOLLM2, "num_hidden_layers": layers})).save_pretrained(path)
     for name in tiny.iterdir():

@@ -94,11 +94,13 @@ def measure(overrides: list[str], batches: int, items_per_batch: int, mean_token
     from learner.settings import LearnerSettings
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from rollout.prepare import prepare_model_dir
+    from rollout.settings import RolloutSettings
 
     run_dir = tempfile.mkdtemp(prefix="run-", dir=OUT)  # a fresh model directory for this invocation's sizes
     config = load_config(None, [f"run.dir={run_dir}", "run.name=learner", "wandb.mode=disabled", "replay.durable=false",
                                 "algo.entropy_coef=0.01", *overrides])
-    model_dir, settings = prepare_model_dir(config), LearnerSettings.from_config(config)
+    model_dir = prepare_model_dir(RolloutSettings.from_config(config).model_dir)
+    settings = LearnerSettings.from_config(config)
     engine, reference = build_engine(settings.engine, model_dir)
     device = engine.device
     cuda = device.type == "cuda"

@@ -33,6 +33,7 @@ from async_rl.model import load_tokenizer  # noqa: E402
 from rollout.agent import EpisodeRunner  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.prepare import load_env, prepare_model_dir  # noqa: E402
+from rollout.settings import RolloutSettings  # noqa: E402
 
 
 class Count:
@@ -46,11 +47,12 @@ class Count:
         self.trajectories += judgement is not None  # judged; not those cut off when the clock runs out
 
 
-def measure(config, factory, engine, tokenizer, inflight: int, seconds: float) -> dict:
+def measure(settings: RolloutSettings, factory, engine, tokenizer, inflight: int, seconds: float) -> dict:
     sink = Count()
-    runner = EpisodeRunner.from_config(config, factory, engine, tokenizer, sink, max_inflight=inflight)
+    runner = EpisodeRunner.from_settings(settings.runner, settings.env.name, factory, engine, tokenizer, sink,
+                                         max_inflight=inflight)
     tasks = factory.tasks("train")
-    group = config.rollout.group_size
+    group = settings.worker.group_size
     started, n = time.monotonic(), 0
     with torch.inference_mode():
         while time.monotonic() - started < seconds:
@@ -83,14 +85,15 @@ def main() -> int:
     out = OUT_DIR / "inflight"
     wait = [] if args.engine_batch_wait_s is None else [f"rollout.engine_batch_wait_s={args.engine_batch_wait_s}"]
     config = load_config(None, [f"run.dir={out}", "run.name=model", f"env.kwargs.step_latency_s={args.latency}", *wait])
-    factory = load_env(config)
-    model_dir = prepare_model_dir(config, factory)
+    settings = RolloutSettings.from_config(config)
+    factory = load_env(settings.env)
+    model_dir = prepare_model_dir(settings.model_dir, factory)
     tokenizer = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, seed=0)
     results: dict[int, list[dict]] = {v: [] for v in variants}
     for _ in range(rounds):
         for inflight in variants:
-            results[inflight].append(measure(config, factory, engine, tokenizer, inflight, seconds))
+            results[inflight].append(measure(settings, factory, engine, tokenizer, inflight, seconds))
     median = {v: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for v, runs in results.items()}
     base = median[variants[0]]["trajectories_per_s"]
     columns = ["max_inflight", "trajectories/s", "× 16 in flight", "stages/s", "engine calls/s", "rows per call"]

@@ -98,6 +98,7 @@ def arm(args: argparse.Namespace) -> dict:
     from learner.settings import LearnerSettings
     from learner.step import train_on_items
     from rollout.prepare import prepare_model_dir
+    from rollout.settings import RolloutSettings
 
     imported = rss_mib()
     run_dir = tempfile.mkdtemp(prefix="lora-bench-")
@@ -108,7 +109,7 @@ def arm(args: argparse.Namespace) -> dict:
                  *(QUICK_MODEL if args.model is None else [f"model.path={args.model}"]), *args.set]
     config = load_config(None, overrides)
     settings = LearnerSettings.from_config(config)
-    engine, reference = build_engine(settings.engine, prepare_model_dir(config))
+    engine, reference = build_engine(settings.engine, prepare_model_dir(RolloutSettings.from_config(config).model_dir))
     parameters = sum(p.numel() for p in engine.module.parameters())
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     data = batches(engine.module.config.vocab_size, args.warmup + args.steps, args.items, args.item_tokens)

@@ -47,12 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import OUT_DIR, REPO, emit, machine, markdown_table, pinned_env, print_table  # noqa: E402
 
-from async_rl.config import SGLangConfig  # noqa: E402
+from async_rl.config import Config, RolloutConfig, SGLangConfig  # noqa: E402
 from async_rl.config_load import load_config  # noqa: E402
 from async_rl.model import ensure_model_dir, load_model  # noqa: E402
 from async_rl.weights.hf_dir import write_hf_dir  # noqa: E402
 from rollout.engines import EngineStopped, SamplingParams  # noqa: E402
 from rollout.engines.sglang import SGLangEngine  # noqa: E402
+from rollout.settings import RolloutSettings  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 12, 13, 14, 15, 16, 17, 18], [1, 20, 21], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -112,7 +113,8 @@ def measure(url: str, paths: list[Path], partial: bool, every_s: float, seconds:
     httpx.post(url + "/update_weights_from_disk", timeout=120,
                json={"model_path": str(paths[0]), "weight_version": "0"}).raise_for_status()
     stop = threading.Event()  # a batch unfinished at twice the deadline (discard can livelock) is given up
-    engine = SGLangEngine(SGLangConfig(urls=[url], request_timeout_s=120.0, partial_rollouts=partial), stop)
+    sglang = SGLangConfig(urls=[url], request_timeout_s=120.0, partial_rollouts=partial)
+    engine = SGLangEngine(RolloutSettings.from_config(Config(rollout=RolloutConfig(sglang=sglang))).engine.sglang, stop)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
     updater = Updater(url, paths, every_s)
@@ -177,7 +179,8 @@ def main() -> int:
     out = OUT_DIR / "sglang_interrupt"
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
-    model_dir = args.model_dir or ensure_model_dir(load_config(None, [f"run.dir={out}", "run.name=base"]))
+    base = load_config(None, [f"run.dir={out}", "run.name=base"])
+    model_dir = args.model_dir or ensure_model_dir(base.model, base.run_dir, base.run.seed)
     model_b = load_model(model_dir)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)

@@ -168,6 +168,7 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     from learner.step import layout_metrics, rank_micro_batches, train_on_items
     from replay.server import build_service
     from rollout.prepare import prepare_model_dir
+    from rollout.settings import RolloutSettings
 
     torch.set_num_threads(1)
     config = base_config("learner", overrides)
@@ -180,7 +181,8 @@ def measure_learner(num_batches: int, rounds: int, overrides: list[str] = ()) ->
     packed_slots = sum(t.tokens.numel() for micro in tensors for t in micro)
     padded_slots = sum(collate(items).tokens.numel() for items in batches)
 
-    model_dir = prepare_model_dir(config)  # the learner waits for the rollout side to build it
+    # the learner waits for the rollout side to build it
+    model_dir = prepare_model_dir(RolloutSettings.from_config(config).model_dir)
     engine, reference = build_engine(settings.engine, model_dir)
     padded_engine, _ = build_engine(padded.engine, model_dir)
     attention = engine.module.config._attn_implementation  # learner.attention resolved (learner/attention.py)

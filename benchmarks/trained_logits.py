@@ -76,7 +76,7 @@ def measure(shape: str, row_tokens: int, trained_share: float, rounds: int) -> d
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = load_config(None, ["wandb.mode=disabled", *SHAPES[shape]])
-    model = build_tiny_model(config, VOCAB, 0, 1).to(device).train()
+    model = build_tiny_model(config.model, config.run.seed, VOCAB, 0, 1).to(device).train()
     batch = agent_row(row_tokens, trained_share, seed=0).to(device)
 
     def full(model, batch, temperature):  # noqa: ANN001, ANN202 - the path before learner/logits.py

@@ -53,7 +53,7 @@ class Model:
         self.settings = self.factory.settings
         self.tokenizer = word_tokenizer(self.factory.vocabulary())
         tok = self.tokenizer
-        self.net = build_tiny_model(config, len(tok), tok.pad_token_id, tok.eos_token_id)
+        self.net = build_tiny_model(config.model, config.run.seed, len(tok), tok.pad_token_id, tok.eos_token_id)
         self.optimizer = torch.optim.AdamW(
             self.net.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay
         )

@@ -6,7 +6,7 @@ it, take a step). Both learn the same single-stage trap task from the same start
   task    env.kwargs.stages=1 env.kwargs.traps=0 env.kwargs.retries=0: the prompt is `task7 stage1`, the completion
           is one token, and
           the reward is the trap environment's outcome (1.0 if the token is the task's code symbol, else 0);
-  model   the very directory `prepare_model_dir(config)` builds (word-level tokenizer + tiny Llama, random init,
+  model   the very directory `prepare_model_dir` builds (word-level tokenizer + tiny Llama, random init,
           seeded by run.seed), loaded by both;
   update  group size 16 (TRL num_generations), learning rate 5e-4, AdamW without weight decay, gradient clip 1.0,
           constant schedule, no KL, temperature 1, 64 samples per TRL step (4 prompts x 16);
@@ -62,9 +62,10 @@ def build_model(seed: int) -> Path:
     """One model directory per seed, shared by both systems (async-rl gets it as model.path)."""
     from async_rl.config_load import load_config
     from rollout.prepare import prepare_model_dir
+    from rollout.settings import RolloutSettings
 
     config = load_config(None, TASK + [f"run.seed={seed}", f"run.dir={OUT}", f"run.name=model-seed{seed}"])
-    return prepare_model_dir(config)
+    return prepare_model_dir(RolloutSettings.from_config(config).model_dir)
 
 
 def child_env() -> dict[str, str]:

@@ -20,7 +20,7 @@ def preflight(config: Config, resume: bool = False) -> None:
     _check_devices(config)
     workers = [worker_identity(i) for i in range(config.rollout.workers)]
     for identity in ("replay", "learner", *workers):  # security.curve_dir: every key is there (all roles run here)
-        load_keys(config, identity)
+        load_keys(config.security.curve_dir, identity)
     if not resume:
         _check_run_dir_creatable(fresh_run_dir(config).run_dir)
 

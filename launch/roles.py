@@ -86,7 +86,9 @@ def run_in_process(command: str, name: str, config: Config, entry: Callable[[], 
         if command in ("train", "replay", "learner", "rollout"):
             from async_rl.security import check_transport
 
-            check_transport(config)  # TCP without CURVE: refused unless security.insecure says so
+            # TCP without CURVE: refused unless security.insecure says so
+            check_transport(config.security.curve_dir, config.security.insecure,
+                            (config.replay.endpoint, config.learner.publish_endpoint))
         if command not in NO_TORCH:
             import torch
 

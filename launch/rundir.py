@@ -74,7 +74,8 @@ def keys_for_loopback(config: Config) -> Config:
     """A fresh run whose `auto` endpoint fell back to a loopback TCP port (a run directory path too long for a Unix
     socket) would be refused there in the clear (async_rl/security.py `check_transport`): it gets CURVE keys of its
     own in `<run dir>/curve`, a pair per worker, readable by this user only."""
-    if not insecure_endpoints(config) or config.security.insecure:
+    exposed = insecure_endpoints(config.security.curve_dir, (config.replay.endpoint, config.learner.publish_endpoint))
+    if not exposed or config.security.insecure:
         return config
     directory = config.run_dir / "curve"
     try:
@@ -83,7 +84,7 @@ def keys_for_loopback(config: Config) -> Config:
     except OSError as exc:
         raise ConfigError(f"run.dir: cannot write the run's CURVE keys in {directory}: {exc}") from None
     log.info("%s is loopback TCP: the run's sockets use CURVE keys in %s",
-             ", ".join(insecure_endpoints(config)), directory)
+             ", ".join(exposed), directory)
     return msgspec.structs.replace(config, security=msgspec.structs.replace(config.security, curve_dir=str(directory)))
 
 

@@ -15,6 +15,8 @@ from typing import Literal
 import msgspec
 
 from async_rl.config import AlgoConfig, Config
+from async_rl.config_load import config_to_dict
+from async_rl.telemetry import MetricsSettings
 
 
 class LayoutSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +138,7 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
     publisher: PublisherSettings
     checkpoints: CheckpointSettings
     stop: StopSettings
+    metrics: MetricsSettings  # the metrics file and W&B (async_rl/telemetry.py), with the run's config to record
 
     @classmethod
     def from_config(cls, config: Config) -> LearnerSettings:
@@ -175,6 +178,8 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
             stop=StopSettings(max_versions=run.max_versions, max_env_steps=run.max_env_steps,
                               target_success=run.target_success, max_wall_s=run.max_wall_s,
                               long_success_window=config.replay.long_success_window),
+            metrics=MetricsSettings(run_dir=config.run_dir, name=run.name, wandb=config.wandb,
+                                    run_config=config_to_dict(config)),
         )
 
     def for_sft(self) -> LearnerSettings:
@@ -183,5 +188,7 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
         mean)."""
         loss = msgspec.structs.replace(self.step.loss, kl_beta=0.0, ppo_epochs=1, entropy_coef=0.0,
                                        aggregation="token-mean")
+        run_config = {**self.metrics.run_config, "algo": msgspec.to_builtins(loss)}  # what W&B records of the run
         return msgspec.structs.replace(self, engine=msgspec.structs.replace(self.engine, kl_beta=0.0),
-                                       step=msgspec.structs.replace(self.step, ppo_epochs=1, loss=loss))
+                                       step=msgspec.structs.replace(self.step, ppo_epochs=1, loss=loss),
+                                       metrics=msgspec.structs.replace(self.metrics, run_config=run_config))

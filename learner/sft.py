@@ -101,10 +101,9 @@ def run_sft(config: Config, model_dir: Path, plan: SftPlan) -> dict[str, Any]:
     planned = batches(items, settings.batch_tokens, plan.epochs, settings.seed)[: plan.max_steps]
     log.info("warm start: %d conversation(s) (%d skipped, longer than %d tokens), %d step(s) over %d epoch(s)",
              len(items), skipped, settings.max_seq_len, len(planned), plan.epochs)
-    engine, _ = build_engine(settings.engine, wait_for_model_dir(config))
+    engine, _ = build_engine(settings.engine, wait_for_model_dir(config.model.path, config.run_dir))
     checkpoints = settings.checkpoints
-    trained_under = msgspec.structs.replace(config, algo=settings.step.loss)  # what W&B records of the run
-    metrics = RoleMetrics(trained_under, "sft", path=settings.run_dir / "metrics.jsonl") if rank() == 0 else None
+    metrics = RoleMetrics(settings.metrics, "sft", path=settings.run_dir / "metrics.jsonl") if rank() == 0 else None
     started, step = time.time(), 0
     try:
         if plan.resume:

@@ -95,9 +95,11 @@ def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
     started = float(os.environ.get("ASYNC_RL_RUN_START", time.time()))
     settings = LearnerSettings.from_config(config)
     outside = Outside(
-        model_dir=lambda: wait_for_model_dir(config), keys=lambda: load_keys(config, "learner"),
-        metrics=lambda: RoleMetrics(config, "learner", path=settings.run_dir / METRICS_FILE, histograms=HISTOGRAMS),
-        sglang_headers=lambda: sglang_headers(config.rollout.sglang))
+        model_dir=lambda: wait_for_model_dir(config.model.path, config.run_dir),
+        keys=lambda: load_keys(config.security.curve_dir, "learner"),
+        metrics=lambda: RoleMetrics(settings.metrics, "learner", path=settings.run_dir / METRICS_FILE,
+                                    histograms=HISTOGRAMS),
+        sglang_headers=lambda: sglang_headers(config.rollout.sglang.api_key_file))
     with stop_on_signals(stop) as request:  # a signal finishes the current step, then stops
         summary = _train(settings, outside, request, started)
     # With several ranks at ZeRO-3, a rank that exits while the engine's threads still hold the process group

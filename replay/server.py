@@ -14,10 +14,11 @@ from collections.abc import Callable
 import zmq
 
 from async_rl.config import Config
+from async_rl.config_load import config_to_dict
 from async_rl.protocol import AnyMessage, Error, decode, encode
 from async_rl.security import load_keys
 from async_rl.signals import stop_on_signals
-from async_rl.telemetry import RoleMetrics
+from async_rl.telemetry import MetricsSettings, RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
 from replay.log_format import Entry, Received, Refused, Started, Ticked, Undecodable
 from replay.service import ReplayService, Reply
@@ -53,10 +54,12 @@ def build_service(config: Config) -> ReplayService:
 def _serve_until_stopped(config: Config, service: ReplayService, stop: threading.Event) -> None:
     wal, clock = open_log(config, service)
     context = zmq.Context()
-    metrics = RoleMetrics(config, "replay", histograms=("queue_staleness_hist",))
+    metrics = RoleMetrics(MetricsSettings(run_dir=config.run_dir, name=config.run.name, wandb=config.wandb,
+                                          run_config=config_to_dict(config)),
+                          "replay", histograms=("queue_staleness_hist",))
     try:
         socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes,
-                             load_keys(config, "replay"))
+                             load_keys(config.security.curve_dir, "replay"))
         try:
             service.start_epoch(service.epoch + 1 if wal is not None else _volatile_epoch(), clock())
             if wal is None or start_log(wal, service, clock, stop):

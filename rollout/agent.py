@@ -37,11 +37,9 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from async_rl.config import Config
 from async_rl.errors import ConfigError
 from rollout.engine_calls import EngineCalls
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
@@ -74,6 +72,7 @@ from rollout.plugin_calls import (
 )
 from rollout.prompting import Prompter, blinded
 from rollout.runner_stats import RunnerStats
+from rollout.settings import RunnerSettings
 from rollout.tool_parser import get_parser, tool_names
 
 log = logging.getLogger("async_rl.rollout")
@@ -85,7 +84,8 @@ NO_ROOM_STREAK_LIMIT = 64
 DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
 BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
 
-def sampling_params(rollout: Any, factory: EnvFactory, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
+def sampling_params(rollout: RunnerSettings, factory: EnvFactory,
+                    tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
     """The turn's sampling settings: `rollout.*`, with the env's suggested action budget when none is set."""
     max_new_tokens = rollout.max_new_tokens or optional(factory, "max_action_tokens") or DEFAULT_MAX_ACTION_TOKENS
     return SamplingParams(
@@ -150,9 +150,10 @@ class EpisodeRunner:
                  step_timeout_s=step_timeout_s)
 
     @classmethod
-    def from_config(
+    def from_settings(
         cls,
-        config: Config,
+        settings: RunnerSettings,
+        env_name: str,
         factory: EnvFactory,
         engine: InferenceEngine | EngineThread,
         tokenizer: PreTrainedTokenizerBase,
@@ -161,24 +162,25 @@ class EpisodeRunner:
         max_inflight: int | None = None,
         blind: bool = False,
     ) -> EpisodeRunner:
-        """The runner `env.name`, `model.max_seq_len` and `rollout.*` describe, for a worker's training and an
-        evaluation alike: sampling as `sampling_params` says (unless `params` is given), the env call limits of
-        `call_limits`, `rollout.tool_parser`, and `rollout.max_inflight` trajectories (unless `max_inflight`)."""
-        step_timeout_s, judge_timeout_s = call_limits(config.rollout, factory)
+        """The runner `settings` (`model.max_seq_len` and `rollout.*`) describe for the env `env_name` (env.name),
+        for a worker's training and an evaluation alike: sampling as `sampling_params` says (unless `params` is
+        given), the env call limits of `call_limits`, `rollout.tool_parser`, and `rollout.max_inflight` trajectories
+        (unless `max_inflight`)."""
+        step_timeout_s, judge_timeout_s = call_limits(settings, factory)
         return cls(
-            config.env.name,
+            env_name,
             factory,
             engine,
             tokenizer,
-            params if params is not None else sampling_params(config.rollout, factory, tokenizer),
-            config.model.max_seq_len,
+            params if params is not None else sampling_params(settings, factory, tokenizer),
+            settings.max_seq_len,
             sink,
-            max_inflight if max_inflight is not None else config.rollout.max_inflight,
+            max_inflight if max_inflight is not None else settings.max_inflight,
             blind=blind,
             step_timeout_s=step_timeout_s,
             judge_timeout_s=judge_timeout_s,
-            tool_parser=config.rollout.tool_parser,
-            batch_wait_s=config.rollout.engine_batch_wait_s,
+            tool_parser=settings.tool_parser,
+            batch_wait_s=settings.engine_batch_wait_s,
         )
 
     # --- what the owner asks --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks, close_factory
 from rollout.episode import Episode
 from rollout.prepare import load_env, prepare_model_dir
+from rollout.settings import EvalSettings, RolloutSettings
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -59,7 +60,8 @@ class TallySink:
 
 
 def evaluate_policy(
-    config: Config,
+    settings: EvalSettings,
+    env_name: str,
     factory: EnvFactory,
     engine: InferenceEngine | EngineThread,
     tokenizer: Any,
@@ -68,14 +70,16 @@ def evaluate_policy(
     blind: bool = False,
     service: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """Run `samples_per_task` episodes of every eval task (at most `run.eval_max_tasks`) with the engine's current
-    weights (a worker passes the EngineThread it trains with: the calls queue on one thread), sampled with `params`
-    (default: as `rollout.*` says); `service` is called between rounds (a training worker keeps its leases alive)."""
-    samples = samples_per_task or max(1, config.run.eval_samples_per_task)
-    tasks: list[Task] = checked_tasks(config.env.name, factory, "eval")[: config.run.eval_max_tasks]
+    """Run `samples_per_task` episodes of every eval task of the env `env_name` (at most `run.eval_max_tasks`) with
+    the engine's current weights (a worker passes the EngineThread it trains with: the calls queue on one thread),
+    sampled with `params` (default: as `rollout.*` says); `service` is called between rounds (a training worker keeps
+    its leases alive)."""
+    samples = samples_per_task or max(1, settings.eval_samples_per_task)
+    tasks: list[Task] = checked_tasks(env_name, factory, "eval")[: settings.eval_max_tasks]
     sink = TallySink()
-    inflight = max(config.rollout.max_inflight, samples)
-    runner = EpisodeRunner.from_config(config, factory, engine, tokenizer, sink, params, inflight, blind)
+    inflight = max(settings.runner.max_inflight, samples)
+    runner = EpisodeRunner.from_settings(settings.runner, env_name, factory, engine, tokenizer, sink, params, inflight,
+                                         blind)
     pending = list(enumerate(tasks))
     try:
         with torch.inference_mode():
@@ -123,22 +127,25 @@ def summarize(sink: TallySink, tasks: list[Task], samples: int, version: int, bl
 
 
 def evaluate(config: Config, samples_per_task: int = 16, seed: int = 12345, blind: bool = False) -> dict[str, Any]:
-    """The run's latest published weights (version 0 if none) on every eval task."""
-    factory = load_env(config)
+    """The run's latest published weights (version 0 if none) on every eval task (the entry of `async-rl
+    evaluate`: the components' settings are read from the config here)."""
+    settings = RolloutSettings.from_config(config)
+    factory = load_env(settings.env)
     if not config.model.path and not (config.run_dir / "model" / "config.json").exists():
         raise AsyncRLError(f"no run at {config.run_dir} (no model directory): evaluate a run that exists "
                            "(set run.dir / run.name, or --config <run_dir>/config.yaml)")
-    model_dir = prepare_model_dir(config, factory)
+    model_dir = prepare_model_dir(settings.model_dir, factory)
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout),
-                         cache_mib=config.rollout.prefix_cache_mib)
+    engine = TorchEngine(model_dir, seed=seed, device=configured_device(settings.engine.device),
+                         cache_mib=settings.engine.prefix_cache_mib)
     version, path = latest_weights(config.run_dir)
     if path is not None:
         engine.update_weights(version, str(path))
     try:
-        result = evaluate_policy(config, factory, engine, tokenizer, None, samples_per_task, blind)
+        result = evaluate_policy(settings.eval, settings.env.name, factory, engine, tokenizer, None, samples_per_task,
+                                 blind)
     finally:
         engine.close()
-        close_factory(config.env.name, factory)
+        close_factory(settings.env.name, factory)
     log.info("evaluation of version %d: %s", version, result)
     return result

@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout.settings import RunnerSettings
 
 DEFAULT_STEP_TIMEOUT_S = 300.0  # reset and step (a tool call), when neither rollout.step_timeout_s nor the env says
 DEFAULT_JUDGE_TIMEOUT_S = 900.0  # judge, when neither rollout.judge_timeout_s nor the env says
 
 
-def call_limits(rollout: Any, factory: Any) -> tuple[float, float]:
+def call_limits(rollout: RunnerSettings, factory: Any) -> tuple[float, float]:
     """(step, judge) time limits in seconds: `rollout.step_timeout_s` / `rollout.judge_timeout_s` when set, else the
     factory's optional `step_timeout_s` / `judge_timeout_s`, else the defaults above."""
 

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from async_rl.config import Config
 from async_rl.model import ensure_model_dir
 from rollout.envs.base import EnvFactory, load_factory, vocabulary_of
+from rollout.settings import EnvSettings, ModelDirSettings
 
 
-def load_env(config: Config) -> EnvFactory:
-    return load_factory(config.env.name, config.env.kwargs)
+def load_env(env: EnvSettings) -> EnvFactory:
+    return load_factory(env.name, env.kwargs)
 
 
-def prepare_model_dir(config: Config, factory: EnvFactory | None = None) -> Path:
+def prepare_model_dir(settings: ModelDirSettings, factory: EnvFactory | None = None) -> Path:
     """The model directory, built for the environment's vocabulary when the tiny model is used."""
-    if config.model.path:
-        return ensure_model_dir(config)
-    factory = factory if factory is not None else load_env(config)
-    return ensure_model_dir(config, vocabulary_of(config.env.name, factory))
+    if settings.model.path:
+        return ensure_model_dir(settings.model, settings.run_dir, settings.seed)
+    factory = factory if factory is not None else load_env(settings.env)
+    return ensure_model_dir(settings.model, settings.run_dir, settings.seed, vocabulary_of(settings.env.name, factory))

@@ -61,6 +61,7 @@ from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
 from rollout.prepare import load_env, prepare_model_dir
 from rollout.sandbox import isolation_counts
+from rollout.settings import EngineSettings, EvalSettings, RolloutSettings
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -131,13 +132,14 @@ class ReplaySink:
         )
 
 
-def make_engine(config: Config, model_dir: Path, seed: int, stop: threading.Event | None = None) -> InferenceEngine:
-    if config.rollout.engine == "sglang":
+def make_engine(settings: EngineSettings, model_dir: Path, seed: int,
+                stop: threading.Event | None = None) -> InferenceEngine:
+    if settings.engine == "sglang":
         from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
 
-        return SGLangEngine(config.rollout.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
-    return TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout), stop=stop,
-                       cache_mib=config.rollout.prefix_cache_mib)
+        return SGLangEngine(settings.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
+    return TorchEngine(model_dir, seed=seed, device=configured_device(settings.device), stop=stop,
+                       cache_mib=settings.prefix_cache_mib)
 
 
 class WeightsFollower:
@@ -227,20 +229,22 @@ def published_files(weights_dir: Path, below: int | None) -> list[tuple[int, Pat
 
 
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:
-    """Run rollout worker `rollout-<worker_index>` until `stop` is set (or SIGTERM/SIGINT in the main thread)."""
+    """Run rollout worker `rollout-<worker_index>` until `stop` is set (or SIGTERM/SIGINT in the main thread). The
+    role's entry: the components' settings are read from the config here."""
+    settings = RolloutSettings.from_config(config)
     with stop_on_signals(stop) as request:
-        _run_until_stopped(config, worker_index, request.event)
+        _run_until_stopped(settings, worker_index, request.event)
 
 
-def _run_until_stopped(config: Config, worker_index: int, stop: threading.Event) -> None:
-    torch.set_num_threads(config.run.threads_per_process)
+def _run_until_stopped(settings: RolloutSettings, worker_index: int, stop: threading.Event) -> None:
+    torch.set_num_threads(settings.worker.threads_per_process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    worker = _Worker(config, worker_index, stop)
+    worker = _Worker(settings, worker_index, stop)
     try:
         worker.loop()
     except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
         log.error("%s stops: %s", worker.worker_id, exc)
-        _deliver_unacked(worker.link, config.rollout.ack_timeout_s)
+        _deliver_unacked(worker.link, settings.worker.ack_timeout_s)
         raise
     except EngineStopped:  # stopped while the engine waited on its servers: as below
         _deliver_unacked(worker.link, STOP_DRAIN_S)
@@ -251,45 +255,46 @@ def _run_until_stopped(config: Config, worker_index: int, stop: threading.Event)
 
 
 class _Worker:
-    """One worker's parts (env, engine, sockets, runner, metrics) and its loop."""
+    """One worker's parts (env, engine, sockets, runner, metrics) and its loop; each part gets its own settings."""
 
-    def __init__(self, config: Config, worker_index: int, stop: threading.Event) -> None:
-        self.config, self.stop = config, stop
+    def __init__(self, settings: RolloutSettings, worker_index: int, stop: threading.Event) -> None:
+        self.settings, self.stop = settings, stop
+        self.env_name, worker = settings.env.name, settings.worker
         self.worker_id = worker_id = f"rollout-{worker_index}"
-        self.factory = load_env(config)
-        tasks = checked_tasks(config.env.name, self.factory, "train")
-        self.train_tasks = TaskSampler(tasks, seed=config.env.seed * 1000 + worker_index)
-        model_dir = prepare_model_dir(config, self.factory)
+        self.factory = load_env(settings.env)
+        tasks = checked_tasks(self.env_name, self.factory, "train")
+        self.train_tasks = TaskSampler(tasks, seed=settings.env.seed * 1000 + worker_index)
+        model_dir = prepare_model_dir(settings.model_dir, self.factory)
         self.tokenizer = load_tokenizer(model_dir)
-        seed = config.run.seed * 1000 + worker_index
-        self.engine = EngineThread(make_engine(config, model_dir, seed=seed, stop=stop))
+        seed = worker.seed * 1000 + worker_index
+        self.engine = EngineThread(make_engine(settings.engine, model_dir, seed=seed, stop=stop))
         self.context = zmq.Context()
-        curve = load_keys(config, worker_id)  # its own key: the replay holds it to this worker id and its leases
-        self.dealer = connect_dealer(self.context, config.replay.endpoint, worker_id, curve)
-        self.subscriber = connect_subscriber(self.context, config.learner.publish_endpoint, curve)
-        self.journal = AckJournal(journal_path(config.run_dir, worker_id))
-        self.link = ReplayLink(self.dealer, worker_id, config.rollout.ack_timeout_s, config.rollout.heartbeat_s,
-                               self.journal)
-        self.weights = WeightsFollower(self.subscriber, self.engine, config.run_dir)
+        curve = load_keys(worker.curve_dir, worker_id)  # its own key: the replay holds it to this worker id and leases
+        self.dealer = connect_dealer(self.context, worker.endpoint, worker_id, curve)
+        self.subscriber = connect_subscriber(self.context, worker.publish_endpoint, curve)
+        self.journal = AckJournal(journal_path(worker.run_dir, worker_id))
+        self.link = ReplayLink(self.dealer, worker_id, worker.ack_timeout_s, worker.heartbeat_s, self.journal)
+        self.weights = WeightsFollower(self.subscriber, self.engine, worker.run_dir)
         sink = ReplaySink(worker_id, self.link.send_reliably, self.link.next_msg_id)
-        self.runner = EpisodeRunner.from_config(config, self.factory, self.engine, self.tokenizer, sink)
-        self.eval_every = config.run.eval_every if worker_index == 0 else 0
-        self.metrics = RoleMetrics(config, worker_id)
-        log.info("%s up: env %s, engine %s at version %d, %d in flight at most, replay %s", worker_id, config.env.name,
-                 config.rollout.engine, self.engine.version, config.rollout.max_inflight, config.replay.endpoint)
+        self.runner = EpisodeRunner.from_settings(settings.runner, self.env_name, self.factory, self.engine,
+                                                  self.tokenizer, sink)
+        self.eval_every = settings.eval.eval_every if worker_index == 0 else 0
+        self.metrics = RoleMetrics(settings.metrics, worker_id)
+        log.info("%s up: env %s, engine %s at version %d, %d in flight at most, replay %s", worker_id, self.env_name,
+                 settings.engine.engine, self.engine.version, worker.max_inflight, worker.endpoint)
 
     def loop(self) -> None:
-        config, link, runner, engine = self.config, self.link, self.runner, self.engine
-        next_metrics_at = time.monotonic() + config.run.metrics_every_s
+        worker, link, runner, engine = self.settings.worker, self.link, self.runner, self.engine
+        next_metrics_at = time.monotonic() + worker.metrics_every_s
         next_request_at = 0.0
         next_eval = self.eval_every
         held_replies: list[LeaseGrant | LeaseDenied] = []  # lease replies that arrived while an evaluation ran
         while not self.stop.is_set():
             now = time.monotonic()
             if now >= next_metrics_at:
-                next_metrics_at = now + config.run.metrics_every_s
+                next_metrics_at = now + worker.metrics_every_s
                 self.write_metrics()
-            if link.lease_request is None and now >= next_request_at and runner.room_for(config.rollout.group_size):
+            if link.lease_request is None and now >= next_request_at and runner.room_for(worker.group_size):
                 link.request_lease()
             busy = not runner.idle()
             for reply in held_replies + link.handle_replies(0.0 if busy else IDLE_POLL_S):
@@ -302,8 +307,8 @@ class _Worker:
                 # On the grid of multiples of eval_every: a version that arrived late (the learner published two
                 # while this worker was busy) does not shift every later evaluation.
                 next_eval = (engine.version // self.eval_every + 1) * self.eval_every
-                held_replies = _evaluate_now(config, self.factory, engine, self.tokenizer, link, runner,
-                                             self.worker_id)
+                held_replies = _evaluate_now(self.settings.eval, self.env_name, self.factory, engine,
+                                             self.tokenizer, link, runner, self.worker_id)
 
     def _answered(self, reply: LeaseGrant | LeaseDenied) -> float:
         """A lease reply: a granted group starts (a task drawn for it); returns when to ask for the next lease."""
@@ -326,7 +331,7 @@ class _Worker:
                     bad_messages=link.inbox.bad + self.weights.inbox.bad,  # malformed or unexpected, not acted on
                     ack_journal_dropped=self.journal.dropped, duplicate_lease_replies=link.duplicate_lease_replies,
                     **isolation_counts(),  # agent code run by this worker, and how much of it without namespaces
-                    **env_metrics(self.config.env.name, self.factory),  # the env's own counts (agent_*)
+                    **env_metrics(self.env_name, self.factory),  # the env's own counts (agent_*)
                     **{f"rejected_{code}": n for code, n in link.rejected.items()})
         self.metrics.write(line)
 
@@ -337,7 +342,7 @@ class _Worker:
         self.runner.close()
         self.engine.close()
         self.engine.engine.close()
-        close_factory(self.config.env.name, self.factory)  # e.g. the tasks env's MCP server
+        close_factory(self.env_name, self.factory)  # e.g. the tasks env's MCP server
         self.dealer.close(linger=0)
         self.subscriber.close(linger=0)
         self.context.term()
@@ -345,8 +350,8 @@ class _Worker:
                  self.link.resends, self.runner.env_errors)
 
 
-def _evaluate_now(config: Config, factory, engine: EngineThread, tokenizer, link: ReplayLink, runner: EpisodeRunner,
-                  worker_id: str) -> list[LeaseGrant | LeaseDenied]:
+def _evaluate_now(settings: EvalSettings, env_name: str, factory, engine: EngineThread, tokenizer, link: ReplayLink,
+                  runner: EpisodeRunner, worker_id: str) -> list[LeaseGrant | LeaseDenied]:
     """Evaluate the loaded weights on the eval split and report it. Training episodes make no engine call
     meanwhile, but their steps and judgements go on and are delivered; leases stay alive."""
     held: list[LeaseGrant | LeaseDenied] = []
@@ -358,7 +363,7 @@ def _evaluate_now(config: Config, factory, engine: EngineThread, tokenizer, link
 
     version = engine.version
     started = time.monotonic()
-    metrics = evaluate_policy(config, factory, engine, tokenizer, runner.params, service=keep_leases)
+    metrics = evaluate_policy(settings, env_name, factory, engine, tokenizer, runner.params, service=keep_leases)
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     metrics["eval_s"] = time.monotonic() - started
     link.send_reliably(EvalReport(worker_id=worker_id, msg_id=link.next_msg_id(), policy_version=version,

@@ -115,8 +115,9 @@ def pool(tmp_path_factory) -> Pool:
     tests that use them `xdist_group("sglang")` so that one worker starts them). A server venv that cannot be built
     fails them under CI (env CI=true: a skip would hide that no SGLang test ran) and skips them elsewhere, naming
     why (tests/test_sglang_env.py)."""
+    from rollout_helpers import model_dir_for
+
     from async_rl.config_load import load_config
-    from rollout.prepare import prepare_model_dir
 
     venv, reason = build_venv()
     if venv is None:
@@ -125,7 +126,7 @@ def pool(tmp_path_factory) -> Pool:
                         f"run: {reason}", pytrace=False)
         pytest.skip(f"no SGLang server environment: {reason}")
     root = tmp_path_factory.mktemp("sglang")
-    model_dir = prepare_model_dir(load_config(None, [f"run.dir={root}", "run.name=base"]))
+    model_dir = model_dir_for(load_config(None, [f"run.dir={root}", "run.name=base"]))
     servers = Pool(venv, model_dir, root)
     yield servers
     stops = [threading.Thread(target=server.stop) for server in servers.servers]

@@ -19,7 +19,8 @@ from learner.step import aggregate_denominator, share_scale, train_on_micro_batc
 
 def engine_for(config: Config) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module | None]:
     """`build_engine` as the learner's entry calls it: the config's engine settings, its model directory."""
-    return build_engine(LearnerSettings.from_config(config).engine, wait_for_model_dir(config))
+    model_dir = wait_for_model_dir(config.model.path, config.run_dir)
+    return build_engine(LearnerSettings.from_config(config).engine, model_dir)
 
 
 def rank_share(items: list[TrainItem], rank: int, world_size: int, step: StepSettings) -> tuple[TrainBatch, float]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from rollout_helpers import settings_of
+
 from async_rl.config_load import load_config
 from async_rl.model import byte_tokenizer
 from rollout.agent import Prompter, sampling_params
@@ -50,13 +52,13 @@ def test_a_chat_template_wraps_observations_as_user_turns():
 
 
 def test_the_action_budget_comes_from_the_config_or_the_env():
-    config = load_config(None, [])
+    runner = settings_of(load_config(None, [])).runner
     tokenizer = byte_tokenizer()
-    assert sampling_params(config.rollout, trap_factory(), tokenizer).max_new_tokens == 1
-    assert sampling_params(config.rollout, hunt_factory(), tokenizer).max_new_tokens == 2
-    assert sampling_params(config.rollout, object(), tokenizer).max_new_tokens == 256  # type: ignore[arg-type]
-    config = load_config(None, ["rollout.max_new_tokens=7", "rollout.stop=['</tool>']"])
-    params = sampling_params(config.rollout, hunt_factory(), tokenizer)
+    assert sampling_params(runner, trap_factory(), tokenizer).max_new_tokens == 1
+    assert sampling_params(runner, hunt_factory(), tokenizer).max_new_tokens == 2
+    assert sampling_params(runner, object(), tokenizer).max_new_tokens == 256  # type: ignore[arg-type]
+    runner = settings_of(load_config(None, ["rollout.max_new_tokens=7", "rollout.stop=['</tool>']"])).runner
+    params = sampling_params(runner, hunt_factory(), tokenizer)
     assert params.max_new_tokens == 7 and params.stop == ["</tool>"] and params.stop_token_ids == [1]
 
 

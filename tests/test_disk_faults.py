@@ -19,14 +19,15 @@ import torch
 import zmq
 from disk_helpers import fill
 from learner_helpers import engine_for
+from rollout_helpers import model_dir_for
 from test_learner import LearnerRun
 from test_learner import make_config as learner_config
 from test_rollout import ReplayDouble, publisher, running_worker, zmq_context  # noqa: F401 - fixtures
 from test_rollout import make_config as worker_config
 
-from async_rl.config_load import load_config
+from async_rl.config_load import config_to_dict, load_config
 from async_rl.model import WeightsError, load_model
-from async_rl.telemetry import RoleMetrics
+from async_rl.telemetry import MetricsSettings, RoleMetrics
 from async_rl.weights.file import read_weights, save_weights
 from learner.checkpoint import CheckpointError
 from learner.engine import load_checkpoint, save_checkpoint
@@ -34,7 +35,6 @@ from learner.publisher import WeightPublisher
 from learner.replay_client import ResumeRefused
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine
-from rollout.prepare import prepare_model_dir
 from rollout.worker import WeightsFollower
 
 
@@ -94,7 +94,7 @@ def test_an_hf_dir_load_view_reads_the_checked_files_after_the_directory_is_prun
 def learner_engine(tmp_path: Path) -> Iterator:
     """A DeepSpeed engine on the tiny model of a learner config in `tmp_path`, destroyed after."""
     config = learner_config(tmp_path)
-    prepare_model_dir(config)
+    model_dir_for(config)
     engine, _ = engine_for(config)
     try:
         yield engine
@@ -159,7 +159,7 @@ def test_a_publish_is_renamed_into_place_without_fsync_and_a_checkpoint_is_fsync
 def model_files(tmp_path_factory) -> tuple[Path, dict[int, Path]]:
     """The tiny model and three published versions of it (v3, v4, v5), as a learner writes them."""
     run = tmp_path_factory.mktemp("run")
-    model_dir = prepare_model_dir(load_config(None, [f"run.dir={run}", "run.seed=1"]))
+    model_dir = model_dir_for(load_config(None, [f"run.dir={run}", "run.seed=1"]))
     base = load_model(model_dir).state_dict()
     files = {}
     for version in (3, 4, 5):
@@ -205,7 +205,7 @@ def test_a_late_worker_whose_latest_weights_are_damaged_starts_from_the_version_
         tmp_path, zmq_context, publisher, caplog):  # noqa: F811 - fixtures
     replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     config = worker_config(tmp_path, replay, publisher)
-    model = load_model(prepare_model_dir(config))
+    model = load_model(model_dir_for(config))
     weights_dir = config.run_dir / "weights"
     for version in (4, 5):
         save_weights(model.state_dict(), weights_dir / f"v{version}.safetensors")
@@ -363,7 +363,8 @@ def test_a_learner_the_replay_cannot_roll_back_to_its_fallback_stops_naming_the_
 
 def test_a_metrics_line_the_full_disk_refuses_is_dropped_whole_and_named_not_fatal(small_disk: Path, caplog):
     config = load_config(None, [f"run.dir={small_disk}", "run.name=r"])
-    metrics = RoleMetrics(config, "replay")
+    metrics = RoleMetrics(MetricsSettings(run_dir=config.run_dir, name=config.run.name, wandb=config.wandb,
+                                          run_config=config_to_dict(config)), "replay")
     try:
         metrics.write({"n": 0})
         filler = fill(small_disk)

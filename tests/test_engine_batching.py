@@ -68,7 +68,7 @@ class Sink:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     config = load_config(None, [f"run.dir={tmp_path_factory.mktemp('runs')}", "run.seed=3"])
-    return ensure_model_dir(config, words=["go", "a", "b"])
+    return ensure_model_dir(config.model, config.run_dir, config.run.seed, words=["go", "a", "b"])
 
 
 def run_group(model_dir, slow_s: float, batch_wait_s: float, calls: list[tuple[int, int]]) -> Sink:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from rollout_helpers import model_dir_for
 
 from async_rl.config_load import load_config
 from async_rl.loss import token_logprobs
@@ -15,7 +16,6 @@ from async_rl.weights.file import save_weights
 from rollout.engines import SamplingParams
 from rollout.engines.prefix_cache import PrefixCache
 from rollout.engines.torch_engine import TorchEngine
-from rollout.prepare import prepare_model_dir
 
 TOL = 1e-5
 
@@ -24,7 +24,7 @@ TOL = 1e-5
 def model_dir(request, tmp_path_factory):
     config = load_config(None, [f"run.dir={tmp_path_factory.mktemp('runs')}", "run.seed=1", f"env.name={request.param}",
                                 "env.kwargs={}"])
-    return prepare_model_dir(config)
+    return model_dir_for(config)
 
 
 def full_pass_logprobs(model, context: list[int], generated: list[int], temperature: float) -> list[float]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rollout_helpers import model_dir_for
 from safetensors.torch import load_file
 
 from async_rl.loss import token_logprobs
@@ -25,7 +26,6 @@ from learner.settings import LearnerSettings
 from learner.step import train_on_items
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
-from rollout.prepare import prepare_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learner_helpers import engine_for  # noqa: E402
@@ -65,7 +65,7 @@ def test_bf16_engine_keeps_fp32_master_weights_and_learns_what_fp32_learns(tmp_p
     # Measured on an H200: the first step 0.0433 vs 0.0450 (the forward's precision alone), then 1.173 vs 1.147 and
     # 0.653 vs 0.626 as the two runs' weights drift apart by bf16 rounding (4% at most).
     assert bf16_losses == pytest.approx(fp32_losses, rel=0.1, abs=5e-3)
-    initial = load_model(prepare_model_dir(make_config(tmp_path / "auto"))).state_dict()
+    initial = load_model(model_dir_for(make_config(tmp_path / "auto"))).state_dict()
     for name, weight in fp32_weights.items():
         moved = float((weight - initial[name]).abs().max())
         assert float((bf16_weights[name] - initial[name]).abs().max()) == pytest.approx(moved, rel=0.5, abs=2e-3)
@@ -84,7 +84,7 @@ def test_a_bf16_learner_run_reports_its_gpu_memory_and_near_one_ratios_at_v0(tmp
     # Published in the training precision (half the bytes of fp32); a rollout engine's fp32 model loads them.
     path = run.run_dir / "weights" / "v4.safetensors"
     assert {t.dtype for t in load_file(str(path)).values()} == {torch.bfloat16}
-    fresh, initial = load_model(prepare_model_dir(run.config)), load_model(prepare_model_dir(run.config))
+    fresh, initial = load_model(model_dir_for(run.config)), load_model(model_dir_for(run.config))
     load_weights(fresh, path)
     assert {p.dtype for p in fresh.parameters()} == {torch.float32}
     assert any(not torch.equal(a, b) for a, b in zip(fresh.parameters(), initial.parameters(), strict=True))
@@ -113,7 +113,7 @@ def test_the_built_in_engine_on_the_gpu_samples_the_log_probs_the_cpu_recomputes
     """rollout.device=cuda: TorchEngine on the GPU (fp32). Its behaviour log-probs equal a full-sequence
     recomputation on the CPU (what the learner's importance ratio relies on), and bf16 weights as a bf16 learner
     publishes them load into its fp32 model."""
-    model_dir = prepare_model_dir(make_config(tmp_path))
+    model_dir = model_dir_for(make_config(tmp_path))
     engine = TorchEngine(model_dir, seed=0, device="cuda")
     assert {p.device.type for p in engine.model.parameters()} == {"cuda"}
     prompts = [[5, 9, 3, 11], [7], [4, 12, 6]]

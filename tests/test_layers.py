@@ -1,7 +1,8 @@
 """Imports point one way, read from the code with `ast` (every import, including those inside functions): the
 kernel (async_rl/) imports no role and not the launch layer; a role (rollout/, replay/, learner/) imports only the
-kernel and itself; no import cycle runs among the product's modules; and below the replay's entry no component
-takes the run's config (each takes its own settings)."""
+kernel and itself; no import cycle runs among the product's modules; below the replay's and the rollout side's
+entries no component takes the run's config (each takes its own settings); and the kernel takes values, not the
+config."""
 
 from __future__ import annotations
 
@@ -186,13 +187,8 @@ def test_below_the_learners_entries_no_component_takes_the_config():
     """The learner's entries (learner/trainer.py `run`, the role's; learner/sft.py `run_sft`, `async-rl sft`'s) read
     the run's `Config`, and learner/settings.py's `LearnerSettings.from_config` builds each component's own settings
     from it; no other function or constructor in learner/ takes the `Config` or one of its sections (issue 55)."""
-    import msgspec
-
-    import async_rl.config
-
-    config_types = {name for name, value in vars(async_rl.config).items()
-                    if isinstance(value, type) and issubclass(value, msgspec.Struct)}
-    assert {"Config", "AlgoConfig", "LearnerConfig", "LoraConfig", "SGLangConfig"} <= config_types
+    config_types = config_struct_names()
+    assert {"AlgoConfig", "LearnerConfig", "LoraConfig"} <= config_types
     allowed = {("trainer.py", "run"), ("sft.py", "run_sft"), ("settings.py", "LearnerSettings.from_config")}
     found = [(path.name, function, line, param) for path in sorted((REPO / "learner").glob("*.py"))
              for function, line, param in config_params(path, config_types)]
@@ -200,3 +196,46 @@ def test_below_the_learners_entries_no_component_takes_the_config():
     wrong = [f"learner/{name}:{line}: {function}({param}: ...)" for name, function, line, param in found
              if (name, function) not in allowed]
     assert not wrong, "below the learner's entries, a component takes its settings:\n" + "\n".join(wrong)
+
+
+def config_struct_names() -> set[str]:
+    """The names of async_rl/config.py's structs: the `Config` and its sections."""
+    import msgspec
+
+    import async_rl.config
+
+    names = {name for name, value in vars(async_rl.config).items()
+             if isinstance(value, type) and issubclass(value, msgspec.Struct)}
+    assert {"Config", "RolloutConfig", "SGLangConfig", "ModelConfig"} <= names
+    return names
+
+
+def test_below_the_rollout_entries_no_component_takes_the_config():
+    """The rollout side's entries read the run's `Config`: the worker role's `run` (rollout/worker.py, launch/roles.py
+    calls it) and the commands' `evaluate` (`async-rl evaluate`, `train`'s final evaluation) and `write_demonstrations`
+    (`async-rl demos`); rollout/settings.py's `RolloutSettings.from_config` builds each component's own settings from
+    it. No other function or constructor in rollout/ (its subpackages included) takes the `Config` or one of its
+    sections (issue 55): a component gets only the values it uses."""
+    allowed = {("worker.py", "run"), ("evaluate.py", "evaluate"), ("demos.py", "write_demonstrations"),
+               ("settings.py", "RolloutSettings.from_config")}
+    wrong = [f"rollout/{inside}:{line}: {function}({param}: ...)"
+             for path in sorted((REPO / "rollout").rglob("*.py"))
+             for inside in [path.relative_to(REPO / "rollout").as_posix()]
+             for function, line, param in config_params(path, config_struct_names())
+             if (inside, function) not in allowed]
+    assert not wrong, "below the rollout entries, a component takes its settings, not the config:\n" + "\n".join(wrong)
+
+
+def test_the_kernel_takes_values_not_the_config():
+    """The shared kernel (async_rl/, but for config.py and config_load.py, which define and load the config) takes
+    the values it uses or a small settings struct of its own, never the `Config`: each role reads its config at its
+    entry. The one section a kernel function takes is `ModelConfig`, where it uses the section as a whole: the tiny
+    model is built from its sizes (async_rl/model.py)."""
+    allowed = {("model.py", "build_tiny_model", "model"), ("model.py", "ensure_model_dir", "model")}
+    wrong = [f"async_rl/{inside}:{line}: {function}({param}: ...)"
+             for path in sorted((REPO / "async_rl").rglob("*.py"))
+             for inside in [path.relative_to(REPO / "async_rl").as_posix()]
+             if inside not in ("config.py", "config_load.py")
+             for function, line, param in config_params(path, config_struct_names())
+             if (inside, function, param) not in allowed]
+    assert not wrong, "the kernel takes values or its own settings, not the config:\n" + "\n".join(wrong)

@@ -24,6 +24,7 @@ import pytest
 import torch
 import zmq
 from learner_helpers import engine_for, rank_share, train_on_batch
+from rollout_helpers import model_dir_for
 
 from async_rl.config import Config
 from async_rl.config_load import config_from_dict
@@ -51,7 +52,6 @@ from learner.metrics import GuardWatch
 from learner.replay_client import ReplayClient
 from learner.settings import LearnerSettings
 from learner.trainer import StopRequest, run, stop_reason
-from rollout.prepare import prepare_model_dir
 
 # Under xdist one worker runs the whole file: its tests share one module-scoped training run (`trained`).
 pytestmark = pytest.mark.xdist_group("learner")
@@ -111,7 +111,7 @@ class Sequences:
     """Token ids of the tiny model's vocabulary, and the two groups of items every batch carries."""
 
     def __init__(self, config: Config) -> None:
-        vocab = load_tokenizer(prepare_model_dir(config)).get_vocab()
+        vocab = load_tokenizer(model_dir_for(config)).get_vocab()
         self.ids = vocab
         self.prompt = [vocab["task0"], vocab["stage1"]]
         self.good, self.bad = vocab["A"], vocab["B"]
@@ -124,7 +124,7 @@ class Sequences:
         second = [self.ids["ok"], self.ids["stage2"]]
         rows += [(self.prompt + [a] + second + [a], [0, 0, 1, 0, 0, 1], [0, 0, adv, 0, 0, adv], "correction")
                  for a, adv in ((self.good, 0.5), (self.bad, -0.5))]
-        model = load_model(prepare_model_dir(config))
+        model = load_model(model_dir_for(config))
         items = []
         for item_id, (tokens, mask, advantages, kind) in enumerate(rows):
             with torch.no_grad():
@@ -391,16 +391,16 @@ def test_weights_are_written_announced_and_pruned(trained):
 
 
 def test_published_weights_differ_from_v0_and_load_into_a_fresh_model(trained):
-    v0 = load_model(prepare_model_dir(trained.config))
-    fresh = load_model(prepare_model_dir(trained.config))
+    v0 = load_model(model_dir_for(trained.config))
+    fresh = load_model(model_dir_for(trained.config))
     load_weights(fresh, trained.run_dir / "weights" / "v4.safetensors")
     changed = [name for name, p in fresh.state_dict().items() if not torch.equal(p, v0.state_dict()[name])]
     assert changed
 
 
 def test_positively_advantaged_tokens_gain_logprob(trained):
-    before = good_and_bad_logprob(load_model(prepare_model_dir(trained.config)), trained.sequences)
-    after_model = load_model(prepare_model_dir(trained.config))
+    before = good_and_bad_logprob(load_model(model_dir_for(trained.config)), trained.sequences)
+    after_model = load_model(model_dir_for(trained.config))
     load_weights(after_model, trained.run_dir / "weights" / "v4.safetensors")
     after = good_and_bad_logprob(after_model, trained.sequences)
     assert after[0] > before[0] + 0.05  # A had positive advantage
@@ -518,7 +518,7 @@ def test_rank_shares_reproduce_the_whole_batch_gradient(tmp_path, aggregation):
     """Two ranks' rescaled share losses average to the whole-batch loss (DeepSpeed averages gradients)."""
     config = make_config(tmp_path, algo={"aggregation": aggregation})
     items = Sequences(config).items(config)
-    model = load_model(prepare_model_dir(config))
+    model = load_model(model_dir_for(config))
 
     def loss_of(batch):
         logp = token_logprobs(model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits, batch.tokens)
@@ -602,9 +602,9 @@ def test_zero3_single_process_trains_and_publishes_full_weights(tmp_path):
     config = make_config(tmp_path, learner={"zero_stage": 3}, run={"max_versions": 2})
     done = LearnerRun(config).start().finish()
     assert [ack.policy_version for ack in done.replay.acks] == [1, 2]
-    fresh = load_model(prepare_model_dir(config))
+    fresh = load_model(model_dir_for(config))
     load_weights(fresh, config.run_dir / "weights" / "v2.safetensors")
-    good_before, _ = good_and_bad_logprob(load_model(prepare_model_dir(config)), done.sequences)
+    good_before, _ = good_and_bad_logprob(load_model(model_dir_for(config)), done.sequences)
     good_after, _ = good_and_bad_logprob(fresh, done.sequences)
     assert good_after > good_before
     assert (config.run_dir / "checkpoints" / "v2").is_dir()
@@ -725,9 +725,9 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
         replay.join(5)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert [ack.policy_version for ack in replay.acks] == [1, 2, 3, 4]  # one learner on the wire, not two
-    two_ranks = load_model(prepare_model_dir(config))
+    two_ranks = load_model(model_dir_for(config))
     load_weights(two_ranks, config.run_dir / "weights" / "v4.safetensors")
-    one_rank = load_model(prepare_model_dir(trained.config))
+    one_rank = load_model(model_dir_for(trained.config))
     load_weights(one_rank, trained.run_dir / "weights" / "v4.safetensors")
     # Four Adam steps of lr 3e-3 move a weight by up to 1.2e-2; Adam divides by the gradient's scale, so the float
     # rounding of a different layout (packed rows, micro-batches) in a near-zero gradient shows as ~2e-5 at most.
@@ -871,7 +871,7 @@ def test_a_restarted_learner_resumes_from_its_last_checkpoint_exactly(tmp_path, 
     assert [ack.policy_version for ack in resumed.replay.acks] == [5, 6]
     assert [line["version"] for line in resumed.metrics()] == [1, 2, 3, 4, 5, 6]  # metrics.jsonl continues
     straight = LearnerRun(make_config(tmp_path / "b", learner=keep, run={"max_versions": 6})).start().finish()
-    fresh, again = load_model(prepare_model_dir(straight.config)), load_model(prepare_model_dir(straight.config))
+    fresh, again = load_model(model_dir_for(straight.config)), load_model(model_dir_for(straight.config))
     load_weights(fresh, straight.run_dir / "weights" / "v6.safetensors")
     load_weights(again, resumed.run_dir / "weights" / "v6.safetensors")
     for (name, a), (_, b) in zip(fresh.state_dict().items(), again.state_dict().items(), strict=True):
@@ -884,7 +884,7 @@ def test_a_checkpoint_saved_with_the_entropy_floor_s_state_still_resumes(tmp_pat
     from learner.engine import _rng_state, load_checkpoint
 
     config = make_config(tmp_path)
-    prepare_model_dir(config)
+    model_dir_for(config)
     engine, _ = engine_for(config)
     try:
         engine.save_checkpoint(str(tmp_path / "ck"), tag="v3", client_state={

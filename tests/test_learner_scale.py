@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from learner_helpers import activation_checkpointing_on, engine_for
+from rollout_helpers import model_dir_for
 
 from async_rl.config import Config
 from async_rl.config_load import config_from_dict
@@ -33,7 +34,6 @@ from learner.engine import (
 from learner.pack import MicroBatch, balance_shards, pack_rows, padding_fraction, plan_shards
 from learner.settings import LearnerSettings
 from learner.step import rank_micro_batches, train_on_items
-from rollout.prepare import prepare_model_dir
 
 # This machine has no GPU: the device-selection tests pass torch's answer for one as a plain flag. That flag is
 # the only stand-in here (a fake GPU), named as such; everything else is the real code.
@@ -58,7 +58,7 @@ def settings_of(config: Config) -> LearnerSettings:
 def random_items(config: Config, count: int = 10, seed: int = 0) -> list[TrainItem]:
     """Items of 2..20 tokens from the tiny model's vocabulary, some action tokens masked in, mixed advantages."""
     rng = np.random.default_rng(seed)
-    vocab = load_model(prepare_model_dir(config)).config.vocab_size
+    vocab = load_model(model_dir_for(config)).config.vocab_size
     items = []
     for n in range(count):
         length = int(rng.integers(2, 21))
@@ -102,7 +102,7 @@ ATTENTION_HERE = ["dense", "varlen"] + (["flex"] if torch.cuda.is_available() el
 
 
 def model_attending(config: Config, attention: str) -> torch.nn.Module:
-    model = load_model(prepare_model_dir(config))
+    model = load_model(model_dir_for(config))
     use_attention(model, select_attention(attention, "cuda" if attention == "flex" else "cpu", False))
     return model.to("cuda") if attention == "flex" else model
 
@@ -120,7 +120,7 @@ def test_packed_and_padded_losses_and_gradients_match(setup, entropy_per, attent
     implementation (its padding mask instead of position ids) gives the same too."""
     base, items = setup
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "entropy_per": entropy_per})
-    padded, packed = load_model(prepare_model_dir(config)), model_attending(config, attention)
+    padded, packed = load_model(model_dir_for(config)), model_attending(config, attention)
     padded_here = model_attending(config, attention)
     padded_batch = collate(items)
     packed_batch = collate_rows(items, [list(range(len(items)))], packed=True)
@@ -173,7 +173,7 @@ def test_micro_batches_over_ranks_accumulate_the_whole_batch_gradient(setup, agg
     config = make_config(Path(base.run.dir), algo={"entropy_coef": 0.1, "aggregation": aggregation,
                                                    "entropy_per": entropy_per},
                          learner={"micro_batch_tokens": 32, "packing": packing})
-    whole, parts = load_model(prepare_model_dir(config)), load_model(prepare_model_dir(config))
+    whole, parts = load_model(model_dir_for(config)), load_model(model_dir_for(config))
     expected, _ = loss_and_grads(whole, collate(items), config)
     world, total, micro_counts = 2, 0.0, []
     for rank in range(world):
@@ -262,7 +262,7 @@ def test_activation_checkpointing_is_enabled_under_either_name_transformers_give
     assert not activation_checkpointing_on(older)
     enable_activation_checkpointing(older)
     assert activation_checkpointing_on(older) and older.kwargs == {"use_reentrant": False}
-    current = load_model(prepare_model_dir(make_config(tmp_path)))
+    current = load_model(model_dir_for(make_config(tmp_path)))
     enable_activation_checkpointing(current)
     assert activation_checkpointing_on(current)
 
@@ -315,13 +315,13 @@ def test_a_micro_batched_packed_checkpointed_engine_takes_the_same_steps_as_one_
     (losses_a, stats_a, weights_a, version_a), (losses_b, stats_b, weights_b, version_b) = results
     assert version_a == version_b == 2
     assert losses_b == pytest.approx(losses_a, rel=1e-5)
-    padded = load_model(prepare_model_dir(base))
+    padded = load_model(model_dir_for(base))
     whole, _ = loss_and_grads(padded, collate(items), make_config(Path(base.run.dir), algo=algo))
     assert losses_a[0] == pytest.approx(whole, rel=1e-5)  # the KL is 0 at the reference's weights
     for a, b in zip(stats_a, stats_b, strict=True):
         assert (b.is_ratio_mean, b.kl, b.entropy) == pytest.approx((a.is_ratio_mean, a.kl, a.entropy), rel=1e-5)
         assert b.is_ratio_max == pytest.approx(a.is_ratio_max, rel=1e-5)
-    initial = load_model(prepare_model_dir(base)).state_dict()
+    initial = load_model(model_dir_for(base)).state_dict()
     assert max(float((weights_a[k] - v).abs().max()) for k, v in initial.items()) > 5e-4  # two steps of lr 5e-4
     # Adam divides by the gradient's scale: where a gradient is near its eps (1e-8), float rounding moves the step
     # itself. On an H100 one element of 8,192 in one tensor had a gradient of 7e-9 (1e-5 of that tensor's median)

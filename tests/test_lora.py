@@ -17,6 +17,7 @@ import pytest
 import torch
 from deepspeed.utils import safe_get_full_grad
 from peft import LoraConfig, get_peft_model
+from rollout_helpers import model_dir_for
 from safetensors.torch import load_file
 
 from async_rl.config import Config
@@ -29,7 +30,6 @@ from learner import lora
 from learner.attention import use_attention
 from learner.batch import collate
 from learner.engine import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
-from rollout.prepare import prepare_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learner_helpers import engine_for, train_on_batch  # noqa: E402
@@ -49,7 +49,7 @@ def make_config(tmp_path: Path, lora_options: dict | None = None, **sections: di
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     config = config_from_dict(raw)
-    prepare_model_dir(config)  # the tiny model of test_learner's items: same seed, sizes and environment
+    model_dir_for(config)  # the tiny model of test_learner's items: same seed, sizes and environment
     return config
 
 
@@ -84,7 +84,7 @@ def randomize_adapters(engine, seed: int = 1) -> dict[str, torch.Tensor]:
 def hand_built_peft(config: Config, adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The same adapters on a fresh copy of the base model, by plain peft (none of the learner's code)."""
     lora_cfg = config.learner.lora
-    model = get_peft_model(load_model(prepare_model_dir(config)), LoraConfig(
+    model = get_peft_model(load_model(model_dir_for(config)), LoraConfig(
         r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=0.0, target_modules=list(lora_cfg.target_modules),
         task_type="CAUSAL_LM"))
     with torch.no_grad():
@@ -175,7 +175,7 @@ def test_published_weights_are_the_base_model_with_the_adapter_merged_and_the_mo
         state = gathered(engine)
     finally:
         engine.destroy()
-    base = load_model(prepare_model_dir(config))
+    base = load_model(model_dir_for(config))
     assert merged.keys() == base.state_dict().keys(), "the base model's key names, no adapter tensors"
     for name, value in adapters.items():
         assert torch.equal(state[name], value), "merging left the adapters as they were"
@@ -185,7 +185,7 @@ def test_published_weights_are_the_base_model_with_the_adapter_merged_and_the_mo
         assert torch.equal(untouched[name], value), f"merging left the base weight {name} as it was"
     path = tmp_path / "v1.safetensors"
     save_weights(merged, path)  # what learner/publisher.py writes and the built-in engine loads (no peft)
-    published = load_model(prepare_model_dir(config))
+    published = load_model(model_dir_for(config))
     load_weights(published, path)
     expected = logits(hand_built_peft(config, adapters).eval(), batch)
     assert not torch.allclose(logits(base, batch), expected, atol=1e-3), "the adapter changes the model"
@@ -199,7 +199,7 @@ def test_the_kl_reference_is_the_base_model_with_the_adapter_off(tmp_path, items
     try:
         assert isinstance(reference, lora.AdapterOff) and reference.model is engine.module, "no second copy"
         randomize_adapters(engine)
-        base_model = load_model(prepare_model_dir(config))
+        base_model = load_model(model_dir_for(config))
         use_attention(base_model, engine.module.config._attn_implementation)  # the learner's kernel (bit-exact)
         base = logits(base_model, batch)
         torch.testing.assert_close(logits(reference, batch), base, rtol=0, atol=0)

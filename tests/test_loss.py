@@ -22,7 +22,7 @@ from async_rl.model import build_tiny_model
 @pytest.fixture(scope="module")
 def model():
     config = load_config(None, ["model.hidden_size=32", "model.num_layers=1", "run.seed=3"])
-    return build_tiny_model(config, vocab_size=17, pad_id=0, eos_id=1)
+    return build_tiny_model(config.model, config.run.seed, vocab_size=17, pad_id=0, eos_id=1)
 
 
 def batch(seed=0):

@@ -157,7 +157,7 @@ def _byte_model_dir() -> Path:
 
         config = load_config(None, [f"run.dir={tempfile.mkdtemp(prefix='agent-model-')}", "run.seed=1",
                                     "model.max_seq_len=2048"])
-        _MODELS["byte"] = ensure_model_dir(config)
+        _MODELS["byte"] = ensure_model_dir(config.model, config.run_dir, config.run.seed)
     return _MODELS["byte"]
 
 
@@ -192,7 +192,7 @@ def weather_example(tmp_path: Path) -> Iterator[tuple[Path, list[dict]]]:
         factory = load_factory("agent", {"entry": "weather_agent:run",
                                          "tasks": str(REPO / "examples" / "weather_tasks.jsonl")})
         config = load_config(None, [f"run.dir={tmp_path / 'runs'}", "run.seed=3"])
-        model_dir = ensure_model_dir(config, vocabulary_of("agent", factory))
+        model_dir = ensure_model_dir(config.model, config.run_dir, config.run.seed, vocabulary_of("agent", factory))
         records = [json.loads(line) for line in (REPO / "examples" / "weather_tasks.jsonl").read_text().splitlines()]
         yield model_dir, records
     finally:

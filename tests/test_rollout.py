@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from rollout_helpers import model_dir_for
 
 from async_rl.config import Config
 from async_rl.config_load import load_config
@@ -37,7 +38,6 @@ from async_rl.protocol import (
 )
 from async_rl.transport import bind_publisher, bind_router, poll, receive, send
 from async_rl.weights.file import save_weights
-from rollout.prepare import prepare_model_dir
 from rollout.worker import run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -203,7 +203,7 @@ def test_stages_stream_contiguously_and_before_their_outcome(tmp_path, zmq_conte
     with running_worker(config):
         replay.serve_until(lambda: replay.groups_finished(2))
     records, outcomes = replay.first(StageRecord), replay.first(Outcome)
-    tokenizer = load_tokenizer(prepare_model_dir(config))
+    tokenizer = load_tokenizer(model_dir_for(config))
     for trajectory_id, stages in by_trajectory([m for _, m in records]).items():
         assert [r.stage_index for r in stages] == list(range(len(stages))), "contiguous, in order, no gaps"
         assert [r.terminal for r in stages] == [False] * (len(stages) - 1) + [True]
@@ -217,7 +217,7 @@ def test_stages_stream_contiguously_and_before_their_outcome(tmp_path, zmq_conte
         arrivals = [at for at, r in records if r.group_id == group_id]
         first_stage = min(at for at, r in records if r.group_id == group_id and r.stage_index == 0)
         assert first_stage < max(arrivals) - 0.02, "a stage is streamed before the group's last stage"
-    assert_behaviour_logprobs_are_exact(replay.records(), {0: load_model(prepare_model_dir(config)).eval()})
+    assert_behaviour_logprobs_are_exact(replay.records(), {0: load_model(model_dir_for(config)).eval()})
 
 
 def test_heartbeats_name_the_live_group(tmp_path, zmq_context, publisher):
@@ -233,7 +233,7 @@ def test_heartbeats_name_the_live_group(tmp_path, zmq_context, publisher):
 def test_new_weights_tag_the_tokens_generated_after_them(tmp_path, zmq_context, publisher):
     replay = ReplayDouble(zmq_context, [f"g{i}" for i in range(100)], group_size=2)
     config = make_config(tmp_path, replay, publisher, "env.kwargs.retries=6")
-    model_v0 = load_model(prepare_model_dir(config)).eval()
+    model_v0 = load_model(model_dir_for(config)).eval()
     torch.manual_seed(1)
     weights = {name: value + 0.3 * torch.randn_like(value) for name, value in model_v0.state_dict().items()}
     save_weights(weights, tmp_path / "weights" / "v3.safetensors")
@@ -256,7 +256,7 @@ def test_new_weights_tag_the_tokens_generated_after_them(tmp_path, zmq_context, 
     versions = [v for r in sorted(replay.records(), key=lambda r: r.msg_id) for v in r.versions().tolist()]
     assert versions[0] == 0 and versions[-1] == 3
     assert versions == sorted(versions), "once the new weights are in, no token carries the old version"
-    model_v3 = load_model(prepare_model_dir(config)).eval()
+    model_v3 = load_model(model_dir_for(config)).eval()
     model_v3.load_state_dict(weights)
     assert_behaviour_logprobs_are_exact(replay.records(), {0: model_v0, 3: model_v3})
 
@@ -264,7 +264,7 @@ def test_new_weights_tag_the_tokens_generated_after_them(tmp_path, zmq_context, 
 def test_a_late_worker_catches_up_from_latest_json(tmp_path, zmq_context, publisher):
     replay = ReplayDouble(zmq_context, ["g0"], group_size=2)
     config = make_config(tmp_path, replay, publisher)
-    model = load_model(prepare_model_dir(config))
+    model = load_model(model_dir_for(config))
     save_weights(model.state_dict(), config.run_dir / "weights" / "v5.safetensors")
     (config.run_dir / "weights" / "latest.json").write_text(
         f'{{"version": 5, "path": "{config.run_dir / "weights" / "v5.safetensors"}"}}'
@@ -460,7 +460,7 @@ def test_multi_token_turns_stop_at_a_stop_string_and_rebuild_exactly(tmp_path, z
                          "env.kwargs.turns=3", "rollout.max_new_tokens=12", "rollout.stop=['e', 'x']")
     with running_worker(config):
         replay.serve_until(lambda: replay.groups_finished(2))
-    tokenizer = load_tokenizer(prepare_model_dir(config))
+    tokenizer = load_tokenizer(model_dir_for(config))
     assert len(tokenizer) == 259  # no vocabulary declared: the tiny model's tokenizer is byte-level
     records = replay.records()
     for stages in by_trajectory(records).values():
@@ -479,7 +479,7 @@ def test_multi_token_turns_stop_at_a_stop_string_and_rebuild_exactly(tmp_path, z
             ends.append(text)
         assert "e" not in text[:-1] and "x" not in text[:-1], "nothing is generated past a stop string"
     assert ends, "some turns ended at a stop string"
-    assert_behaviour_logprobs_are_exact(records, {0: load_model(prepare_model_dir(config)).eval()})
+    assert_behaviour_logprobs_are_exact(records, {0: load_model(model_dir_for(config)).eval()})
     assert {o.outcome for o in replay.outcomes()} == {0.5} and not any(o.success for o in replay.outcomes())
 
 

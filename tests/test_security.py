@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import zmq
 from project_commands import project_command
+from rollout_helpers import sglang_settings
 
-from async_rl.config import Config, SGLangConfig
+from async_rl.config import Config
 from async_rl.config_load import config_from_dict, config_to_dict, dump_config
 from async_rl.errors import CONFIG_EXIT_CODE, ConfigError
 from async_rl.protocol import (
@@ -83,6 +84,16 @@ def make_config(tmp_path: Path, curve_dir: Path | None, **replay):
     })
 
 
+def endpoints(config: Config) -> tuple[str, str]:
+    """The endpoints a role checks (launch/roles.py): the replay's and the learner's."""
+    return config.replay.endpoint, config.learner.publish_endpoint
+
+
+def check(config: Config) -> None:
+    """`check_transport` as every role calls it at start (launch/roles.py)."""
+    check_transport(config.security.curve_dir, config.security.insecure, endpoints(config))
+
+
 def test_keys_command_writes_a_pair_per_identity_and_never_overwrites(tmp_path, capsys):
     directory = tmp_path / "curve"
     assert main(["keys", str(directory), "--workers", "2"]) == 0
@@ -93,7 +104,7 @@ def test_keys_command_writes_a_pair_per_identity_and_never_overwrites(tmp_path, 
     for identity in identities:
         assert stat.S_IMODE(os.stat(directory / f"{identity}.key_secret").st_mode) == 0o600
     config = config_from_dict({"security": {"curve_dir": str(directory)}})
-    loaded = {identity: load_keys(config, identity) for identity in identities}
+    loaded = {identity: load_keys(config.security.curve_dir, identity) for identity in identities}
     assert len({keys.public for keys in loaded.values()}) == 4  # a pair of its own for every worker
     assert loaded["rollout-1"].peers == {"replay": loaded["replay"].public, "learner": loaded["learner"].public}
     workers = {loaded["rollout-0"].public: "rollout-0", loaded["rollout-1"].public: "rollout-1"}
@@ -105,7 +116,7 @@ def test_keys_command_writes_a_pair_per_identity_and_never_overwrites(tmp_path, 
     assert main(["keys", str(directory), "--workers", "3"]) == 0  # one more worker: its pair added, the rest kept
     assert [Path(p).name for p in capsys.readouterr().out.split()] == ["rollout-2.key", "rollout-2.key_secret"]
     assert (directory / "replay.key_secret").read_bytes() == before
-    assert "rollout-2" in load_keys(config, "replay").client_identities().values()
+    assert "rollout-2" in load_keys(config.security.curve_dir, "replay").client_identities().values()
 
 
 def test_the_shared_rollout_key_of_an_older_layout_is_refused_naming_the_fix(tmp_path, keys, capsys):
@@ -120,7 +131,7 @@ def test_the_shared_rollout_key_of_an_older_layout_is_refused_naming_the_fix(tmp
     for identity in ("replay", "learner", "rollout-0"):
         with pytest.raises(ConfigError, match=r"security.curve_dir: .* holds rollout.key.*shared.*"
                                               r"`async-rl keys NEW_DIR --workers N`"):
-            load_keys(config, identity)
+            load_keys(config.security.curve_dir, identity)
     assert main(["keys", str(tmp_path)]) == 2
     assert "rollout.key" in capsys.readouterr().err and not (tmp_path / "rollout-0.key").exists()
 
@@ -130,37 +141,37 @@ def test_a_bad_key_directory_is_a_config_error_naming_the_key(tmp_path, keys):
         config_from_dict({"security": {"curve_dir": ""}})
     config = config_from_dict({"security": {"curve_dir": str(tmp_path)}})
     with pytest.raises(ConfigError, match=r"security.curve_dir: .*learner.key_secret does not exist .*async-rl keys"):
-        load_keys(config, "learner")
+        load_keys(config.security.curve_dir, "learner")
     with pytest.raises(ConfigError, match=r"rollout-5.key_secret does not exist .*async-rl keys .* --workers 6"):
-        load_keys(config, "rollout-5")
+        load_keys(config.security.curve_dir, "rollout-5")
     (tmp_path / "learner.key_secret").write_bytes((keys / "learner.key_secret").read_bytes())
     with pytest.raises(ConfigError, match=r"security.curve_dir: .* holds no rollout-<i>.key: the learner would admit"):
-        load_keys(config, "learner")
+        load_keys(config.security.curve_dir, "learner")
     (tmp_path / "learner.key_secret").write_text("not a certificate")
     for name in role_files("learner", ["rollout-0"])[1:]:
         (tmp_path / name).write_bytes((keys / name).read_bytes())
     with pytest.raises(ConfigError, match="security.curve_dir: .*learner.key_secret"):
-        load_keys(config, "learner")
-    assert load_keys(config_from_dict({}), "replay") is None  # CURVE off by default
+        load_keys(config.security.curve_dir, "learner")
+    assert load_keys(config_from_dict({}).security.curve_dir, "replay") is None  # CURVE off by default
 
 
 def test_tcp_without_keys_is_refused_unless_the_config_says_insecure(caplog):
     tcp = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}})
-    assert insecure_endpoints(tcp) == ["tcp://replay:5555"]
+    assert insecure_endpoints(tcp.security.curve_dir, endpoints(tcp)) == ["tcp://replay:5555"]
     with pytest.raises(ConfigError, match=r"security.curve_dir: not set, and tcp://replay:5555 would run in the clear"
                                           r".*async-rl keys DIR --workers N.*security.insecure=true"):
-        check_transport(tcp)  # every role calls it at start (launch/roles.py)
+        check(tcp)  # every role calls it at start (launch/roles.py)
     insecure = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}, "security": {"insecure": True}})
     with caplog.at_level(logging.WARNING, logger="async_rl.security"):
-        check_transport(insecure)
-        check_transport(config_from_dict({}))  # the local default: Unix sockets, nothing to say
-        check_transport(config_from_dict({"replay": {"endpoint": "inproc://replay"}}))
+        check(insecure)
+        check(config_from_dict({}))  # the local default: Unix sockets, nothing to say
+        check(config_from_dict({"replay": {"endpoint": "inproc://replay"}}))
     (record,) = caplog.records
     assert record.levelno == logging.WARNING and "UNAUTHENTICATED (security.insecure): tcp://replay:5555" in \
         record.getMessage()
     secure = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}, "security": {"curve_dir": "/k"}})
-    assert insecure_endpoints(secure) == []
-    check_transport(secure)
+    assert insecure_endpoints(secure.security.curve_dir, endpoints(secure)) == []
+    check(secure)
 
 
 def test_a_local_run_that_falls_back_to_loopback_tcp_gets_keys_of_its_own(tmp_path):
@@ -172,13 +183,13 @@ def test_a_local_run_that_falls_back_to_loopback_tcp_gets_keys_of_its_own(tmp_pa
     config = fresh_run_dir(config_from_dict({"run": {"dir": str(deep), "name": "r"}, "rollout": {"workers": 2}}))
     assert config.replay.endpoint.startswith("tcp://127.0.0.1:")
     with pytest.raises(ConfigError):
-        check_transport(config)
+        check(config)
     keyed = keys_for_loopback(config)
     assert keyed.security.curve_dir == str(config.run_dir / "curve")
     assert stat.S_IMODE(os.stat(keyed.security.curve_dir).st_mode) == 0o700
-    check_transport(keyed)
+    check(keyed)
     for identity in ("replay", "learner", "rollout-0", "rollout-1"):
-        assert load_keys(keyed, identity) is not None
+        assert load_keys(keyed.security.curve_dir, identity) is not None
     short = fresh_run_dir(config_from_dict({"run": {"dir": str(tmp_path), "name": "s"}}))
     assert short.replay.endpoint.startswith("ipc://") and keys_for_loopback(short) is short
     insecure = config_from_dict({**config_to_dict(config), "security": {"insecure": True}})
@@ -218,8 +229,9 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
     thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
     thread.start()
     context = zmq.Context()
-    rollout, learner = load_keys(config, "rollout-0"), load_keys(config, "learner")
-    stranger = load_keys(make_config(tmp_path, other_keys), "rollout-0")
+    curve_dir = config.security.curve_dir
+    rollout, learner = load_keys(curve_dir, "rollout-0"), load_keys(curve_dir, "learner")
+    stranger = load_keys(make_config(tmp_path, other_keys).security.curve_dir, "rollout-0")
     impostor = CurveKeys("rollout-0", stranger.public, stranger.secret, rollout.peers)  # knows the server key only
     clients = {
         "plain": connect_dealer(context, endpoint, "plain"),  # no CURVE at all
@@ -270,8 +282,9 @@ def test_a_restarted_peer_is_heard_while_the_replay_still_holds_its_old_connecti
     thread.start()
     context, dead = zmq.Context(), zmq.Context()
     dead.setsockopt(zmq.RECONNECT_IVL, -1)  # the dead process's socket: open, and never connecting again
-    rollout = load_keys(config, "rollout-0")
-    probe = connect_dealer(context, config.replay.endpoint, "rollout-1", load_keys(config, "rollout-1"))
+    curve_dir = config.security.curve_dir
+    rollout = load_keys(curve_dir, "rollout-0")
+    probe = connect_dealer(context, config.replay.endpoint, "rollout-1", load_keys(curve_dir, "rollout-1"))
     send(probe, LeaseRequest(worker_id="rollout-1", msg_id=1))
     assert isinstance(_reply(probe, 10.0), LeaseGrant)  # the replay listens: a socket that never retries may connect
     probe.close(linger=0)
@@ -303,9 +316,10 @@ def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
     config = make_config(tmp_path, keys)
     endpoint = config.learner.publish_endpoint
     context = zmq.Context()
-    publisher = WeightPublisher(context, endpoint, tmp_path / "weights", 2, load_keys(config, "learner"))
+    curve_dir = config.security.curve_dir
+    publisher = WeightPublisher(context, endpoint, tmp_path / "weights", 2, load_keys(curve_dir, "learner"))
     subscribers = {
-        "rollout": connect_subscriber(context, endpoint, load_keys(config, "rollout-0")),
+        "rollout": connect_subscriber(context, endpoint, load_keys(config.security.curve_dir, "rollout-0")),
         "plain": connect_subscriber(context, endpoint),
     }
     try:
@@ -334,7 +348,8 @@ def test_a_plain_heartbeat_is_answered_by_nothing_but_does_not_crash_a_curve_rep
     thread.start()
     context = zmq.Context()
     plain = connect_dealer(context, config.replay.endpoint, "plain")
-    good = connect_dealer(context, config.replay.endpoint, "rollout-0", load_keys(config, "rollout-0"))
+    good = connect_dealer(context, config.replay.endpoint, "rollout-0",
+                          load_keys(config.security.curve_dir, "rollout-0"))
     try:
         send(plain, Heartbeat(worker_id="rollout-0"))
         send(good, LeaseRequest(worker_id="rollout-0", msg_id=1))
@@ -389,8 +404,8 @@ def test_a_worker_forging_an_outcome_for_another_workers_group_is_refused_and_co
     replay = ReplayProcess(config, tmp_path)
     context = zmq.Context()
     endpoint = config.replay.endpoint
-    honest = connect_dealer(context, endpoint, "rollout-0", load_keys(config, "rollout-0"))
-    forger = connect_dealer(context, endpoint, "rollout-1", load_keys(config, "rollout-1"))
+    honest = connect_dealer(context, endpoint, "rollout-0", load_keys(config.security.curve_dir, "rollout-0"))
+    forger = connect_dealer(context, endpoint, "rollout-1", load_keys(config.security.curve_dir, "rollout-1"))
     try:
         replay.wait_listening()
         grant = _ask(honest, LeaseRequest(worker_id="rollout-0", msg_id=1, session=1))
@@ -447,7 +462,8 @@ def test_a_rollout_key_claiming_the_learners_identity_cannot_take_its_connection
     replay = ReplayProcess(config, tmp_path)
     context = zmq.Context()
     endpoint = config.replay.endpoint
-    learner_keys, rollout_keys = load_keys(config, "learner"), load_keys(config, "rollout-1")
+    curve_dir = config.security.curve_dir
+    learner_keys, rollout_keys = load_keys(curve_dir, "learner"), load_keys(curve_dir, "rollout-1")
     assert routing_id("learner-0", learner_keys) != routing_id("learner-0", rollout_keys)
     learner = connect_dealer(context, endpoint, "learner-0", learner_keys)
     takers = []
@@ -548,17 +564,17 @@ def test_the_sglang_client_sends_the_api_key_from_its_file(tmp_path, monkeypatch
     key_file.write_text("s3cret\n")  # as a mounted Secret file may end
     monkeypatch.delenv("SGLANG_API_KEY", raising=False)
     try:
-        engine = SGLangEngine(SGLangConfig(urls=[url], api_key_file=str(key_file), unavailable_timeout_s=5))
+        engine = SGLangEngine(sglang_settings(urls=[url], api_key_file=str(key_file), unavailable_timeout_s=5))
         assert engine.version == 0 and set(server.seen) == {"Bearer s3cret"}
         engine.close()
         with pytest.raises(EngineUnavailable):  # no key: the server refuses every call
-            SGLangEngine(SGLangConfig(urls=[url], unavailable_timeout_s=0.3))
+            SGLangEngine(sglang_settings(urls=[url], unavailable_timeout_s=0.3))
         assert None in server.seen
         monkeypatch.setenv("SGLANG_API_KEY", "s3cret")  # what the k8s pods get from the sglang-api-key Secret
-        assert sglang_headers(SGLangConfig(urls=[url])) == {"Authorization": "Bearer s3cret"}
+        assert sglang_headers(None) == {"Authorization": "Bearer s3cret"}
         (tmp_path / "empty").write_text("\n")
         with pytest.raises(ConfigError, match="rollout.sglang.api_key_file: .* is empty"):
-            sglang_headers(SGLangConfig(urls=[url], api_key_file=str(tmp_path / "empty")))
+            sglang_headers(str(tmp_path / "empty"))
     finally:
         server.shutdown()
         server.server_close()

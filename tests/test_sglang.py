@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from rollout_helpers import sglang_settings
 from sglang_server import free_port
 
 from async_rl.config import Config, RolloutConfig, SGLangConfig
@@ -45,7 +46,7 @@ PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 12, 13, 14, 15, 16, 17, 18], [1, 20, 21], [
 
 
 def engine_for(urls: list[str], **overrides) -> SGLangEngine:
-    return SGLangEngine(SGLangConfig(urls=urls, request_timeout_s=30.0, **overrides))
+    return SGLangEngine(sglang_settings(urls=urls, request_timeout_s=30.0, **overrides))
 
 
 def max_logprob_diff(model: torch.nn.Module, prompts, generations, temperature: float) -> float:
@@ -359,7 +360,7 @@ def test_a_waiting_engine_stops_promptly_when_told(servers):
     threading.Timer(0.5, stop.set).start()
     started = time.monotonic()
     with pytest.raises(EngineStopped):
-        SGLangEngine(SGLangConfig(urls=[f"http://127.0.0.1:{free_port()}"], unavailable_timeout_s=60), stop)
+        SGLangEngine(sglang_settings(urls=[f"http://127.0.0.1:{free_port()}"], unavailable_timeout_s=60), stop)
     assert time.monotonic() - started < 3
     engine = engine_for(servers.urls[:1])
     url = servers.urls[0]
@@ -482,7 +483,7 @@ def test_a_stop_string_ends_an_sglang_row_at_the_token_completing_it(servers):
 
     tokenizer = load_tokenizer(servers.model_dir)  # word-level trap vocabulary: "B" is its own token
     stop_id = tokenizer.convert_tokens_to_ids("B")
-    engine = SGLangEngine(SGLangConfig(urls=servers.urls))
+    engine = SGLangEngine(sglang_settings(urls=servers.urls))
     try:
         prompts = [[EOS, 5 + i % 20, 3] for i in range(12)]
         generations = engine.generate(prompts, SamplingParams(max_new_tokens=40, stop=["B"], stop_token_ids=[EOS]))

@@ -131,9 +131,11 @@ def test_without_a_target_the_display_shows_progress_to_the_nearest_budget(tmp_p
 
 ROLE_SCRIPT = """
 import sys, time
-from async_rl.config_load import load_config
-from async_rl.telemetry import RoleMetrics
-metrics = RoleMetrics(load_config(None, [f"run.dir={sys.argv[1]}", "run.name=r", "wandb.mode=offline"]), "replay")
+from async_rl.config_load import config_to_dict, load_config
+from async_rl.telemetry import MetricsSettings, RoleMetrics
+config = load_config(None, [f"run.dir={sys.argv[1]}", "run.name=r", "wandb.mode=offline"])
+metrics = RoleMetrics(MetricsSettings(run_dir=config.run_dir, name=config.run.name, wandb=config.wandb,
+                                      run_config=config_to_dict(config)), "replay")
 metrics.write({"x": 1.0}, step=int(sys.argv[2]))
 print("ready", flush=True)
 if sys.argv[2] == "0":

@@ -215,7 +215,7 @@ def run(factory, tokenizer, model_dir, max_new_tokens, group_size=2, seed=0, tas
 @pytest.fixture(scope="module")
 def byte_model(tmp_path_factory):
     config = load_config(None, [f"run.dir={tmp_path_factory.mktemp('runs')}", "run.seed=1", "model.max_seq_len=2048"])
-    return ensure_model_dir(config)
+    return ensure_model_dir(config.model, config.run_dir, config.run.seed)
 
 
 def test_the_runner_renders_tools_and_tool_results_through_the_template(byte_model):
@@ -259,7 +259,7 @@ def test_parse_errors_reach_the_env_and_every_call_is_counted(tmp_path):
     """A tiny model over a word vocabulary whose words are whole tool calls, good and bad, one word a turn."""
     words = [GOOD, BAD_JSON, UNKNOWN, "answer"]
     config = load_config(None, [f"run.dir={tmp_path}", "run.seed=2", "model.max_seq_len=2048"])
-    model_dir = ensure_model_dir(config, words)
+    model_dir = ensure_model_dir(config.model, config.run_dir, config.run.seed, words)
     tokenizer = load_tokenizer(model_dir)
     assert not Prompter(tokenizer).chat  # also the plain-text path: specs in the first observation as text
     factory = Factory(lambda: ToolEnv(turns=4))

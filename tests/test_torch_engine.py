@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from rollout_helpers import model_dir_for
 
 from async_rl.config_load import load_config
 from async_rl.loss import token_logprobs
@@ -9,7 +10,6 @@ from async_rl.model import load_model
 from async_rl.weights.file import save_weights
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
-from rollout.prepare import prepare_model_dir
 
 PROMPTS = [[5, 9, 3, 11], [7], [4, 12, 6], [8, 8]]  # different lengths: rows are left-padded
 
@@ -17,7 +17,7 @@ PROMPTS = [[5, 9, 3, 11], [7], [4, 12, 6], [8, 8]]  # different lengths: rows ar
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     config = load_config(None, [f"run.dir={tmp_path_factory.mktemp('runs')}", "run.seed=1"])
-    return prepare_model_dir(config)
+    return model_dir_for(config)
 
 
 def recomputed_logprobs(model, prompt, generated, temperature):
@@ -110,7 +110,7 @@ def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tmp_path):
     from async_rl.model import ensure_model_dir, load_tokenizer
 
     config = load_config(None, [f"run.dir={tmp_path}", "run.seed=3"])
-    model_dir = ensure_model_dir(config)  # no words: byte-level
+    model_dir = ensure_model_dir(config.model, config.run_dir, config.run.seed)  # no words: byte-level
     tokenizer = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, seed=0)
     prompts = [tokenizer("def f(x):\n")["input_ids"], tokenizer("hello")["input_ids"]]

@@ -16,7 +16,7 @@ from learner.logits import trained_logprobs
 
 def tiny_model():
     config = load_config(None, ["model.hidden_size=32", "model.num_layers=2", "run.seed=5"])
-    return build_tiny_model(config, vocab_size=50, pad_id=0, eos_id=1)
+    return build_tiny_model(config.model, config.run.seed, vocab_size=50, pad_id=0, eos_id=1)
 
 
 def make_batch(packed: bool, seed: int = 0) -> TrainBatch:

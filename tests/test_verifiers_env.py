@@ -98,7 +98,7 @@ def _run_all(tmp_path, settings, deadline_s=90.0):
     tokenizer)."""
     factory = load_factory("verifiers", settings)
     config = load_config(None, [f"run.dir={tmp_path}", "run.seed=2"])
-    model_dir = ensure_model_dir(config, vocabulary_of("verifiers", factory))
+    model_dir = ensure_model_dir(config.model, config.run_dir, config.run.seed, vocabulary_of("verifiers", factory))
     tokenizer = load_tokenizer(model_dir)
     sink = _sink()
     params = SamplingParams(max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id])

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 import zmq
+from rollout_helpers import model_dir_for, sglang_settings
 from sglang_server import Pool, free_port
 
-from async_rl.config import SGLangConfig
 from async_rl.config_load import load_config
 from async_rl.model import load_model
 from async_rl.protocol import WeightsPublished
@@ -34,7 +34,6 @@ from learner.settings import LearnerSettings
 from rollout.engines.sglang import SGLangEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine
-from rollout.prepare import prepare_model_dir
 from rollout.worker import WeightsFollower
 
 pytestmark = pytest.mark.slow
@@ -42,7 +41,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return prepare_model_dir(load_config(None, [f"run.dir={tmp_path_factory.mktemp('base')}", "run.seed=1"]))
+    return model_dir_for(load_config(None, [f"run.dir={tmp_path_factory.mktemp('base')}", "run.seed=1"]))
 
 
 def new_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -58,7 +57,8 @@ def learner_config(run_dir: Path, *overrides: str):
 def publisher_of(context: zmq.Context, config, model_dir: Path) -> WeightPublisher:
     """The learner's publisher (rank 0's) as the learner's entry builds it from the config."""
     return make_publisher(context, LearnerSettings.from_config(config).publisher, model_dir,
-                          load_keys(config, "learner"), lambda: sglang_headers(config.rollout.sglang))
+                          load_keys(config.security.curve_dir, "learner"),
+                          lambda: sglang_headers(config.rollout.sglang.api_key_file))
 
 
 class Worker:
@@ -99,7 +99,7 @@ def sglang_worker(context: zmq.Context, servers: Pool, endpoint: str, run_dir: P
                   **config) -> tuple[Worker, list[dict]]:
     """A worker on the pool's servers and the weight calls its engine sends them (its HTTP client's request hook):
     each call's server and path, and for a load from disk the directory sent and the files in it as it is sent."""
-    engine = SGLangEngine(SGLangConfig(urls=servers.urls, request_timeout_s=60.0, **config))
+    engine = SGLangEngine(sglang_settings(urls=servers.urls, request_timeout_s=60.0, **config))
     calls: list[dict] = []
 
     def on_request(request: httpx.Request) -> None:

@@ -298,7 +298,8 @@ def test_ten_thousand_hostile_messages_during_a_curve_run(tmp_path):
     run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     context = zmq.Context()
     config = config_from_dict({"security": {"curve_dir": str(keys)}})
-    dealer = connect_dealer(context, replay, WORKER, load_keys(config, WORKER))  # a worker's own key, gone rogue
+    # a worker's own key, gone rogue
+    dealer = connect_dealer(context, replay, WORKER, load_keys(config.security.curve_dir, WORKER))
     link, fuzzer = Link(dealer), Fuzzer(seed=11)
     try:
         first_version, fuzz_s = fuzz(link, fuzzer, own_groups=8, run_dir=tmp_path / "t")

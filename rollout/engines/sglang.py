@@ -51,7 +51,6 @@ from typing import Any, Literal
 
 import httpx
 
-from async_rl.config import SGLangConfig
 from async_rl.durable import manifest_problem
 from async_rl.errors import WeightsError
 from async_rl.ratelimit import RateLimitedLog
@@ -59,6 +58,7 @@ from async_rl.security import sglang_headers
 from async_rl.weights.base import Loader, loader_for
 from async_rl.weights.hf_dir import load_view, version_dirs
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
+from rollout.settings import SGLangSettings
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -144,15 +144,15 @@ class Row:
 
 
 class SGLangEngine:
-    def __init__(self, config: SGLangConfig, stop: threading.Event | None = None) -> None:
+    def __init__(self, settings: SGLangSettings, stop: threading.Event | None = None) -> None:
         """`stop`: when set (e.g. the worker's SIGTERM event), a `generate` that is waiting raises EngineStopped."""
-        if not config.urls:
+        if not settings.urls:
             raise EngineUnavailable("rollout.sglang.urls: no SGLang server configured")
-        self.config = config
+        self.settings = settings
         self.stop = stop
         self.closed = threading.Event()
-        self.servers = [Server(url.rstrip("/")) for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s, headers=sglang_headers(config))
+        self.servers = [Server(url.rstrip("/")) for url in settings.urls]
+        self.http = httpx.Client(timeout=settings.request_timeout_s, headers=sglang_headers(settings.api_key_file))
         # Several calls per server can be in flight: a server's re-sent rows need not wait for another's share.
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix="sglang")
         self.ratelog = RateLimitedLog(log, LOG_EVERY_S)
@@ -171,12 +171,12 @@ class SGLangEngine:
         self.checked: dict[tuple, str | None] = {}  # the files' identity -> their check's problem (None: good)
         for server in self.servers:
             try:
-                self._get(server, "/health_generate", timeout=min(HEALTH_TIMEOUT_S, config.request_timeout_s))
+                self._get(server, "/health_generate", timeout=min(HEALTH_TIMEOUT_S, settings.request_timeout_s))
             except ServerFailed as exc:
                 self._mark_dead(server, f"health check failed: {exc}")
         self.version = min(self._live_versions(wait=True))
         log.info("SGLang engine: %d/%d server(s) healthy at version %d (partial rollouts %s)", len(self._live()),
-                 len(self.servers), self.version, "on" if config.partial_rollouts else "off")
+                 len(self.servers), self.version, "on" if settings.partial_rollouts else "off")
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ class SGLangEngine:
     def _preempted(self, row: Row, piece: Piece, params: SamplingParams) -> Generation | None:
         """Take a preempted row's partial output; the finished Generation if the kept tokens already end it."""
         self.preemptions += 1
-        if not self.config.partial_rollouts:
+        if not self.settings.partial_rollouts:
             self.tokens_discarded += len(piece.token_ids)
             return None
         row.add(piece)
@@ -267,8 +267,8 @@ class SGLangEngine:
         self.failures += len(share)
         for r in share:
             rows[r].failures += 1
-        if max(rows[r].failures for r in share) > self.config.max_retries:
-            raise EngineUnavailable(f"{len(share)} prompt(s) failed {self.config.max_retries + 1} times, last: "
+        if max(rows[r].failures for r in share) > self.settings.max_retries:
+            raise EngineUnavailable(f"{len(share)} prompt(s) failed {self.settings.max_retries + 1} times, last: "
                                     f"{reason}")
         self.stages_retried += len(share)
         log.warning("%d prompt(s) to send again after a failure (%s)", len(share), reason[:300])
@@ -330,14 +330,14 @@ class SGLangEngine:
                                 time.monotonic() - started)
                     return
             waited = time.monotonic() - started
-            if waited >= self.config.unavailable_timeout_s:
+            if waited >= self.settings.unavailable_timeout_s:
                 raise EngineUnavailable(f"no SGLang server left of {[s.url for s in self.servers]} (none answered "
                                         f"for {waited:.0f} s, rollout.sglang.unavailable_timeout_s="
-                                        f"{self.config.unavailable_timeout_s:g})")
+                                        f"{self.settings.unavailable_timeout_s:g})")
             self.ratelog("unavailable", logging.WARNING,
                          "no SGLang server answers (of %d); waiting, %.0f s so far, giving up after %.0f s",
-                         len(self.servers), waited, self.config.unavailable_timeout_s)
-            self._sleep(min(delay, self.config.unavailable_timeout_s - waited))
+                         len(self.servers), waited, self.settings.unavailable_timeout_s)
+            self._sleep(min(delay, self.settings.unavailable_timeout_s - waited))
             delay = min(2 * delay, UNAVAILABLE_BACKOFF_S[1])
 
     # --- weights ----------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ class SGLangEngine:
         "distributed" (the learner pushed the weights itself) just takes note of the servers' version; any other
         is refused by name (WeightsFormatError). With no server live, nothing happens now (the next `generate`
         waits for one; a server that rejoins catches up)."""
-        native = "hf-dir" if self.config.weight_sync == "disk" else "distributed"
+        native = "hf-dir" if self.settings.weight_sync == "disk" else "distributed"
         loader_for(self.loaders, format or native, "the SGLang engine")(version, path)
 
     def _load_dir(self, version: int, path: str) -> None:
@@ -411,7 +411,7 @@ class SGLangEngine:
         try:
             self._check(view, path)
             body = {"model_path": str(view), "weight_version": str(version)}
-            if self.config.pause_mode == "abort":
+            if self.settings.pause_mode == "abort":
                 body["abort_all_requests"] = True
             for server in servers:
                 try:

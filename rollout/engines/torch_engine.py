@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from async_rl.config import RolloutConfig
 from async_rl.errors import WeightsError
 from async_rl.model import load_model, load_state, load_tokenizer, resolve_device
 from async_rl.weights.base import Loader, loader_for
@@ -38,9 +37,9 @@ from rollout.engines.prefix_cache import KV, Entry, PrefixCache
 log = logging.getLogger("async_rl.rollout")
 
 
-def configured_device(rollout: RolloutConfig) -> str:
-    """rollout.device resolved on this machine ("cpu" or "cuda"); ConfigError for cuda without a GPU."""
-    return resolve_device(rollout.device, "rollout.device", torch.cuda.is_available())
+def configured_device(device: str) -> str:
+    """`device` (rollout.device) resolved on this machine ("cpu" or "cuda"); ConfigError for cuda without a GPU."""
+    return resolve_device(device, "rollout.device", torch.cuda.is_available())
 
 
 class TorchEngine:
