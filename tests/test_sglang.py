@@ -210,7 +210,7 @@ def test_distributed_sync_pushes_the_learners_tensors_to_every_server(servers):
     state_dict = learner_step(model, favoured_token=9)
     sglang = SGLangConfig(urls=servers.urls, weight_sync="distributed", dist_master_port=free_port())
     settings = LearnerSettings.from_config(Config(rollout=RolloutConfig(sglang=sglang))).publisher.sglang
-    sync = DistributedWeightSync(settings, sglang_headers(sglang))
+    sync = DistributedWeightSync(settings, sglang_headers(sglang.api_key_file))
     try:
         sync.push(state_dict, version=2)
         assert [s.model_info()["weight_version"] for s in servers.servers] == ["2", "2"]
