@@ -161,8 +161,8 @@ class Group:
                     self.deferred[(i, k)] = advantage
                     if hold_s > 0:
                         self.held_since[k] = now
-        for k in [k for k, since in self.held_since.items() if now >= since + hold_s]:
-            del self.held_since[k]  # its hold is over
+        for k in self._holds_over(now, hold_s):
+            del self.held_since[k]
         items = []
         # An item needs its hold over and its whole prefix (a stage still missing, a resend on its way, defers it).
         for (i, k), advantage in list(self.deferred.items()):
@@ -178,8 +178,11 @@ class Group:
     def hold_over(self, now: float, hold_s: float) -> bool:
         """Whether a stage group's hold ended by `now`, its items to be made at the next `advance` (once every
         outcome is in, none is: the finalization carries them)."""
-        due = any(now >= since + hold_s for since in self.held_since.values())
-        return due and not self.ledger.outcomes_complete()
+        return bool(self._holds_over(now, hold_s)) and not self.ledger.outcomes_complete()
+
+    def _holds_over(self, now: float, hold_s: float) -> list[int]:
+        """The stage groups on hold whose hold ended by `now`."""
+        return [k for k, since in self.held_since.items() if now >= since + hold_s]
 
     # --- final credit and correction ----------------------------------------------------------------
 

@@ -183,7 +183,6 @@ class ReplayState(msgspec.Struct):
             stage_reward_mean=reward_sum / stages if stages else 0.0,
             items_queued=len(self.serving.queue),
             correction_bound=self.guard.auto_bound,
-            immediate_hold_s=self.counters.immediate_hold_s,
             rejected=dict(self.counters.rejected),
             guard_held_s=self.counters.guard_held_s + running,
             guard_hold_running_s=running,
