@@ -8,10 +8,23 @@ The helpers (learner-like steps, log-prob recomputation) are test_sglang.py's: t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
-from test_sglang import EOS, LOGPROB_TOL, PROMPTS, flip_a_byte, learner_step, max_logprob_diff
+from test_sglang import (
+    EOS,
+    LOGPROB_TOL,
+    PROMPTS,
+    TRAIN,
+    assert_invariants,
+    disk_sync_moves_every_server,
+    flip_a_byte,
+    learner_step,
+    max_logprob_diff,
+    metrics,
+)
 
 from async_rl.config import VLLMConfig
 from async_rl.errors import WeightsError
@@ -77,37 +90,7 @@ def test_a_stop_string_ends_a_vllm_row_at_the_token_completing_it(vllm_servers):
 
 
 def test_vllm_disk_sync_moves_every_server_to_the_new_weights(vllm_servers, tmp_path):
-    engine = engine_for(vllm_servers.urls)
-    model = load_model(vllm_servers.model_dir).eval()
-    old_model = load_model(vllm_servers.model_dir).eval()
-    params = SamplingParams(temperature=1.0, max_new_tokens=8)
-    before = engine.generate(PROMPTS * 4, params)
-    favoured = 7
-    path = write_hf_dir(learner_step(model, favoured), vllm_servers.model_dir, tmp_path / "weights" / "hf-v1")
-
-    engine.update_weights(1, str(path))
-
-    assert engine.version == 1
-    assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["1", "1"]
-    after = engine.generate(PROMPTS * 4, params)
-    assert all(g.versions == [1] * 8 for g in after)
-    assert sum(g.token_ids.count(favoured) for g in after) > sum(g.token_ids.count(favoured) for g in before)
-    diff = max_logprob_diff(model, PROMPTS * 4, after, 1.0)
-    print(f"after disk sync: max log-prob diff vs the new weights {diff:.2e}")
-    assert diff < LOGPROB_TOL < 100 * LOGPROB_TOL < max_logprob_diff(old_model, PROMPTS * 4, after, 1.0)
-    # A second worker sharing these servers finds them at v1 already and loads nothing (the path is not read).
-    other = engine_for(vllm_servers.urls)
-    other.update_weights(1, str(tmp_path / "pruned-long-ago"))
-    assert other.version == 1
-    # Told of v2 after keep_weights pruned it: the newest directory beside it (v3) is loaded in its place.
-    write_hf_dir(learner_step(model, favoured), vllm_servers.model_dir, tmp_path / "weights" / "hf-v3")
-    engine.update_weights(2, str(tmp_path / "weights" / "hf-v2"))
-    assert engine.version == 3 and [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["3", "3"]
-    with pytest.raises(FileNotFoundError, match="hf-v4 holds no model.safetensors"):  # nothing newer: nothing sent
-        engine.update_weights(4, str(tmp_path / "weights" / "hf-v4"))
-    assert engine.version == 3
-    engine.close()
-    other.close()
+    disk_sync_moves_every_server(vllm_servers, tmp_path, engine_for)
 
 
 def test_a_damaged_hf_dir_is_refused_before_any_vllm_server_loads_it(vllm_servers, tmp_path):
@@ -164,6 +147,28 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
             assert max_logprob_diff(old_model, [prompt], [part], 1.0) < LOGPROB_TOL
     engine.close()
     updater.close()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
+def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mode):
+    """`async-rl train rollout.engine=vllm`: two workers sharing two vLLM servers, each published version loaded
+    from the learner's HF directory (abort: each worker's update aborts the other's requests; keep: they go on in
+    place), multi-token actions: every version trained, the ledger balanced, nothing lost."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t",
+         f"model.path={vllm_servers.model_dir}", *TRAIN, "rollout.engine=vllm",
+         f"rollout.vllm.urls=[{','.join(vllm_servers.urls)}]", f"rollout.vllm.pause_mode={pause_mode}",
+         "run.max_versions=12", "rollout.max_new_tokens=6", "run.eval_samples_per_task=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = run.communicate(timeout=400)
+    assert run.returncode == 0, err[-3000:]
+    lines = metrics(tmp_path / "t")
+    assert_invariants(lines, max_staleness=2)
+    assert len(lines) == 12
+    assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["12", "12"]
+    rollout_logs = "".join((tmp_path / "t" / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
+    assert "vLLM engine: 2/2 server(s) healthy" in rollout_logs
+    assert "stops:" not in rollout_logs and "still failing" not in rollout_logs
 
 
 def test_a_vllm_server_killed_mid_request_is_replaced_by_the_other(vllm_servers):
