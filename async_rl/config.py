@@ -138,9 +138,41 @@ class SGLangConfig(_Section):
     )] = None
 
 
+class VLLMConfig(_Section):
+    urls: Annotated[list[str], doc(
+        "vLLM servers (started as scripts/start_vllm_server.py does: `VLLM_SERVER_DEV_MODE=1`, "
+        "`--enable-scale-out`, `--logprobs-mode processed_logprobs`); required with `rollout.engine: vllm`"
+    )] = []
+    weight_sync: Annotated[Literal["disk"], doc(
+        "`disk` (the learner's HF directory, loaded with vLLM's `reload_weights`); no NCCL/gloo path yet"
+    )] = "disk"
+    pause_mode: Annotated[Literal["in_place", "abort", "keep"], doc(
+        "How a weight update pauses generation (vLLM's `/pause?mode=`): `in_place` (`wait`: running requests "
+        "finish on the old weights), `abort` (they come back aborted and continue as partial rollouts) or `keep` "
+        "(they are frozen and continue on the new weights in the server, each token's version recorded)"
+    )] = "in_place"
+    request_timeout_s: Annotated[PosFloat, doc("one HTTP request's limit")] = 60.0
+    max_retries: Annotated[NonNegInt, doc(
+        "a prompt a server *failed* is sent again at most this often (an abort by a weight update is not a "
+        "failure)"
+    )] = 2
+    partial_rollouts: Annotated[bool, doc(
+        "as `rollout.sglang.partial_rollouts`: an aborted request keeps its tokens and continues from them"
+    )] = True
+    unavailable_timeout_s: Annotated[PosFloat, doc(
+        "When no server answers, generation (and start-up) waits this long, probing them, before the worker "
+        "gives up (EngineUnavailable)."
+    )] = 300.0
+    api_key_file: Annotated[str | None, doc(
+        "A file holding the servers' API key (`--api-key`); null: the VLLM_API_KEY environment variable when it "
+        "is set and non-empty, else no key. Never the key itself."
+    )] = None
+
+
 class RolloutConfig(_Section):
-    engine: Annotated[Literal["torch", "sglang"], doc(
-        "`torch` (the built-in batched sampler) or `sglang` (SGLang servers, [sglang.md](sglang.md))"
+    engine: Annotated[Literal["torch", "sglang", "vllm"], doc(
+        "`torch` (the built-in batched sampler), `sglang` (SGLang servers, [sglang.md](sglang.md)) or `vllm` "
+        "(vLLM servers, `rollout.vllm`)"
     )] = "torch"
     workers: Annotated[PosInt, doc("rollout worker processes started by `async-rl train`")] = 1
     group_size: Annotated[Annotated[int, msgspec.Meta(ge=2)], doc("G trajectories per task (≥ 2)")] = 16
@@ -191,6 +223,7 @@ class RolloutConfig(_Section):
     )] = None
     heartbeat_s: Annotated[PosFloat, doc("how often a worker tells the replay its groups are alive")] = 2.0
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
 
 
 class ReplayConfig(_Section):

@@ -242,6 +242,8 @@ def _check_relations(config: Config) -> None:
         )
     if rollout.engine == "sglang" and not rollout.sglang.urls:
         raise ConfigError("rollout.sglang.urls: expected at least one server URL when rollout.engine is 'sglang'")
+    if rollout.engine == "vllm" and not rollout.vllm.urls:
+        raise ConfigError("rollout.vllm.urls: expected at least one server URL when rollout.engine is 'vllm'")
     if config.algo.clip_high <= 0 and config.algo.ppo_epochs > 1:
         raise ConfigError("algo.clip_high: expected > 0 when algo.ppo_epochs > 1")
     learner = config.learner

@@ -214,16 +214,27 @@ def check_transport(curve_dir: str | None, insecure: bool, endpoints: Sequence[s
 def sglang_headers(api_key_file: str | None) -> dict[str, str]:
     """The HTTP headers of every request to the SGLang servers: `Authorization: Bearer <key>` with a key from
     `api_key_file` (rollout.sglang.api_key_file; or, without one, a non-empty SGLANG_API_KEY), else none."""
-    if api_key_file is not None:
-        path = Path(api_key_file)
+    return bearer_headers(api_key_file, "SGLANG_API_KEY", "rollout.sglang.api_key_file")
+
+
+def vllm_headers(api_key_file: str | None) -> dict[str, str]:
+    """The same for the vLLM servers: `rollout.vllm.api_key_file`, else a non-empty VLLM_API_KEY, else none."""
+    return bearer_headers(api_key_file, "VLLM_API_KEY", "rollout.vllm.api_key_file")
+
+
+def bearer_headers(key_file: str | None, env_var: str, setting: str) -> dict[str, str]:
+    """`Authorization: Bearer <key>` with the key read from `key_file` (ConfigError naming `setting` when it cannot
+    be read or is empty), or without one from a non-empty `env_var`; else no header."""
+    if key_file is not None:
+        path = Path(key_file)
         try:
             key = path.read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"rollout.sglang.api_key_file: cannot read {path}: {exc.strerror}") from None
+            raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
         if not key:
-            raise ConfigError(f"rollout.sglang.api_key_file: {path} is empty")
+            raise ConfigError(f"{setting}: {path} is empty")
     else:
-        key = os.environ.get("SGLANG_API_KEY", "").strip()
+        key = os.environ.get(env_var, "").strip()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

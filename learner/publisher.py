@@ -114,6 +114,6 @@ def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir:
         from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: SGLang users only
 
         transport = DistributedWeightSync(settings.sglang, sglang_headers())
-    elif settings.engine == "sglang":
+    elif settings.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
     return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport)

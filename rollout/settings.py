@@ -8,12 +8,13 @@ line to the components that read it by its name; a component gets its own struct
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from async_rl.config import Config, ModelConfig
+from async_rl.config import Config, ModelConfig, SGLangConfig, VLLMConfig
 from async_rl.config_load import config_to_dict
 from async_rl.telemetry import MetricsSettings
 
@@ -48,13 +49,30 @@ class SGLangSettings(msgspec.Struct, frozen=True, kw_only=True):
     api_key_file: str | None  # rollout.sglang.api_key_file
 
 
+class VLLMSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The vLLM engine's client (rollout/engines/vllm.py): the SGLang client's fields, from `rollout.vllm`."""
+
+    urls: list[str]  # rollout.vllm.urls
+    weight_sync: Literal["disk", "distributed"]  # rollout.vllm.weight_sync
+    pause_mode: Literal["in_place", "abort", "keep"]  # rollout.vllm.pause_mode
+    request_timeout_s: float  # rollout.vllm.request_timeout_s
+    max_retries: int  # rollout.vllm.max_retries
+    partial_rollouts: bool  # rollout.vllm.partial_rollouts
+    unavailable_timeout_s: float  # rollout.vllm.unavailable_timeout_s
+    api_key_file: str | None  # rollout.vllm.api_key_file
+
+
+Servers = TypeVar("Servers", SGLangSettings, VLLMSettings)
+
+
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Which inference engine, and its settings (rollout/worker.py `make_engine`, rollout/evaluate.py's engine)."""
 
-    engine: Literal["torch", "sglang"]  # rollout.engine
+    engine: Literal["torch", "sglang", "vllm"]  # rollout.engine
     device: Literal["auto", "cpu", "cuda"]  # rollout.device (the built-in engine)
     prefix_cache_mib: float  # rollout.prefix_cache_mib (the built-in engine)
     sglang: SGLangSettings  # rollout.sglang
+    vllm: VLLMSettings  # rollout.vllm
 
 
 class RunnerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,7 +131,7 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
     def from_config(cls, config: Config) -> RolloutSettings:
         """The rollout side's settings from the run's config: called by the entries (rollout/worker.py `run`,
         rollout/evaluate.py `evaluate`) only."""
-        run, rollout, sglang = config.run, config.rollout, config.rollout.sglang
+        run, rollout = config.run, config.rollout
         env = EnvSettings(name=config.env.name, kwargs=dict(config.env.kwargs), seed=config.env.seed)
         runner = RunnerSettings(
             max_seq_len=config.model.max_seq_len, temperature=rollout.temperature, top_p=rollout.top_p,
@@ -132,11 +150,8 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
             model_dir=ModelDirSettings(model=config.model, run_dir=config.run_dir, seed=run.seed, env=env),
             engine=EngineSettings(
                 engine=rollout.engine, device=rollout.device, prefix_cache_mib=rollout.prefix_cache_mib,
-                sglang=SGLangSettings(urls=list(sglang.urls), weight_sync=sglang.weight_sync,
-                                      pause_mode=sglang.pause_mode, request_timeout_s=sglang.request_timeout_s,
-                                      max_retries=sglang.max_retries, partial_rollouts=sglang.partial_rollouts,
-                                      unavailable_timeout_s=sglang.unavailable_timeout_s,
-                                      api_key_file=sglang.api_key_file),
+                sglang=servers_settings(SGLangSettings, rollout.sglang),
+                vllm=servers_settings(VLLMSettings, rollout.vllm),
             ),
             runner=runner,
             eval=EvalSettings(eval_samples_per_task=run.eval_samples_per_task, eval_max_tasks=run.eval_max_tasks,
@@ -144,3 +159,8 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
             metrics=MetricsSettings(run_dir=config.run_dir, name=run.name, wandb=config.wandb,
                                     run_config=config_to_dict(config)),
         )
+
+
+def servers_settings(kind: type[Servers], section: SGLangConfig | VLLMConfig) -> Servers:
+    """A server engine's client settings from its config section (each field is the key of the same name)."""
+    return kind(**{name: copy.copy(getattr(section, name)) for name in kind.__struct_fields__})

@@ -138,6 +138,10 @@ def make_engine(settings: EngineSettings, model_dir: Path, seed: int,
         from rollout.engines.sglang import SGLangEngine  # httpx is needed only by SGLang users
 
         return SGLangEngine(settings.sglang, stop)  # a generate waiting on its servers ends when `stop` is set
+    if settings.engine == "vllm":
+        from rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(settings.vllm, stop)
     return TorchEngine(model_dir, seed=seed, device=configured_device(settings.device), stop=stop,
                        cache_mib=settings.prefix_cache_mib)
 

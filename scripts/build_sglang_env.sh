@@ -40,7 +40,7 @@ log() { echo "build_sglang_env.sh: $*" >&2; }
 # Hash of everything that defines the environment.
 compute_hash() {
     {
-        cat "${BASH_SOURCE[0]}" "$REQS"
+        cat "${BASH_SOURCE[0]}" "$REQS" "$SCRIPT_DIR/patch_torchvision.py"
         find "$STUB_DIR" -type f -name '*.py' -print0 | LC_ALL=C sort -z | xargs -0 cat
     } | sha256sum | cut -d' ' -f1
 }
@@ -107,22 +107,8 @@ find "$SITE/sgl_kernel" -name '__pycache__' -prune -exec rm -rf {} +
 # beside CPU torch, after which torchvision/_meta_registrations.py fails at
 # import with "operator torchvision::nms does not exist".  Make those fake-op
 # registrations conditional on the extension having loaded.
-"$VPY" - "$SITE/torchvision/_meta_registrations.py" <<'PYEOF' || die "patching torchvision failed"
-import re, sys
-path = sys.argv[1]
-src = open(path).read()
-tag = "# async-rl patch"
-if tag not in src:
-    new, n = re.subn(
-        r'^@torch\.library\.register_fake\(("torchvision::\w+")\)[ \t]*$',
-        r'@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda f: f))  ' + tag,
-        src,
-        flags=re.M,
-    )
-    if n == 0:
-        sys.exit("no torchvision register_fake decorators found to patch")
-    open(path, "w").write(new)
-PYEOF
+"$VPY" "$SCRIPT_DIR/patch_torchvision.py" "$SITE/torchvision/_meta_registrations.py" \
+    || die "patching torchvision failed"
 
 # Smoke test: the modules the server needs must import on the CPU engine.
 if ! SGLANG_USE_CPU_ENGINE=1 "$VPY" -c '

@@ -69,13 +69,13 @@ def server_env(threads: int) -> dict[str, str]:
     return env
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health_generate") -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(url + "/health_generate", timeout=10) as r:
+            with urllib.request.urlopen(url + path, timeout=10) as r:
                 if r.status == 200:
                     return True
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
@@ -84,15 +84,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def server_args(doc: str, default_venv: str) -> argparse.ArgumentParser:
+    """The arguments every start script takes (start_vllm_server.py too)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--venv", default=DEFAULT_VENV)
+    ap.add_argument("--venv", default=default_venv)
     ap.add_argument("--log", default=None, help="server log file (default: <venv>/server-<port>.log)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for the server")
+    return ap
+
+
+def main() -> int:
+    ap = server_args(__doc__ or "", DEFAULT_VENV)
     ap.add_argument("--build", action="store_true", help="run build_sglang_env.sh first")
     ap.add_argument("--no-sleep-on-idle", action="store_true",
                     help="do not pass --sleep-on-idle (the idle scheduler then spins a core)")
@@ -112,18 +118,25 @@ def main() -> int:
 
     log_path = args.log or os.path.join(args.venv, f"server-{args.port}.log")
     cmd = build_command(args.venv, args.model_path, args.port, args.host, extra)
+    return launch(cmd, server_env(args.threads), f"http://{args.host}:{args.port}", log_path, args.timeout,
+                  "SGLang", "/health_generate")
+
+
+def launch(cmd: list[str], env: dict[str, str], url: str, log_path: str, timeout: float, name: str,
+           health_path: str) -> int:
+    """Start `cmd` in its own process group, logging to `log_path`; print its JSON line once `health_path`
+    answers 200 (exit status 0), or kill it and print the log's tail (1). Shared with start_vllm_server.py."""
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(args.threads), start_new_session=True)
-    url = f"http://{args.host}:{args.port}"
-    if not wait_healthy(url, proc, args.timeout):
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    if not wait_healthy(url, proc, timeout, health_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         with open(log_path, "rb") as f:
             tail = f.read()[-4000:].decode(errors="replace")
-        print(f"SGLang server did not become healthy (exit={proc.returncode}); log {log_path}:\n{tail}",
+        print(f"{name} server did not become healthy (exit={proc.returncode}); log {log_path}:\n{tail}",
               file=sys.stderr)
         return 1
     print(json.dumps({"pid": proc.pid, "pgid": proc.pid, "url": url, "log": log_path,

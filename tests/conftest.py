@@ -115,19 +115,35 @@ def pool(tmp_path_factory) -> Pool:
     tests that use them `xdist_group("sglang")` so that one worker starts them). A server venv that cannot be built
     fails them under CI (env CI=true: a skip would hide that no SGLang test ran) and skips them elsewhere, naming
     why (tests/test_sglang_env.py)."""
+    yield from _server_pool(tmp_path_factory, "SGLang", "build_sglang_env.sh", [])
+
+
+@pytest.fixture(scope="session")
+def vllm_pool(tmp_path_factory) -> Pool:
+    """The same for vLLM (`xdist_group("vllm")`; scripts/build_vllm_env.sh, about 5 min when missing), on a tiny
+    model with 2 heads of 32 (vLLM's CPU attention has no kernel for the default's head dimension of 16)."""
+    from vllm_server import VLLMServer
+
+    yield from _server_pool(tmp_path_factory, "vLLM", "build_vllm_env.sh", VLLM_MODEL, VLLMServer)
+
+
+VLLM_MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]  # the tiny model vLLM's CPU kernels can run
+
+
+def _server_pool(tmp_path_factory, name: str, script: str, model: list[str], kind=None):
     from rollout_helpers import model_dir_for
 
     from async_rl.config_load import load_config
 
-    venv, reason = build_venv()
+    venv, reason = build_venv(script)
     if venv is None:
         if under_ci():
-            pytest.fail(f"no SGLang server environment, and under CI (CI={os.environ['CI']}) the SGLang tests must "
+            pytest.fail(f"no {name} server environment, and under CI (CI={os.environ['CI']}) the {name} tests must "
                         f"run: {reason}", pytrace=False)
-        pytest.skip(f"no SGLang server environment: {reason}")
-    root = tmp_path_factory.mktemp("sglang")
-    model_dir = model_dir_for(load_config(None, [f"run.dir={root}", "run.name=base"]))
-    servers = Pool(venv, model_dir, root)
+        pytest.skip(f"no {name} server environment: {reason}")
+    root = tmp_path_factory.mktemp(name.lower())
+    model_dir = model_dir_for(load_config(None, [f"run.dir={root}", "run.name=base", *model]))
+    servers = Pool(venv, model_dir, root, *([kind] if kind else []))
     yield servers
     stops = [threading.Thread(target=server.stop) for server in servers.servers]
     for stop in stops:
@@ -141,3 +157,10 @@ def servers(pool: Pool) -> Pool:
     """The pool, both servers alive (a killed one started again) and at version 0."""
     pool.reset()
     return pool
+
+
+@pytest.fixture
+def vllm_servers(vllm_pool: Pool) -> Pool:
+    """The vLLM pool, both servers alive and at version 0."""
+    vllm_pool.reset()
+    return vllm_pool

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from async_rl.config import Config, RolloutConfig, SGLangConfig
+from async_rl.config import Config, RolloutConfig, SGLangConfig, VLLMConfig
 from rollout.envs.base import EnvFactory
 from rollout.prepare import prepare_model_dir
-from rollout.settings import RolloutSettings, SGLangSettings
+from rollout.settings import RolloutSettings, SGLangSettings, VLLMSettings
 
 
 def settings_of(config: Config) -> RolloutSettings:
@@ -23,3 +23,8 @@ def model_dir_for(config: Config, factory: EnvFactory | None = None) -> Path:
 def sglang_settings(**keys) -> SGLangSettings:
     """The SGLang engine's settings of a config whose `rollout.sglang` section has `keys` (the rest its defaults)."""
     return settings_of(Config(rollout=RolloutConfig(sglang=SGLangConfig(**keys)))).engine.sglang
+
+
+def vllm_settings(**keys) -> VLLMSettings:
+    """The vLLM engine's settings of a config whose `rollout.vllm` section has `keys` (the rest its defaults)."""
+    return settings_of(Config(rollout=RolloutConfig(vllm=VLLMConfig(**keys)))).engine.vllm

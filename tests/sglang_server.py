@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -27,20 +28,22 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes", "on")
 
 
-def build_venv() -> tuple[Path | None, str]:
-    """The venv path, or None and why it could not be built (build takes 1-2 min when missing)."""
+def build_venv(script: str = "build_sglang_env.sh") -> tuple[Path | None, str]:
+    """The venv path, or None and why it could not be built (SGLang's build takes 1-2 min when missing,
+    build_vllm_env.sh's about 5)."""
     try:
-        done = subprocess.run(["bash", str(SCRIPTS / "build_sglang_env.sh")], capture_output=True, text=True,
-                              timeout=1200)
+        done = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, timeout=1200)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"scripts/build_sglang_env.sh could not run: {exc}"
+        return None, f"scripts/{script} could not run: {exc}"
     if done.returncode != 0:
-        return None, f"scripts/build_sglang_env.sh failed: {done.stderr.strip()[-1500:]}"
+        return None, f"scripts/{script} failed: {done.stderr.strip()[-1500:]}"
     return Path(done.stdout.strip().splitlines()[-1]), ""
 
 
 @dataclass
 class SGLangServer:
+    START: ClassVar[str] = "start_sglang_server.py"
+    NAME: ClassVar[str] = "sglang"
     url: str
     pgid: int
     log: Path
@@ -92,12 +95,13 @@ class SGLangServer:
             time.sleep(0.02)
 
 
-def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path) -> list[SGLangServer]:
-    """Start one server per port concurrently; return once every one answers /health_generate."""
+def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path,
+                  kind: type[SGLangServer] = SGLangServer) -> list[SGLangServer]:
+    """Start one server per port concurrently (`kind.START`: its start script); return once every one serves."""
     launches = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "start_sglang_server.py"), "--model-path", str(model_dir),
-             "--port", str(port), "--venv", str(venv), "--log", str(log_dir / f"sglang-{port}.log"),
+            [sys.executable, str(SCRIPTS / kind.START), "--model-path", str(model_dir),
+             "--port", str(port), "--venv", str(venv), "--log", str(log_dir / f"{kind.NAME}-{port}.log"),
              "--timeout", "240"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
@@ -108,13 +112,13 @@ def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path) 
         out, err = launch.communicate(timeout=300)
         if launch.returncode == 0:
             info = json.loads(out.strip().splitlines()[-1])
-            servers.append(SGLangServer(info["url"], info["pgid"], Path(info["log"]), model_dir, port))
+            servers.append(kind(info["url"], info["pgid"], Path(info["log"]), model_dir, port))
         else:
             errors.append(f"port {port}: {err[-2000:]}")
     if errors:
         for server in servers:
             server.stop()
-        raise RuntimeError("SGLang server(s) did not start:\n" + "\n".join(errors))
+        raise RuntimeError(f"{kind.NAME} server(s) did not start:\n" + "\n".join(errors))
     return servers
 
 
@@ -127,9 +131,9 @@ def free_port() -> int:
 class Pool:
     """The session's servers; a test that kills one gets it back at the next `reset`."""
 
-    def __init__(self, venv: Path, model_dir: Path, log_dir: Path) -> None:
-        self.venv, self.model_dir, self.log_dir = venv, model_dir, log_dir
-        self.servers = start_servers(venv, model_dir, [free_port(), free_port()], log_dir)
+    def __init__(self, venv: Path, model_dir: Path, log_dir: Path, kind: type[SGLangServer] = SGLangServer) -> None:
+        self.venv, self.model_dir, self.log_dir, self.kind = venv, model_dir, log_dir, kind
+        self.servers = start_servers(venv, model_dir, [free_port(), free_port()], log_dir, kind)
 
     @property
     def urls(self) -> list[str]:
@@ -139,7 +143,8 @@ class Pool:
         for index, server in enumerate(self.servers):
             if not server.alive():
                 server.stop(signal.SIGKILL)
-                self.servers[index] = start_servers(self.venv, self.model_dir, [server.port], self.log_dir)[0]
+                self.servers[index] = start_servers(self.venv, self.model_dir, [server.port], self.log_dir,
+                                                    self.kind)[0]
 
     def reset(self) -> None:
         self.restart_dead()

@@ -107,6 +107,13 @@ def test_a_stop_token_ends_the_row_and_is_kept(servers):
 
 
 def test_disk_sync_moves_every_server_to_the_new_weights(servers, tmp_path):
+    disk_sync_moves_every_server(servers, tmp_path, engine_for)
+
+
+def disk_sync_moves_every_server(servers, tmp_path, engine_for) -> None:
+    """Disk sync through `engine_for(urls)`'s engines (tests/test_vllm.py runs it on vLLM servers): every server
+    at the new version, its tokens and log-probs the new weights'; a second worker loads nothing; a pruned version
+    is replaced by the newest beside it; nothing newer, nothing sent."""
     engine = engine_for(servers.urls)
     model = load_model(servers.model_dir).eval()
     old_model = load_model(servers.model_dir).eval()

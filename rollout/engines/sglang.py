@@ -58,7 +58,7 @@ from async_rl.security import sglang_headers
 from async_rl.weights.base import Loader, loader_for
 from async_rl.weights.hf_dir import load_view, version_dirs
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
-from rollout.settings import SGLangSettings
+from rollout.settings import SGLangSettings, VLLMSettings
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -144,17 +144,21 @@ class Row:
 
 
 class SGLangEngine:
-    def __init__(self, settings: SGLangSettings, stop: threading.Event | None = None) -> None:
-        """`stop`: when set (e.g. the worker's SIGTERM event), a `generate` that is waiting raises EngineStopped."""
+    kind, section = "SGLang", "sglang"  # in messages: the servers' name, the config section (rollout.<section>)
+    health_path = "/health_generate"  # what start-up asks each server (SGLang's runs a one-token generation)
+
+    def __init__(self, settings: SGLangSettings | VLLMSettings, stop: threading.Event | None = None) -> None:
+        """`settings`: a VLLMSettings for the subclass (rollout/engines/vllm.py). `stop`: when set (e.g. the worker's
+        SIGTERM event), a `generate` that is waiting raises EngineStopped."""
         if not settings.urls:
-            raise EngineUnavailable("rollout.sglang.urls: no SGLang server configured")
+            raise EngineUnavailable(f"rollout.{self.section}.urls: no {self.kind} server configured")
         self.settings = settings
         self.stop = stop
         self.closed = threading.Event()
         self.servers = [Server(url.rstrip("/")) for url in settings.urls]
-        self.http = httpx.Client(timeout=settings.request_timeout_s, headers=sglang_headers(settings.api_key_file))
+        self.http = httpx.Client(timeout=settings.request_timeout_s, headers=self._headers())
         # Several calls per server can be in flight: a server's re-sent rows need not wait for another's share.
-        self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix="sglang")
+        self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix=self.section)
         self.ratelog = RateLimitedLog(log, LOG_EVERY_S)
         self.latest_disk: tuple[int, str] | None = None  # (version, path) last asked for with disk sync
         # Counters (cumulative over the engine's life; the benchmark and the logs read them):
@@ -171,11 +175,11 @@ class SGLangEngine:
         self.checked: dict[tuple, str | None] = {}  # the files' identity -> their check's problem (None: good)
         for server in self.servers:
             try:
-                self._get(server, "/health_generate", timeout=min(HEALTH_TIMEOUT_S, settings.request_timeout_s))
+                self._get(server, self.health_path, timeout=min(HEALTH_TIMEOUT_S, settings.request_timeout_s))
             except ServerFailed as exc:
                 self._mark_dead(server, f"health check failed: {exc}")
         self.version = min(self._live_versions(wait=True))
-        log.info("SGLang engine: %d/%d server(s) healthy at version %d (partial rollouts %s)", len(self._live()),
+        log.info("%s engine: %d/%d server(s) healthy at version %d (partial rollouts %s)", self.kind, len(self._live()),
                  len(self.servers), self.version, "on" if settings.partial_rollouts else "off")
 
     # --- generation -------------------------------------------------------------------------------
@@ -184,7 +188,7 @@ class SGLangEngine:
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
-            raise ValueError("SGLangEngine.generate: every prompt needs at least one token")
+            raise ValueError(f"{type(self).__name__}.generate: every prompt needs at least one token")
         rows = [Row(list(p)) for p in prompts]
         results: list[Generation | None] = [None] * len(prompts)
         queue = list(range(len(prompts)))  # rows to send (again)
@@ -307,7 +311,7 @@ class SGLangEngine:
 
     def _check_stop(self) -> None:
         if self._stopping():
-            raise EngineStopped("the SGLang engine was told to stop while generating")
+            raise EngineStopped(f"the {self.kind} engine was told to stop while generating")
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, looking at the stop event every POLL_S (it may be set by a signal handler on this thread)."""
@@ -326,17 +330,17 @@ class SGLangEngine:
         while True:
             for server in self.servers:
                 if self._probe(server):
-                    log.warning("SGLang server %s answers after %.1f s without any; going on", server.url,
+                    log.warning("%s server %s answers after %.1f s without any; going on", self.kind, server.url,
                                 time.monotonic() - started)
                     return
             waited = time.monotonic() - started
             if waited >= self.settings.unavailable_timeout_s:
-                raise EngineUnavailable(f"no SGLang server left of {[s.url for s in self.servers]} (none answered "
-                                        f"for {waited:.0f} s, rollout.sglang.unavailable_timeout_s="
+                raise EngineUnavailable(f"no {self.kind} server left of {[s.url for s in self.servers]} (none "
+                                        f"answered for {waited:.0f} s, rollout.{self.section}.unavailable_timeout_s="
                                         f"{self.settings.unavailable_timeout_s:g})")
             self.ratelog("unavailable", logging.WARNING,
-                         "no SGLang server answers (of %d); waiting, %.0f s so far, giving up after %.0f s",
-                         len(self.servers), waited, self.settings.unavailable_timeout_s)
+                         "no %s server answers (of %d); waiting, %.0f s so far, giving up after %.0f s",
+                         self.kind, len(self.servers), waited, self.settings.unavailable_timeout_s)
             self._sleep(min(delay, self.settings.unavailable_timeout_s - waited))
             delay = min(2 * delay, UNAVAILABLE_BACKOFF_S[1])
 
@@ -349,7 +353,7 @@ class SGLangEngine:
         is refused by name (WeightsFormatError). With no server live, nothing happens now (the next `generate`
         waits for one; a server that rejoins catches up)."""
         native = "hf-dir" if self.settings.weight_sync == "disk" else "distributed"
-        loader_for(self.loaders, format or native, "the SGLang engine")(version, path)
+        loader_for(self.loaders, format or native, f"the {self.kind} engine")(version, path)
 
     def _load_dir(self, version: int, path: str) -> None:
         """The "hf-dir" loader: servers behind `version` load `path` (`_load_from_disk`); then the servers' version."""
@@ -370,7 +374,7 @@ class SGLangEngine:
         the servers report now."""
         versions = self._live_versions(wait=False)
         if not versions:
-            log.warning("policy version %d: no SGLang server answers now; generation waits for one", version)
+            log.warning("policy version %d: no %s server answers now; generation waits for one", version, self.kind)
             return
         self.version = min(versions)
         log.info("policy version %d on %d server(s)", self.version, len(self._live()))
@@ -410,17 +414,25 @@ class SGLangEngine:
             break
         try:
             self._check(view, path)
-            body = {"model_path": str(view), "weight_version": str(version)}
-            if self.settings.pause_mode == "abort":
-                body["abort_all_requests"] = True
             for server in servers:
                 try:
-                    self._post(server, "/update_weights_from_disk", body)
+                    self._load_into(server, view, version)
                 except ServerFailed:
                     continue  # marked dead; later batches go to the others
                 log.info("%s: policy version %d loaded from %s", server.url, version, path)
         finally:
             shutil.rmtree(view, ignore_errors=True)  # the servers hold the weights in memory (or failed)
+
+    def _load_into(self, server: Server, view: Path, version: int) -> None:
+        """One server loads the checked view and labels its weights `version` (`/update_weights_from_disk`; with
+        pause_mode abort, `abort_all_requests`); ServerFailed when it fails."""
+        body: dict[str, Any] = {"model_path": str(view), "weight_version": str(version)}
+        if self.settings.pause_mode == "abort":
+            body["abort_all_requests"] = True
+        self._post(server, "/update_weights_from_disk", body)
+
+    def _headers(self) -> dict[str, str]:
+        return sglang_headers(self.settings.api_key_file)
 
     def _check(self, view: Path, path: str) -> None:
         """The view's files (hard links to `path`'s: what the server will read) against `path`'s manifest; a file
@@ -443,7 +455,8 @@ class SGLangEngine:
         if path not in self.refused_paths:
             self.refused_paths.add(path)
             self.weights_refused += 1
-            log.error("SGLang weights %s fail their check (%s): refused, never sent to a server", path, problem)
+            log.error("%s weights %s fail their check (%s): refused, never sent to a server", self.kind, path,
+                      problem)
 
     def _live_versions(self, wait: bool) -> list[int]:
         while True:
@@ -478,7 +491,7 @@ class SGLangEngine:
         except ServerFailed:
             return False
         server.alive = True
-        log.warning("SGLang server %s answers again; using it", server.url)
+        log.warning("%s server %s answers again; using it", self.kind, server.url)
         if self.latest_disk is not None:
             version, path = self.latest_disk
             try:
@@ -490,7 +503,7 @@ class SGLangEngine:
 
     def _mark_dead(self, server: Server, reason: str) -> None:
         if server.alive:
-            log.error("SGLang server %s lost: %s", server.url, reason)
+            log.error("%s server %s lost: %s", self.kind, server.url, reason)
         server.alive, server.dead_since = False, time.monotonic()
 
     def _request(self, server: Server, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -1,0 +1,146 @@
+"""The vLLM engine: a client of vLLM's token-in/token-out and RL HTTP routes, behind the same interface as SGLang's.
+
+Everything but the wire is the SGLang engine's (rollout/engines/sglang.py, subclassed): rows split over the live
+servers of `rollout.vllm.urls`, preempted rows continued as partial rollouts, failed servers marked dead and their
+rows re-sent, no server at all waited for, HF directories checked against their manifest and loaded from a view
+of hard links. What differs is how one server is spoken to (vLLM 0.32, started as scripts/start_vllm_server.py
+does):
+
+* **Generation**: one `POST /inference/v1/generate` per row (`--enable-scale-out`; vLLM batches the rows that are
+  in flight together): `token_ids` in, `token_ids` out, never detokenized and tokenized again; `logprobs: 0`
+  gives the sampled token's log-prob, which `--logprobs-mode processed_logprobs` makes log_softmax(logits /
+  temperature) (top-p, if asked for, also renormalizes it: keep `rollout.top_p` 1); each choice's
+  `weight_versions` spans say which weights sampled each token. EOS ends a row only when stop tokens are asked for
+  (as SGLang: `ignore_eos` otherwise); a stop token or stop string is kept in the output
+  (`include_stop_str_in_output`; stop strings need `detokenize`, so the server's tokenizer). A reply with
+  `finish_reason` "abort" (a weight update's `/pause?mode=abort`) is a preemption; a 4xx is the server refusing
+  that row; 5xx or no answer, a failed server.
+* **Version**: `GET /weight_info` ("default" at start: version 0).
+* **Weight update** of one server, holding its scheduler paused so that no token is sampled between the load and
+  the label (`VLLM_SERVER_DEV_MODE=1` routes): `POST /pause?mode=` (pause_mode in_place: `wait`, running rows
+  finish on the old weights; abort: `abort`, they come back aborted and are continued; keep: `keep`, they are
+  frozen and go on in the server on the new weights, the version spans recording where), `POST /collective_rpc`
+  `reload_weights` with `weights_path` (vLLM's in-place reload from an HF directory), `POST
+  /update_weight_version`, then always `POST /resume`. Only "hf-dir" notices are loaded; no NCCL/gloo path yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+from async_rl.security import vllm_headers
+from rollout.engines.base import SamplingParams
+from rollout.engines.sglang import Piece, Server, ServerFailed, SGLangEngine, parse_version
+from rollout.settings import VLLMSettings
+
+ROWS_PER_SERVER = 64  # rows one engine keeps in flight on one server at most (one HTTP request each)
+PAUSE_MODES = {"in_place": "wait", "abort": "abort", "keep": "keep"}
+
+
+class VLLMEngine(SGLangEngine):
+    kind, section = "vLLM", "vllm"
+    health_path = "/health"
+
+    def __init__(self, settings: VLLMSettings, stop: threading.Event | None = None) -> None:
+        self.rows = ThreadPoolExecutor(max_workers=ROWS_PER_SERVER * max(1, len(settings.urls)),
+                                       thread_name_prefix="vllm-row")
+        super().__init__(settings, stop)
+        self.loaders.pop("distributed")  # the learner cannot push into vLLM servers yet: refused by name
+
+    def _headers(self) -> dict[str, str]:
+        return vllm_headers(self.settings.api_key_file)
+
+    # --- generation -------------------------------------------------------------------------------
+
+    def _generate_on(self, server: Server, requests: list[tuple[list[int], int]],
+                     params: SamplingParams) -> list[Piece]:
+        """The rows of one share, each its own request, all in flight at once; ServerFailed if any failed."""
+        jobs = [self.rows.submit(self._generate_row, server, ids, max_new_tokens, params)
+                for ids, max_new_tokens in requests]
+        pieces, failure = [], None
+        for job in jobs:
+            try:
+                pieces.append(job.result())
+            except ServerFailed as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return pieces
+
+    def _generate_row(self, server: Server, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Piece:
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": max_new_tokens,
+            "logprobs": 0,
+            "stop_token_ids": params.stop_token_ids,
+            "ignore_eos": not params.stop_token_ids,
+            "detokenize": bool(params.stop),
+            **({"stop": params.stop, "include_stop_str_in_output": True} if params.stop else {}),
+        }
+        response = self._request(server, "POST", "/inference/v1/generate",
+                                 json={"token_ids": ids, "sampling_params": sampling})
+        if response.status_code != 200:
+            return Piece([], [], [], "refused", f"HTTP {response.status_code}: {response.text[:300]}")
+        try:
+            return _piece(response.json()["choices"][0])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ServerFailed(f"{server.url}/inference/v1/generate: unreadable reply ({exc!r}): "
+                               f"{response.text[:200]}") from exc
+
+    # --- weights ----------------------------------------------------------------------------------
+
+    def _server_version(self, server: Server) -> int:
+        return parse_version(self._get(server, "/weight_info").get("weight_version"))
+
+    def _load_into(self, server: Server, view: Path, version: int) -> None:
+        """Pause `server` (by pause_mode), reload its weights from `view`, label them `version`, resume it."""
+        mode = PAUSE_MODES[self.settings.pause_mode]
+        # "wait" lasts as long as the longest running request (each bounded by request_timeout_s).
+        self._call(server, f"/pause?mode={mode}", {}, timeout=2 * self.settings.request_timeout_s + 10)
+        resumed = False
+        try:
+            self._call(server, "/collective_rpc", {"method": "reload_weights",
+                                                   "kwargs": {"weights_path": str(view)}})
+            self._call(server, "/update_weight_version", {"new_version": str(version)})
+            resumed = True
+            self._call(server, "/resume", {})
+        finally:
+            if not resumed:  # a failed load still resumes the server (its tokens then carry its old version)
+                with contextlib.suppress(ServerFailed, RuntimeError):
+                    self._call(server, "/resume", {})
+
+    def _call(self, server: Server, path: str, body: dict, timeout: float | None = None) -> None:
+        """POST `body`; RuntimeError when the server refuses it (4xx), ServerFailed when it fails."""
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        response = self._request(server, "POST", path, json=body, **kwargs)
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.url}{path} refused the request: HTTP {response.status_code}: "
+                               f"{response.text[:300]}")
+
+    def close(self) -> None:
+        super().close()
+        self.rows.shutdown(wait=False, cancel_futures=True)
+
+
+def _piece(choice: dict) -> Piece:
+    """One /inference/v1/generate choice: its tokens, their log-probs, each one's weight version."""
+    token_ids = [int(token) for token in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if [int(entry["token_id"]) for entry in content] != token_ids:
+        raise ValueError(f"log-probs for {len(content)} tokens do not match the {len(token_ids)} generated")
+    versions = [0] * len(token_ids)
+    for span in choice.get("weight_versions") or []:
+        version = parse_version(span["version"])
+        for position in range(span["start"], min(span["end"], len(token_ids))):
+            versions[position] = version
+    reason = choice.get("finish_reason")
+    finish: Literal["stop", "length", "preempted", "refused"] = (
+        "stop" if reason == "stop" else "length" if reason == "length" else
+        "preempted" if reason == "abort" else "refused")
+    return Piece(token_ids, [float(entry["logprob"]) for entry in content], versions, finish,
+                 "" if finish != "refused" else f"finish_reason {reason!r}")

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Start a real vLLM server on the CPU for tests and wait until it serves.
+
+Runs with any Python 3 (stdlib only); the server itself runs with the python of the venv built by
+scripts/build_vllm_env.sh.
+
+    python scripts/start_vllm_server.py --model-path DIR --port 8000 [--venv PATH] [--log FILE] [--timeout 300]
+        [-- EXTRA VLLM ARGS]
+
+Always passes --dtype float32 --enforce-eager --max-model-len 256 (--max-model-len), --logprobs-mode
+processed_logprobs (a token's log-prob under the temperature the request asked for, what the learner
+recomputes) and --enable-scale-out (the token-in/token-out /inference/v1/generate, whose replies carry each
+token's weight version); sets VLLM_SERVER_DEV_MODE=1 (the RL routes: /pause, /resume, /collective_rpc,
+/update_weight_version, /weight_info), VLLM_CPU_KVCACHE_SPACE=1 (GiB), VLLM_CPU_OMP_THREADS_BIND=nobind and
+OMP_NUM_THREADS (--threads). The CPU attention kernels need a head dimension of 32, 64, 80, 96, 112, 128,
+160, 192, 224, 256 or 512 (the default tiny model's 16 fails at the first request).
+
+On success prints one JSON line {"pid", "pgid", "url", "log", "startup_s"} and exits 0, leaving the server
+running in its own process group (stop it with os.killpg(pgid, SIGTERM)); on failure kills what it started,
+prints the log's tail to stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from start_sglang_server import launch, server_args  # noqa: E402  (the same arguments and launch)
+
+DEFAULT_VENV = os.environ.get(
+    "ASYNC_RL_VLLM_VENV", os.path.join(os.path.expanduser("~"), ".cache", "async-rl", "vllm-venv"))
+
+
+def build_command(venv: str, model_path: str, port: int, host: str, max_model_len: int, extra: list[str]) -> list[str]:
+    # `vllm serve` asks importlib.metadata for a "vllm" distribution, which vllm-cpu is not: run the module.
+    return [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+            "--host", host, "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+            *extra]
+
+
+def server_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for leak in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP"):  # the server venv sees nothing of the caller's python
+        env.pop(leak, None)
+    env.update(VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def main() -> int:
+    ap = server_args(__doc__ or "", DEFAULT_VENV)
+    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="extra vLLM args after --")
+    args = ap.parse_args()
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    if not os.path.exists(os.path.join(args.venv, "bin", "python")):
+        print(f"no vLLM venv at {args.venv}; run scripts/build_vllm_env.sh", file=sys.stderr)
+        return 1
+    log_path = args.log or os.path.join(args.venv, f"server-{args.port}.log")
+    cmd = build_command(args.venv, args.model_path, args.port, args.host, args.max_model_len, extra)
+    return launch(cmd, server_env(args.threads), f"http://{args.host}:{args.port}", log_path, args.timeout, "vLLM",
+                  "/health")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
