@@ -8,13 +8,12 @@ line to the components that read it by its name; a component gets its own struct
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 
-from async_rl.config import Config, ModelConfig, SGLangConfig, VLLMConfig
+from async_rl.config import Config, ModelConfig
 from async_rl.config_load import config_to_dict
 from async_rl.telemetry import MetricsSettings
 
@@ -60,9 +59,6 @@ class VLLMSettings(msgspec.Struct, frozen=True, kw_only=True):
     partial_rollouts: bool  # rollout.vllm.partial_rollouts
     unavailable_timeout_s: float  # rollout.vllm.unavailable_timeout_s
     api_key_file: str | None  # rollout.vllm.api_key_file
-
-
-Servers = TypeVar("Servers", SGLangSettings, VLLMSettings)
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,8 +146,9 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
             model_dir=ModelDirSettings(model=config.model, run_dir=config.run_dir, seed=run.seed, env=env),
             engine=EngineSettings(
                 engine=rollout.engine, device=rollout.device, prefix_cache_mib=rollout.prefix_cache_mib,
-                sglang=servers_settings(SGLangSettings, rollout.sglang),
-                vllm=servers_settings(VLLMSettings, rollout.vllm),
+                # a server engine's client settings: its section's keys of the same names
+                sglang=msgspec.convert(msgspec.to_builtins(rollout.sglang), SGLangSettings),
+                vllm=msgspec.convert(msgspec.to_builtins(rollout.vllm), VLLMSettings),
             ),
             runner=runner,
             eval=EvalSettings(eval_samples_per_task=run.eval_samples_per_task, eval_max_tasks=run.eval_max_tasks,
@@ -160,7 +157,3 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
                                     run_config=config_to_dict(config)),
         )
 
-
-def servers_settings(kind: type[Servers], section: SGLangConfig | VLLMConfig) -> Servers:
-    """A server engine's client settings from its config section (each field is the key of the same name)."""
-    return kind(**{name: copy.copy(getattr(section, name)) for name in kind.__struct_fields__})
