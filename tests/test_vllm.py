@@ -149,16 +149,17 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
     updater.close()
 
 
-@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
-def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mode):
+@pytest.mark.parametrize(("pause_mode", "lora"), [("abort", []), ("keep", ["learner.lora.rank=4"])])
+def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mode, lora):
     """`async-rl train rollout.engine=vllm`: two workers sharing two vLLM servers, each published version loaded
     from the learner's HF directory (abort: each worker's update aborts the other's requests; keep: they go on in
-    place), multi-token actions: every version trained, the ledger balanced, nothing lost."""
+    place), multi-token actions: every version trained, the ledger balanced, nothing lost. With LoRA (keep) the
+    servers load the base with the adapter merged in, the directory the learner publishes."""
     run = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t",
          f"model.path={vllm_servers.model_dir}", *TRAIN, "rollout.engine=vllm",
          f"rollout.vllm.urls=[{','.join(vllm_servers.urls)}]", f"rollout.vllm.pause_mode={pause_mode}",
-         "run.max_versions=12", "rollout.max_new_tokens=6", "run.eval_samples_per_task=0"],
+         "run.max_versions=12", "rollout.max_new_tokens=6", "run.eval_samples_per_task=0", *lora],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = run.communicate(timeout=400)
     assert run.returncode == 0, err[-3000:]
