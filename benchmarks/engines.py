@@ -19,6 +19,7 @@ built-in engine's, round by round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -127,10 +128,8 @@ def main() -> int:
                       f"{result['final_success_rate']}, {result['versions']} versions", flush=True)
     finally:
         for server in servers.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(server["pgid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         time.sleep(2)
     cmd = "python benchmarks/engines.py" + (" --quick" if args.quick else f" --runs {runs}") + (
         f" --engines {args.engines}" if args.engines != ",".join(ENGINES) else "")

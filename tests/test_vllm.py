@@ -149,7 +149,8 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
     updater.close()
 
 
-@pytest.mark.parametrize(("pause_mode", "lora"), [("abort", []), ("keep", ["learner.lora.rank=4"])])
+@pytest.mark.parametrize(("pause_mode", "lora"), [("abort", []), ("keep", ["learner.lora.rank=4"])],
+                         ids=["abort", "keep-lora"])
 def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mode, lora):
     """`async-rl train rollout.engine=vllm`: two workers sharing two vLLM servers, each published version loaded
     from the learner's HF directory (abort: each worker's update aborts the other's requests; keep: they go on in
