@@ -101,6 +101,18 @@ def expand_kustomization(kz: Kustomization = SGLANG) -> list[dict]:
     return docs
 
 
+def render_command(kz: Kustomization) -> list[str]:
+    """The render command docs/deploy.md prints for the kustomization (its line's part before `| kubectl apply`);
+    the kustomization's own header comment prints the same."""
+    directory = kz.directory.relative_to(ROOT).as_posix()
+    printed = [line.split("|")[0].split() for line in (ROOT / "docs" / "deploy.md").read_text().splitlines()
+               if line.startswith("kubectl kustomize ")]
+    (command,) = [words for words in printed if words[-1] == directory]
+    assert command == ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", directory]
+    assert f"#   {' '.join(command)} | kubectl apply -f -" in (kz.directory / "kustomization.yaml").read_text()
+    return command
+
+
 def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kz: Kustomization = SGLANG) -> list[dict]:
     """`kubectl kustomize` on a copy of deploy/k8s and configs/ whose secrets are the examples and fresh keys."""
     kubectl = shutil.which("kubectl")
@@ -112,9 +124,7 @@ def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kz: Kus
         shutil.copy(example, example.with_suffix(""))
     monkeypatch.chdir(tmp_path)
     assert async_rl(["keys", "deploy/k8s/secrets/curve", "--workers", "4"]) == 0  # docs/deploy.md, step 2
-    directory = kz.directory.relative_to(ROOT).as_posix()  # as docs/deploy.md renders it
-    out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", directory],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([kubectl, *render_command(kz)[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
