@@ -14,6 +14,8 @@ built-in engine's, round by round.
     python benchmarks/engines.py                  # 3 rounds (docs/results.md, "Rollout engines")
     python benchmarks/engines.py --quick          # 1 round of 3 versions (the script runs end to end)
     python benchmarks/engines.py --engines torch,vllm --runs 5
+    # servers already running on a model directory of that shape (the script resets them to its weights)
+    python benchmarks/engines.py --engines torch,vllm --url vllm=http://127.0.0.1:8000 --model-dir DIR
 """
 
 from __future__ import annotations
@@ -97,22 +99,31 @@ def main() -> int:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--quick", action="store_true", help="one round of 3 versions, no evaluation")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    parser.add_argument("--url", action="append", default=[], metavar="ENGINE=URL",
+                        help="a running server of ENGINE to use instead of starting one (left running)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the model directory those servers were started on (default: built here)")
     args = parser.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if bad := [e for e in engines if e not in ENGINES]:
         parser.error(f"--engines: unknown {bad[0]!r} (expected some of {', '.join(ENGINES)})")
     if args.runs < 1:
         parser.error(f"--runs: expected >= 1, got {args.runs}")
+    given = dict(u.split("=", 1) for u in args.url if "=" in u)
+    if len(given) != len(args.url) or set(given) - set(START):
+        parser.error(f"--url: expected ENGINE=URL with ENGINE sglang or vllm, got {args.url}")
+    if given and args.model_dir is None:
+        parser.error("--url: give the servers' --model-dir too (every engine must start from the same weights)")
     runs, task = (1, ["run.max_versions=3", "run.target_success=null", "run.eval_samples_per_task=0"]) \
         if args.quick else (args.runs, [])
     out = OUT_DIR / "engines"
     out.mkdir(parents=True, exist_ok=True)
-    config = load_config(None, [f"run.dir={out}", "run.name=base", *MODEL])
-    model_dir = prepare_model_dir(RolloutSettings.from_config(config).model_dir)
-    servers: dict[str, dict] = {}
+    model_dir = args.model_dir or prepare_model_dir(
+        RolloutSettings.from_config(load_config(None, [f"run.dir={out}", "run.name=base", *MODEL])).model_dir)
+    servers: dict[str, dict] = {engine: {"url": url, "pgid": None, "startup_s": None} for engine, url in given.items()}
     try:
         for engine in engines:
-            if engine != "torch":
+            if engine != "torch" and engine not in servers:
                 servers[engine] = start_server(engine, model_dir, out)
                 print(f"{engine} server up in {servers[engine]['startup_s']:.0f} s", flush=True)
         results: dict[str, list[dict]] = {engine: [] for engine in engines}
@@ -128,11 +139,13 @@ def main() -> int:
                       f"{result['final_success_rate']}, {result['versions']} versions", flush=True)
     finally:
         for server in servers.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server["pgid"], signal.SIGTERM)
+            if server["pgid"] is not None:  # started here
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server["pgid"], signal.SIGTERM)
         time.sleep(2)
     cmd = "python benchmarks/engines.py" + (" --quick" if args.quick else f" --runs {runs}") + (
-        f" --engines {args.engines}" if args.engines != ",".join(ENGINES) else "")
+        f" --engines {args.engines}" if args.engines != ",".join(ENGINES) else "") + "".join(
+        f" --url {u}" for u in args.url) + (f" --model-dir {args.model_dir}" if args.model_dir else "")
     columns = ["engine", "server start s", "median wall s", "range s", "÷ torch (median, range)", "final success",
                "versions"]
     rows, summary = [], {"machine": machine(), "command": cmd, "engines": {}}
@@ -140,7 +153,8 @@ def main() -> int:
     for engine in engines:
         walls = [r["wall_s"] for r in results[engine]]
         ratios = sorted(w / b for w, b in zip(walls, base, strict=True)) if base and engine != "torch" else []
-        rows.append([engine, f"{servers[engine]['startup_s']:.0f}" if engine in servers else "-",
+        startup = servers.get(engine, {}).get("startup_s")
+        rows.append([engine, f"{startup:.0f}" if startup is not None else "-",
                      f"{statistics.median(walls):.1f}", f"{min(walls):.1f}–{max(walls):.1f}",
                      f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f})" if ratios else "-",
                      " ".join(f"{r['final_success_rate']:.2f}" for r in results[engine]),

@@ -573,3 +573,17 @@ def test_agent_endpoint_quick():
     result = run_benchmark("agent_endpoint.py", timeout_s=300)
     assert set(result["completions_per_s"]) == {"engine", "runner", "endpoint"}
     assert result["endpoint_vs_engine"] > 0 and result["endpoint_vs_runner"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")  # on the worker that holds the vLLM tests' pool (tests/conftest.py)
+def test_engines_quick(vllm_servers):
+    """Slow: the quick start's task for 3 versions on the built-in engine and on a real vLLM server (the pool's
+    first, on its tiny model with vLLM-sized heads, the shape the script builds), each run's time and the ratio."""
+    result = run_benchmark("engines.py", 400, "--engines", "torch,vllm", "--url", f"vllm={vllm_servers.urls[0]}",
+                           "--model-dir", str(vllm_servers.model_dir))
+    torch_run, vllm_run = result["engines"]["torch"]["runs"][0], result["engines"]["vllm"]["runs"][0]
+    assert torch_run["versions"] == vllm_run["versions"] == 3 and vllm_run["env_steps"] > 0
+    assert result["engines"]["vllm"]["ratio_to_torch"] == [vllm_run["wall_s"] / torch_run["wall_s"]]
+    assert vllm_servers.servers[0].model_info()["weight_version"] == "3"  # the run's versions reached the server
