@@ -35,7 +35,7 @@ from async_rl.weights.hf_dir import write_hf_dir
 from learner.settings import LearnerSettings
 from learner.sglang_sync import DistributedWeightSync
 from rollout.engines import EngineStopped, EngineUnavailable, SamplingParams
-from rollout.engines.sglang import SGLangEngine
+from rollout.engines.sglang import Piece, SGLangEngine
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow,
               pytest.mark.xdist_group("sglang")]  # one pool of SGLang servers for the whole file
@@ -297,15 +297,19 @@ class Hammer:
                         self.version += 1
                         path = self.paths[self.version % len(self.paths)]
                         for url in self.urls:
-                            http.post(url + "/pause_generation", json={"mode": "abort"}).raise_for_status()
-                            try:
-                                http.post(url + "/update_weights_from_disk", json={
-                                    "model_path": str(path), "weight_version": str(self.version)}).raise_for_status()
-                            finally:
-                                http.post(url + "/continue_generation", json={}).raise_for_status()
+                            self.load(http, url, path)
                     self.rounds += 1
                 except httpx.HTTPError as exc:  # reported by the test; never leave a server paused
                     self.errors.append(repr(exc))
+
+    def load(self, http: httpx.Client, url: str, path: Path) -> None:
+        """One aborting update of one server: `path`'s weights, labelled with the next version."""
+        http.post(url + "/pause_generation", json={"mode": "abort"}).raise_for_status()
+        try:
+            http.post(url + "/update_weights_from_disk", json={
+                "model_path": str(path), "weight_version": str(self.version)}).raise_for_status()
+        finally:
+            http.post(url + "/continue_generation", json={}).raise_for_status()
 
 
 def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprobs(servers, tmp_path):
@@ -317,7 +321,20 @@ def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprob
     model_b = load_model(servers.model_dir).eval()
     path_b = write_hf_dir(learner_step(model_b, 5, steps=2), servers.model_dir, tmp_path / "hf-b")
     engine = engine_for(servers.urls[:1], pause_mode="abort")
-    seen = []  # (request input_ids, piece) of every aborted reply that kept tokens
+    seen = recording_preempted(engine)
+    prompts = PROMPTS * 8
+    with Hammer(servers.urls[:1], paths=[servers.model_dir, path_b], every_s=0.4) as hammer:
+        generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=200))
+    print(f"{hammer.rounds} aborting updates; {engine.preemptions} rows preempted, {engine.tokens_kept} tokens kept")
+    assert not hammer.errors and hammer.rounds >= 2 and engine.preemptions >= 2 and seen
+    worst = assert_each_prefix_kept_with_its_version(prompts, generations, seen, model_a, model_b)
+    print(f"max |sglang - learner| log-prob diff, each token against its own version: {worst:.2e}")
+    engine.close()
+
+
+def recording_preempted(engine: SGLangEngine) -> list[tuple[list[int], Piece]]:
+    """(request ids, piece) of every preempted reply of `engine` that kept tokens, recorded from now on."""
+    seen: list[tuple[list[int], Piece]] = []
     send = engine._generate_on
 
     def recording(server, requests, params):
@@ -327,15 +344,17 @@ def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprob
         return pieces
 
     engine._generate_on = recording
-    prompts = PROMPTS * 8
-    with Hammer(servers.urls[:1], paths=[servers.model_dir, path_b], every_s=0.4) as hammer:
-        generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=200))
-    print(f"{hammer.rounds} aborting updates; {engine.preemptions} rows preempted, {engine.tokens_kept} tokens kept")
-    assert not hammer.errors and hammer.rounds >= 2 and engine.preemptions >= 2 and seen
+    return seen
+
+
+def assert_each_prefix_kept_with_its_version(prompts, generations, seen, model_a, model_b) -> float:
+    """Every row completed at full length; versions never go back inside an action and some action spans two; the
+    prefix each abort left is in the final action unchanged (tokens, the log-probs reported then, versions); and
+    every token's log-prob is that of the weights its version names (model A even, B odd) within LOGPROB_TOL.
+    Returns the worst log-prob difference."""
     assert all(len(g.token_ids) == 200 and g.finish_reason == "length" for g in generations)
     assert all(g.versions == sorted(g.versions) for g in generations)
     assert any(len(set(g.versions)) > 1 for g in generations)
-    # The prefix an abort left is in the final action unchanged: tokens, the log-probs reported then, versions.
     finished = {tuple(p + g.token_ids): (p, g) for p, g in zip(prompts, generations, strict=True)}
     for ids, piece in seen:
         whole = ids + piece.token_ids
@@ -345,8 +364,7 @@ def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprob
             start = len(ids) - len(prompt)
             assert g.logprobs[start : start + len(piece.token_ids)] == piece.logprobs
             assert g.versions[start : start + len(piece.token_ids)] == piece.versions
-    # Each token's behaviour log-prob is that of the weights its version names (A even, B odd), on both sides of
-    # every switch: the per-token importance ratio is exact for a mixed action.
+    # On both sides of every switch: the per-token importance ratio is exact for a mixed action.
     worst = 0.0
     with torch.no_grad():
         for prompt, g in zip(prompts, generations, strict=True):
@@ -355,9 +373,8 @@ def test_repeated_aborting_updates_keep_each_prefix_with_its_version_and_logprob
                           for parity, model in ((0, model_a), (1, model_b))}
             for t, (logprob, version) in enumerate(zip(g.logprobs, g.versions, strict=True)):
                 worst = max(worst, abs(by_version[version % 2][t].item() - logprob))
-    print(f"max |sglang - learner| log-prob diff, each token against its own version: {worst:.2e}")
     assert worst < LOGPROB_TOL
-    engine.close()
+    return worst
 
 
 def test_a_waiting_engine_stops_promptly_when_told(servers):

@@ -8,10 +8,15 @@ The helpers (learner-like steps, log-prob recomputation) are test_sglang.py's: t
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 from rollout_helpers import vllm_settings
 from test_sglang import (
@@ -19,12 +24,15 @@ from test_sglang import (
     LOGPROB_TOL,
     PROMPTS,
     TRAIN,
+    Hammer,
+    assert_each_prefix_kept_with_its_version,
     assert_invariants,
     disk_sync_moves_every_server,
     flip_a_byte,
     learner_step,
     max_logprob_diff,
     metrics,
+    recording_preempted,
 )
 
 from async_rl.errors import WeightsError
@@ -102,6 +110,62 @@ def test_a_damaged_hf_dir_is_refused_before_any_vllm_server_loads_it(vllm_server
         engine.update_weights(1, str(path))
     assert engine.weights_refused == 1 and engine.version == 0
     assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["0", "0"]  # as the reset left them
+    engine.close()
+
+
+def test_a_directory_pruned_between_the_check_and_the_vllm_servers_read_is_still_loaded(vllm_servers, tmp_path):
+    """The learner prunes hf-v<N>/ just as the first server is told to load it (learner.keep_weights): the engine
+    hands the servers its own hard links to the checked files, so each reads exactly what was checked."""
+    engine = engine_for(vllm_servers.urls)
+    weights = tmp_path / "weights"
+    path = write_hf_dir(learner_step(load_model(vllm_servers.model_dir), 7), vllm_servers.model_dir,
+                        weights / "hf-v1")
+    pruned = []
+
+    def prune_on_load(request) -> None:  # noqa: ANN001 - httpx.Request
+        if request.url.path == "/collective_rpc" and path.exists():
+            shutil.rmtree(path)  # as HFDirPublisher.prune does (async_rl/weights/hf_dir.py)
+            pruned.append(json.loads(request.content)["kwargs"]["weights_path"])
+
+    engine.http.event_hooks = {"request": [prune_on_load], "response": []}
+    engine.update_weights(1, str(path))
+    assert pruned and not path.exists(), "the directory was pruned while the first server loaded"
+    assert engine.version == 1 and [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["1", "1"]
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))[0].versions == [1, 1]
+    assert sorted(p.name for p in weights.iterdir()) == [], "the engine's links are removed after the load"
+    engine.close()
+
+
+class VLLMHammer(Hammer):
+    """test_sglang.py's Hammer through vLLM's routes: pause aborting, reload, label, resume."""
+
+    def load(self, http: httpx.Client, url: str, path: Path) -> None:
+        http.post(url + "/pause", params={"mode": "abort"}).raise_for_status()
+        try:
+            http.post(url + "/collective_rpc", json={"method": "reload_weights",
+                                                     "kwargs": {"weights_path": str(path)}}).raise_for_status()
+            http.post(url + "/update_weight_version", json={"new_version": str(self.version)}).raise_for_status()
+        finally:
+            http.post(url + "/resume").raise_for_status()
+
+
+def test_ten_aborting_updates_in_a_row_keep_each_prefix_with_its_version_and_logprobs(vllm_servers, tmp_path):
+    """A thread aborts the server's requests again and again (at least ten times), loading model A (even versions)
+    or B (odd) each time, while long actions are generated: every row completes, each aborted prefix is kept as it
+    was (tokens, log-probs, versions), versions never go back, and each token's log-prob is its version's."""
+    model_a, model_b = load_model(vllm_servers.model_dir).eval(), load_model(vllm_servers.model_dir).eval()
+    path_b = write_hf_dir(learner_step(model_b, 5, steps=2), vllm_servers.model_dir, tmp_path / "hf-b")
+    engine = engine_for(vllm_servers.urls[:1], pause_mode="abort")
+    seen = recording_preempted(engine)
+    prompts = PROMPTS * 8
+    with VLLMHammer(vllm_servers.urls[:1], paths=[vllm_servers.model_dir, path_b], every_s=0.05) as hammer:
+        generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=200))
+        while hammer.rounds < 10 and not hammer.errors:  # ten updates at least, the last ones maybe after the rows
+            time.sleep(0.05)
+    print(f"{hammer.rounds} aborting updates; {engine.preemptions} rows preempted, {engine.tokens_kept} tokens kept")
+    assert not hammer.errors and hammer.rounds >= 10 and engine.preemptions >= 2 and seen
+    worst = assert_each_prefix_kept_with_its_version(prompts, generations, seen, model_a, model_b)
+    print(f"max |vllm - learner| log-prob diff, each token against its own version: {worst:.2e}")
     engine.close()
 
 
