@@ -164,8 +164,8 @@ class DistributedWeightSync:
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
         """One request (`timeout`: longer than rollout.<kind>.request_timeout_s, for a call that waits on purpose)."""
-        extra = {"timeout": timeout} if timeout is not None else {}
-        response = self.http.request(method, url + path, json=body, **extra)
+        response = self.http.request(method, url + path, json=body,
+                                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         if response.status_code != 200:
             raise RuntimeError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json() if response.content else {}
