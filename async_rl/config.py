@@ -141,7 +141,8 @@ class SGLangConfig(_Section):
 class VLLMConfig(_Section):
     urls: Annotated[list[str], doc(
         "vLLM servers (started as scripts/start_vllm_server.py does: `VLLM_SERVER_DEV_MODE=1`, "
-        "`--enable-scale-out`, `--logprobs-mode processed_logprobs`); required with `rollout.engine: vllm`"
+        "`--enable-scale-out`, `--logprobs-mode processed_logprobs`, `--weight-transfer-config "
+        "'{\"backend\": \"async_rl\"}'` with scripts/vllm_plugin/ installed); required with `rollout.engine: vllm`"
     )] = []
     weight_sync: Annotated[Literal["disk", "distributed"], doc(
         "`disk` (the learner's HF directory, loaded with vLLM's `reload_weights`) or `distributed` (the learner "

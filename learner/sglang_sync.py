@@ -68,9 +68,11 @@ class DistributedWeightSync:
         offsets = [1 + sum(ranks[:i]) for i in range(len(self.urls))]
         for url in self.urls:  # a learner that died left its group behind on the server
             self._leave(url)
-        joins = [self.threads.submit(self._join, url, offset) for url, offset in zip(self.urls, offsets, strict=True)]
+        # The store first: a port already taken fails here, before any server is asked to join it.
         self.group = BroadcastGroup(config.dist_master_addr, config.dist_master_port, self.world_size,
                                     config.dist_backend, GROUP_NAME)
+        joins = [self.threads.submit(self._join, url, offset) for url, offset in zip(self.urls, offsets, strict=True)]
+        self.group.join()
         for join in joins:
             join.result()
         log.info("weight-update group with %d %s server(s) (world %d, %s)", len(self.urls), self.kind,

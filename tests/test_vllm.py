@@ -11,6 +11,7 @@ configures, scripts/vllm_plugin/).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -147,9 +148,13 @@ def generate_across_an_update(vllm_servers, engine: VLLMEngine, update: Callable
 def assert_each_token_is_its_versions(model_dir, new: dict[str, torch.Tensor], generations: list[Generation],
                                       engine: VLLMEngine, pause_mode: str, partial: bool) -> None:
     """Nothing lost, versions 0 then 1 (`new`), and each token's log-prob the one its recorded version's weights
-    give it (to the learner's recomputation)."""
+    give it (to the learner's recomputation). A row may have finished on version 0 before the update reached the
+    server (on a loaded machine the update can come late); some row always spans the update (it landed mid-row)."""
     assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) == 200 for g in generations)
-    assert all(g.versions == sorted(g.versions) and g.versions[-1] == 1 for g in generations)
+    unsorted = [(i, g.versions.count(0), g.versions.count(1)) for i, g in enumerate(generations)
+                if g.versions != sorted(g.versions) or not set(g.versions) <= {0, 1}]
+    assert not unsorted, f"rows whose versions are not 0s then 1s (row, tokens at 0, tokens at 1): {unsorted}"
+    assert any(1 in g.versions for g in generations)
     if pause_mode == "keep":
         assert engine.preemptions == 0 and any(set(g.versions) == {0, 1} for g in generations)
     elif partial:
@@ -157,23 +162,22 @@ def assert_each_token_is_its_versions(model_dir, new: dict[str, torch.Tensor], g
         assert any(set(g.versions) == {0, 1} for g in generations)
     else:
         assert engine.preemptions > 0 and engine.tokens_kept == 0 and engine.tokens_discarded > 0
-        assert all(set(g.versions) == {1} for g in generations)
+        assert all(len(set(g.versions)) == 1 for g in generations), "a preempted row starts over on version 1"
     old_model, new_model = load_model(model_dir).eval(), load_model(model_dir).eval()
     new_model.load_state_dict(new)
     for generation, prompt in zip(generations, PROMPTS * 8, strict=True):
-        if pause_mode != "keep" or set(generation.versions) == {1}:  # keep: the old KV cache serves the new tokens
-            switch = generation.versions.index(1)
+        switch = generation.versions.index(1) if 1 in generation.versions else len(generation.versions)
+        if switch < 200 and (pause_mode != "keep" or switch == 0):  # keep: the old KV cache serves the new tokens
             part = type(generation)(generation.token_ids[switch:], generation.logprobs[switch:], [], "length")
             assert max_logprob_diff(new_model, [prompt + generation.token_ids[:switch]], [part], 1.0) < LOGPROB_TOL
-        if generation.versions[0] == 0:
-            switch = generation.versions.index(1)
+        if switch > 0:
             part = type(generation)(generation.token_ids[:switch], generation.logprobs[:switch], [], "length")
             assert max_logprob_diff(old_model, [prompt], [part], 1.0) < LOGPROB_TOL
 
 
 def weight_sync_for(urls: list[str], **keys) -> VLLMWeightSync:
     """The learner's `distributed` transport to `urls`, built from a config as the learner builds it."""
-    vllm = VLLMConfig(urls=urls, weight_sync="distributed", dist_master_port=free_port(), **keys)
+    vllm = VLLMConfig(urls=urls, weight_sync="distributed", **{"dist_master_port": free_port(), **keys})
     settings = LearnerSettings.from_config(Config(rollout=RolloutConfig(engine="vllm", vllm=vllm))).publisher.vllm
     return VLLMWeightSync(settings, vllm_headers(vllm.api_key_file))
 
@@ -206,6 +210,34 @@ def test_distributed_sync_pushes_the_learners_tensors_to_every_vllm_server(vllm_
         engine.close()
     finally:
         sync.close()
+
+
+def test_a_new_learner_takes_over_the_vllm_servers_group_and_a_taken_port_asks_no_server_to_join(vllm_servers):
+    """A learner that died left the servers in its group: the next one's push reaches them all the same. A learner
+    whose port is taken fails before any server is asked to join it (a server joining a store that is not its
+    learner's would wait inside `/init_weight_transfer_engine`, its engine blocked): the servers go on serving."""
+    model = load_model(vllm_servers.model_dir).eval()
+    dead = weight_sync_for(vllm_servers.urls)
+    dead.push(learner_step(model, favoured_token=9, steps=1), version=1)
+    dead.group.close()  # the learner's end of the group is gone; the servers were never told
+    dead.http.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="address already in use"):
+            weight_sync_for(vllm_servers.urls, dist_master_port=taken.getsockname()[1])
+    engine = engine_for(vllm_servers.urls, weight_sync="distributed")
+    assert engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))[0].versions == [1, 1], "still serving"
+    sync = weight_sync_for(vllm_servers.urls)
+    try:
+        sync.push(learner_step(model, favoured_token=11, steps=2), version=2)
+        engine.update_weights(2, "")
+        after = engine.generate(PROMPTS * 2, SamplingParams(temperature=1.0, max_new_tokens=6))
+        assert engine.version == 2 and all(g.versions == [2] * 6 for g in after)
+        assert max_logprob_diff(model, PROMPTS * 2, after, 1.0) < LOGPROB_TOL
+    finally:
+        sync.close()
+        engine.close()
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "keep"])
