@@ -141,10 +141,13 @@ class SGLangConfig(_Section):
 class VLLMConfig(_Section):
     urls: Annotated[list[str], doc(
         "vLLM servers (started as scripts/start_vllm_server.py does: `VLLM_SERVER_DEV_MODE=1`, "
-        "`--enable-scale-out`, `--logprobs-mode processed_logprobs`); required with `rollout.engine: vllm`"
+        "`--enable-scale-out`, `--logprobs-mode processed_logprobs`, `--weight-transfer-config "
+        "'{\"backend\": \"async_rl\"}'` with scripts/vllm_plugin/ installed); required with `rollout.engine: vllm`"
     )] = []
-    weight_sync: Annotated[Literal["disk"], doc(
-        "`disk` (the learner's HF directory, loaded with vLLM's `reload_weights`); no NCCL/gloo path yet"
+    weight_sync: Annotated[Literal["disk", "distributed"], doc(
+        "`disk` (the learner's HF directory, loaded with vLLM's `reload_weights`) or `distributed` (the learner "
+        "broadcasts every tensor over NCCL/gloo into the servers' `async_rl` weight-transfer backend, "
+        "scripts/vllm_plugin/)"
     )] = "disk"
     pause_mode: Annotated[Literal["in_place", "abort", "keep"], doc(
         "How a weight update pauses generation (vLLM's `/pause?mode=`): `in_place` (`wait`: running requests "
@@ -163,10 +166,18 @@ class VLLMConfig(_Section):
         "When no server answers, generation (and start-up) waits this long, probing them, before the worker "
         "gives up (EngineUnavailable)."
     )] = 300.0
+    dist_backend: Annotated[Literal["gloo", "nccl"], doc(
+        "the broadcast's backend with `weight_sync: distributed` (`gloo` or `nccl`)"
+    )] = "gloo"
+    dist_master_addr: Annotated[str, doc("the learner's rank 0 for the broadcast")] = "127.0.0.1"
+    dist_master_port: Annotated[PosInt, doc("its port")] = 29621
     api_key_file: Annotated[str | None, doc(
         "A file holding the servers' API key (`--api-key`); null: the VLLM_API_KEY environment variable when it "
         "is set and non-empty, else no key. Never the key itself."
     )] = None
+
+
+VLLM_PAUSE_MODES = {"in_place": "wait", "abort": "abort", "keep": "keep"}  # rollout.vllm.pause_mode → /pause?mode=
 
 
 class RolloutConfig(_Section):

@@ -2,7 +2,8 @@
 `WeightsPublished` notice on PUB.
 
 The transport is an `async_rl.weights` publisher chosen by `make_publisher`: a safetensors file for the built-in
-engine, an HF directory or a broadcast into the servers for SGLang (`rollout.sglang.weight_sync`); the notice and
+engine, an HF directory or a broadcast into the servers for SGLang and vLLM (`rollout.sglang.weight_sync`,
+`rollout.vllm.weight_sync`); the notice and
 latest.json carry its format, and every receiver picks its loader by it. The order matters: a worker that sees the
 notice (or reads latest.json) always finds complete weights. PUB drops messages to subscribers that connect late
 (ZeroMQ's slow joiner), so the latest notice is repeated while idle. A safetensors file and latest.json are written
@@ -104,16 +105,21 @@ class WeightPublisher:
 
 
 def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir: Path, curve: CurveKeys | None,
-                   sglang_headers: Callable[[], dict[str, str]] = dict) -> WeightPublisher:
-    """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and `rollout.sglang.weight_sync`.
-    `curve`: the learner's keys (None: CURVE off); `sglang_headers`: the HTTP headers of the `distributed` transport's
-    calls to the servers (async_rl/security.py `sglang_headers`), asked for by that transport alone."""
+                   server_headers: Callable[[], dict[str, str]] = dict) -> WeightPublisher:
+    """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and that engine's `weight_sync`
+    (`rollout.sglang.weight_sync`, `rollout.vllm.weight_sync`). `curve`: the learner's keys (None: CURVE off);
+    `server_headers`: the HTTP headers of the `distributed` transport's calls to the engine's servers
+    (async_rl/security.py `sglang_headers` or `vllm_headers`), asked for by that transport alone."""
     weights_dir = settings.weights_dir
     transport: Publisher = FilePublisher(weights_dir)
-    if settings.engine == "sglang" and settings.weight_sync == "distributed":
-        from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: SGLang users only
+    if settings.engine == "sglang" and settings.sglang.weight_sync == "distributed":
+        from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: server users only
 
-        transport = DistributedWeightSync(settings.sglang, sglang_headers())
+        transport = DistributedWeightSync(settings.sglang, server_headers())
+    elif settings.engine == "vllm" and settings.vllm.weight_sync == "distributed":
+        from learner.vllm_sync import VLLMWeightSync
+
+        transport = VLLMWeightSync(settings.vllm, server_headers())
     elif settings.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
     return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport)

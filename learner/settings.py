@@ -83,14 +83,27 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SGLangSyncSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """The `distributed` weight transport to SGLang servers (learner/sglang_sync.py)."""
+    """The weight transport to SGLang servers: `distributed` is learner/sglang_sync.py's, `disk` an HF directory."""
 
     urls: tuple[str, ...]  # rollout.sglang.urls
+    weight_sync: Literal["disk", "distributed"]  # rollout.sglang.weight_sync
     request_timeout_s: float  # rollout.sglang.request_timeout_s
     pause_mode: Literal["in_place", "abort"]  # rollout.sglang.pause_mode
     dist_backend: Literal["gloo", "nccl"]  # rollout.sglang.dist_backend
     dist_master_addr: str  # rollout.sglang.dist_master_addr
     dist_master_port: int  # rollout.sglang.dist_master_port
+
+
+class VLLMSyncSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The same for vLLM servers (learner/vllm_sync.py), from `rollout.vllm`."""
+
+    urls: tuple[str, ...]  # rollout.vllm.urls
+    weight_sync: Literal["disk", "distributed"]  # rollout.vllm.weight_sync
+    request_timeout_s: float  # rollout.vllm.request_timeout_s
+    pause_mode: Literal["in_place", "abort", "keep"]  # rollout.vllm.pause_mode
+    dist_backend: Literal["gloo", "nccl"]  # rollout.vllm.dist_backend
+    dist_master_addr: str  # rollout.vllm.dist_master_addr
+    dist_master_port: int  # rollout.vllm.dist_master_port
 
 
 class PublisherSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,8 +113,8 @@ class PublisherSettings(msgspec.Struct, frozen=True, kw_only=True):
     publish_endpoint: str  # learner.publish_endpoint
     keep_weights: int  # learner.keep_weights
     engine: str  # rollout.engine
-    weight_sync: Literal["disk", "distributed"]  # rollout.sglang.weight_sync
-    sglang: SGLangSyncSettings
+    sglang: SGLangSyncSettings  # rollout.sglang (its weight_sync: with engine sglang)
+    vllm: VLLMSyncSettings  # rollout.vllm (its weight_sync: with engine vllm)
 
 
 class CheckpointSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -144,7 +157,7 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
     def from_config(cls, config: Config) -> LearnerSettings:
         """The learner's settings from the run's config: called by the role's entries (learner/trainer.py `run`,
         learner/sft.py `run_sft`) only."""
-        learner, algo, run, sglang = config.learner, config.algo, config.run, config.rollout.sglang
+        learner, algo, run = config.learner, config.algo, config.run
         layout = LayoutSettings(micro_batch_tokens=learner.micro_batch_tokens, packing=learner.packing,
                                 pack_row_tokens=learner.pack_row_tokens)
         lora = LoraSettings(rank=learner.lora.rank, alpha=learner.lora.alpha, dropout=learner.lora.dropout,
@@ -167,11 +180,10 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
                                                           batch_wait_s=learner.batch_wait_s)),
             publisher=PublisherSettings(
                 weights_dir=(config.run_dir / "weights").resolve(), publish_endpoint=learner.publish_endpoint,
-                keep_weights=learner.keep_weights, engine=config.rollout.engine, weight_sync=sglang.weight_sync,
-                sglang=SGLangSyncSettings(urls=tuple(sglang.urls), request_timeout_s=sglang.request_timeout_s,
-                                          pause_mode=sglang.pause_mode, dist_backend=sglang.dist_backend,
-                                          dist_master_addr=sglang.dist_master_addr,
-                                          dist_master_port=sglang.dist_master_port)),
+                keep_weights=learner.keep_weights, engine=config.rollout.engine,
+                # a server engine's transport settings: its section's keys of the same names
+                sglang=msgspec.convert(msgspec.to_builtins(config.rollout.sglang), SGLangSyncSettings),
+                vllm=msgspec.convert(msgspec.to_builtins(config.rollout.vllm), VLLMSyncSettings)),
             checkpoints=CheckpointSettings(directory=config.run_dir / "checkpoints",
                                            checkpoint_every=learner.checkpoint_every,
                                            keep_checkpoints=learner.keep_checkpoints),

@@ -1,5 +1,6 @@
 """The learner's `distributed` transport to SGLang servers (`rollout.sglang.weight_sync: distributed`): SGLang's
-HTTP calls around the broadcast of async_rl/weights/distributed.py, as an `async_rl.weights` publisher.
+HTTP calls around the broadcast of async_rl/weights/distributed.py, as an `async_rl.weights` publisher; and the
+shape every server kind's such transport shares (learner/vllm_sync.py, vLLM's, overrides the calls only).
 
 The learner (rank 0) pushes every tensor to every server over a torch.distributed group it owns with them, then
 WeightsPublished(format="distributed") tells the workers the version moved: /init_weights_update_group once, then
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -22,7 +24,7 @@ import torch
 
 from async_rl.protocol import WeightsPublished
 from async_rl.weights.distributed import BroadcastGroup
-from learner.settings import SGLangSyncSettings
+from learner.settings import SGLangSyncSettings, VLLMSyncSettings
 
 log = logging.getLogger("async_rl.learner")
 
@@ -32,63 +34,68 @@ CACHE_NOT_FLUSHED = "cache was not flushed"  # SGLang's 400 after an in_place up
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the learner's log
 
 
+@dataclass(frozen=True)
+class Tensors:
+    """What the servers are told of a version's tensors before the broadcast: their names, dtypes ("float32", ...)
+    and shapes, in the order they are broadcast."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Tensors:
+        return cls(list(tensors), [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                   [list(t.shape) for t in tensors.values()])
+
+
 class DistributedWeightSync:
-    """The learner's side of SGLang's weight-update group: rank 0 here, the servers' ranks after it. An
+    """The learner's side of the servers' weight-update group: rank 0 here, the servers' ranks after it. An
     `async_rl.weights.base.Publisher` of format "distributed" (nothing on disk: `write` pushes, `prune` has nothing
-    to remove). `headers`: of every HTTP request to the servers (async_rl/security.py `sglang_headers`)."""
+    to remove). `headers`: of every HTTP request to the servers (async_rl/security.py `sglang_headers`). The server
+    calls are the methods below `push`; a subclass for another server kind overrides them (learner/vllm_sync.py)."""
 
     format = "distributed"
+    kind = "SGLang"
 
-    def __init__(self, config: SGLangSyncSettings, headers: dict[str, str]) -> None:
+    def __init__(self, config: SGLangSyncSettings | VLLMSyncSettings, headers: dict[str, str]) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
         self.http = httpx.Client(timeout=config.request_timeout_s, headers=headers)
-        self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-sync")
-        tp_sizes = [int(self._call(url, "GET", "/get_server_info").get("tp_size", 1)) for url in self.urls]
-        self.world_size = 1 + sum(tp_sizes)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.urls))]
+        self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="weight-sync")
+        ranks = [self._ranks(url) for url in self.urls]
+        self.world_size = 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(self.urls))]
         for url in self.urls:  # a learner that died left its group behind on the server
-            self.http.post(url + "/destroy_weights_update_group", json={"group_name": GROUP_NAME})
-        joins = [
-            self.threads.submit(self._call, url, "POST", "/init_weights_update_group", {
-                "master_address": config.dist_master_addr,
-                "master_port": config.dist_master_port,
-                "rank_offset": offset,
-                "world_size": self.world_size,
-                "group_name": GROUP_NAME,
-                "backend": config.dist_backend,
-            })
-            for url, offset in zip(self.urls, offsets, strict=True)
-        ]
+            self._leave(url)
+        # The store first: a port already taken fails here, before any server is asked to join it.
         self.group = BroadcastGroup(config.dist_master_addr, config.dist_master_port, self.world_size,
                                     config.dist_backend, GROUP_NAME)
+        joins = [self.threads.submit(self._join, url, offset) for url, offset in zip(self.urls, offsets, strict=True)]
+        self.group.join()
         for join in joins:
             join.result()
-        log.info("weight-update group with %d SGLang server(s) (world %d, %s)", len(self.urls), self.world_size,
-                 config.dist_backend)
+        log.info("weight-update group with %d %s server(s) (world %d, %s)", len(self.urls), self.kind,
+                 self.world_size, config.dist_backend)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Every server takes `state_dict` as policy `version`; generation is paused around the update."""
         tensors = self.group.on_device(state_dict)
-        body = {
-            "names": list(tensors),
-            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-            "shapes": [list(t.shape) for t in tensors.values()],
-            "group_name": GROUP_NAME,
-            "weight_version": str(version),
-        }
-        self._on_all("/pause_generation", {"mode": self.config.pause_mode})
+        described = Tensors.of(tensors)
+        self._pause()
         try:
-            self._on_all("/begin_weight_update", {})
+            self._begin()
             try:
-                updates = [self.threads.submit(self._update, url, body) for url in self.urls]
+                updates = [self.threads.submit(self._update, url, described, version) for url in self.urls]
                 self.group.broadcast(tensors)
                 for update in updates:
                     update.result()
-            finally:
-                self._on_all("/end_weight_update", {})
+            except BaseException:
+                self._abandon()
+                raise
+            self._finish(version)
         finally:
-            self._on_all("/continue_generation", {})
+            self._resume()
         log.info("policy version %d pushed to %d server(s)", version, len(self.urls))
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
@@ -98,24 +105,69 @@ class DistributedWeightSync:
     def prune(self, keep: int) -> None:
         """Nothing on disk to remove."""
 
-    def _update(self, url: str, body: dict) -> None:
-        response = self.http.post(url + "/update_weights_from_distributed", json=body)
+    # --- the server calls (SGLang's) ---------------------------------------------------------------
+
+    def _ranks(self, url: str) -> int:
+        """The ranks one server takes in the group (one per tensor-parallel worker)."""
+        return int(self._call(url, "GET", "/get_server_info").get("tp_size", 1))
+
+    def _leave(self, url: str) -> None:
+        """Leave the group if the server is in one (best effort: before joining, and at close)."""
+        self.http.post(url + "/destroy_weights_update_group", json={"group_name": GROUP_NAME})
+
+    def _join(self, url: str, rank_offset: int) -> None:
+        """The server joins the group (blocks until the learner has: called on a thread)."""
+        self._call(url, "POST", "/init_weights_update_group", {
+            "master_address": self.config.dist_master_addr,
+            "master_port": self.config.dist_master_port,
+            "rank_offset": rank_offset,
+            "world_size": self.world_size,
+            "group_name": GROUP_NAME,
+            "backend": self.config.dist_backend,
+        })
+
+    def _pause(self) -> None:
+        self._on_all("/pause_generation", {"mode": self.config.pause_mode})
+
+    def _begin(self) -> None:
+        self._on_all("/begin_weight_update", {})
+
+    def _update(self, url: str, tensors: Tensors, version: int) -> None:
+        """One server receives the broadcast (blocks until it is over: called on a thread) and labels it `version`."""
+        response = self.http.post(url + "/update_weights_from_distributed", json={
+            "names": tensors.names, "dtypes": tensors.dtypes, "shapes": tensors.shapes, "group_name": GROUP_NAME,
+            "weight_version": str(version)})
         if response.status_code == 400 and CACHE_NOT_FLUSHED in response.text:
             # The weights and the tokens' version did change; /get_model_info keeps the old label until told.
             # abort_all_requests defaults to true there: it would abort the very requests frozen in place.
             self._call(url, "POST", "/update_weight_version",
-                       {"new_version": body["weight_version"], "abort_all_requests": False})
+                       {"new_version": str(version), "abort_all_requests": False})
             log.info("%s: updated while requests ran in place; cache flush deferred", url)
         elif response.status_code != 200:
             raise RuntimeError(f"{url}/update_weights_from_distributed: HTTP {response.status_code}: "
                                f"{response.text[:300]}")
 
-    def _on_all(self, path: str, body: dict) -> None:
-        for call in [self.threads.submit(self._call, url, "POST", path, body) for url in self.urls]:
+    def _finish(self, version: int) -> None:
+        self._on_all("/end_weight_update", {})
+
+    def _abandon(self) -> None:
+        """After a failed update: SGLang ends it as any other."""
+        self._on_all("/end_weight_update", {})
+
+    def _resume(self) -> None:
+        self._on_all("/continue_generation", {})
+
+    # --- HTTP ---------------------------------------------------------------------------------------
+
+    def _on_all(self, path: str, body: dict, timeout: float | None = None) -> None:
+        """POST `body` to every server at once; RuntimeError if one refused it."""
+        for call in [self.threads.submit(self._call, url, "POST", path, body, timeout) for url in self.urls]:
             call.result()
 
-    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> Any:
-        response = self.http.request(method, url + path, json=body)
+    def _call(self, url: str, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        """One request (`timeout`: longer than rollout.<kind>.request_timeout_s, for a call that waits on purpose)."""
+        response = self.http.request(method, url + path, json=body,
+                                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         if response.status_code != 200:
             raise RuntimeError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json() if response.content else {}
@@ -123,7 +175,7 @@ class DistributedWeightSync:
     def close(self) -> None:
         for url in self.urls:
             try:
-                self.http.post(url + "/destroy_weights_update_group", json={"group_name": GROUP_NAME})
+                self._leave(url)
             except httpx.HTTPError as exc:
                 log.warning("%s: could not leave the weight-update group: %s", url, exc)
         self.group.close()

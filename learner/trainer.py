@@ -33,7 +33,7 @@ from async_rl.evidence import trained_item
 from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
-from async_rl.security import CurveKeys, load_keys, sglang_headers
+from async_rl.security import CurveKeys, load_keys, sglang_headers, vllm_headers
 from async_rl.signals import StopRequest, stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from learner.batch import collate
@@ -86,7 +86,7 @@ class Outside:
     model_dir: Callable[[], Path]  # async_rl/model.py `wait_for_model_dir`
     keys: Callable[[], CurveKeys | None]  # the learner's CURVE keys (async_rl/security.py `load_keys`)
     metrics: Callable[[], RoleMetrics]  # <run_dir>/metrics.jsonl and the learner's W&B run
-    sglang_headers: Callable[[], dict[str, str]]  # of the `distributed` weight transport's HTTP calls
+    server_headers: Callable[[], dict[str, str]]  # of the `distributed` weight transport's HTTP calls
 
 
 def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -99,7 +99,8 @@ def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
         keys=lambda: load_keys(config.security.curve_dir, "learner"),
         metrics=lambda: RoleMetrics(settings.metrics, "learner", path=settings.run_dir / METRICS_FILE,
                                     histograms=HISTOGRAMS),
-        sglang_headers=lambda: sglang_headers(config.rollout.sglang.api_key_file))
+        server_headers=lambda: (vllm_headers(config.rollout.vllm.api_key_file) if config.rollout.engine == "vllm"
+                                else sglang_headers(config.rollout.sglang.api_key_file)))
     with stop_on_signals(stop) as request:  # a signal finishes the current step, then stops
         summary = _train(settings, outside, request, started)
     # With several ranks at ZeRO-3, a rank that exits while the engine's threads still hold the process group
@@ -198,7 +199,7 @@ class _Leader(_Rank):
         self.settings, self.request = settings, request
         keys, client = outside.keys(), settings.client
         self.client = ReplayClient(context, client.endpoint, LEARNER_ID, client.request_timeout_s, keys)
-        self.publisher = make_publisher(context, settings.publisher, model_dir, keys, outside.sglang_headers)
+        self.publisher = make_publisher(context, settings.publisher, model_dir, keys, outside.server_headers)
         self.metrics = MetricsLog(outside.metrics())
         self.stats = ReplayStats()
         self.reason: str | None = None  # why the loop stopped

@@ -215,7 +215,7 @@ class WeightsFollower:
             except WeightsFormatError as exc:
                 self.refused = (version, weights_format)
                 log.error("policy version %d not loaded: %s (is this worker's rollout.engine or "
-                          "rollout.sglang.weight_sync not the learner's?)", version, exc)
+                          "its weight_sync not the learner's?)", version, exc)
                 return
             except (OSError, RuntimeError) as exc:  # async_rl.errors.WeightsError is a RuntimeError
                 log.warning("could not load policy version %d from %s: %s", candidate, file, exc)

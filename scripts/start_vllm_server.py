@@ -9,8 +9,10 @@ scripts/build_vllm_env.sh.
 
 Always passes --dtype float32 --enforce-eager --max-model-len 256 (--max-model-len), --logprobs-mode
 processed_logprobs (a token's log-prob under the temperature the request asked for, what the learner
-recomputes) and --enable-scale-out (the token-in/token-out /inference/v1/generate, whose replies carry each
-token's weight version); sets VLLM_SERVER_DEV_MODE=1 (the RL routes: /pause, /resume, /collective_rpc,
+recomputes), --enable-scale-out (the token-in/token-out /inference/v1/generate, whose replies carry each
+token's weight version) and --weight-transfer-config '{"backend": "async_rl"}' (scripts/vllm_plugin/: the learner's
+broadcast of `rollout.vllm.weight_sync: distributed`; it costs nothing until a learner joins, so every server can
+take either sync); sets VLLM_SERVER_DEV_MODE=1 (the RL routes: /pause, /resume, /collective_rpc,
 /update_weight_version, /weight_info), VLLM_CPU_KVCACHE_SPACE=1 (GiB), VLLM_CPU_OMP_THREADS_BIND=nobind and
 OMP_NUM_THREADS (--threads). The CPU attention kernels need a head dimension of 32, 64, 80, 96, 112, 128,
 160, 192, 224, 256 or 512 (the default tiny model's 16 fails at the first request).
@@ -23,12 +25,14 @@ prints the log's tail to stderr and exits 1.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from start_sglang_server import launch, server_args  # noqa: E402  (the same arguments and launch)
 
+WEIGHT_TRANSFER_BACKEND = "async_rl"  # scripts/vllm_plugin/async_rl_vllm_plugin.py, installed by build_vllm_env.sh
 DEFAULT_VENV = os.environ.get(
     "ASYNC_RL_VLLM_VENV", os.path.join(os.path.expanduser("~"), ".cache", "async-rl", "vllm-venv"))
 
@@ -38,7 +42,7 @@ def build_command(venv: str, model_path: str, port: int, host: str, max_model_le
     return [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
             "--host", host, "--port", str(port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-            *extra]
+            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}), *extra]
 
 
 def server_env(threads: int) -> dict[str, str]:

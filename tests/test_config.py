@@ -176,3 +176,33 @@ def test_a_removed_key_loads_at_its_old_default_and_is_refused_otherwise_with_th
                                                     "reproducible at commit 6d4d567); only False is accepted, got "
                                                     "True")):
         load_config(None, ["algo.hold_immediates=true"])
+
+
+def test_a_vllm_sections_distributed_keys_reach_the_learners_transport_and_the_workers_engine():
+    """`rollout.vllm.weight_sync: distributed` and its dist_* keys: the learner's transport settings
+    (learner/settings.py `VLLMSyncSettings`, beside SGLang's, each engine's own weight_sync), the workers'; every
+    pause_mode has its vLLM `/pause?mode=`; the tensors are described to the servers in the broadcast's order."""
+    from typing import get_args, get_type_hints
+
+    import torch
+
+    from async_rl.config import VLLM_PAUSE_MODES, VLLMConfig
+    from learner.settings import LearnerSettings
+    from learner.sglang_sync import Tensors
+    from rollout.settings import RolloutSettings
+
+    config = load_config(None, ["rollout.engine=vllm", "rollout.vllm.urls=[http://a:1,http://b:2]",
+                                "rollout.vllm.weight_sync=distributed", "rollout.vllm.pause_mode=keep",
+                                "rollout.vllm.dist_master_port=31000", "rollout.vllm.dist_backend=nccl"])
+    publisher = LearnerSettings.from_config(config).publisher
+    assert (publisher.engine, publisher.vllm.weight_sync, publisher.sglang.weight_sync) == ("vllm", "distributed",
+                                                                                           "disk")
+    assert publisher.vllm.urls == ("http://a:1", "http://b:2")
+    assert (publisher.vllm.pause_mode, publisher.vllm.dist_backend, publisher.vllm.dist_master_addr,
+            publisher.vllm.dist_master_port) == ("keep", "nccl", "127.0.0.1", 31000)
+    assert RolloutSettings.from_config(config).engine.vllm.weight_sync == "distributed"
+    assert load_config().rollout.vllm.weight_sync == "disk"
+    assert set(VLLM_PAUSE_MODES) == set(get_args(get_type_hints(VLLMConfig)["pause_mode"]))
+    assert VLLM_PAUSE_MODES == {"in_place": "wait", "abort": "abort", "keep": "keep"}
+    tensors = {"b.weight": torch.zeros(2, 3), "a.bias": torch.zeros(4, dtype=torch.bfloat16)}
+    assert Tensors.of(tensors) == Tensors(["b.weight", "a.bias"], ["float32", "bfloat16"], [[2, 3], [4]])

@@ -4,21 +4,28 @@ Two servers are started once per session (tests/conftest.py's `vllm_pool`: about
 version-0 model directory and shared; each test resets them to version 0 first. The server venv is built by
 scripts/build_vllm_env.sh when missing (about 5 min); the tests skip only if that build fails, and fail under CI.
 The helpers (learner-like steps, log-prob recomputation) are test_sglang.py's: the same checks, another server.
+Both weight syncs run on the same servers: `disk` (an HF directory, `reload_weights`) and `distributed` (the
+learner's gloo broadcast into the `async_rl` weight-transfer backend that scripts/start_vllm_server.py always
+configures, scripts/vllm_plugin/).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from rollout_helpers import vllm_settings
+from sglang_server import free_port
 from test_sglang import (
     EOS,
     LOGPROB_TOL,
@@ -35,10 +42,14 @@ from test_sglang import (
     recording_preempted,
 )
 
+from async_rl.config import Config, RolloutConfig, VLLMConfig
 from async_rl.errors import WeightsError
 from async_rl.model import load_model
+from async_rl.security import vllm_headers
 from async_rl.weights.hf_dir import write_hf_dir
-from rollout.engines import SamplingParams
+from learner.settings import LearnerSettings
+from learner.vllm_sync import VLLMWeightSync
+from rollout.engines import Generation, SamplingParams
 from rollout.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("vllm")]
@@ -179,16 +190,34 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
     updater = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode)
     new = learner_step(load_model(vllm_servers.model_dir), 5, steps=2)
     path = write_hf_dir(new, vllm_servers.model_dir, tmp_path / "hf-v1")
+    generations = generate_across_an_update(vllm_servers, engine, lambda: updater.update_weights(1, str(path)))
+    assert_each_token_is_its_versions(vllm_servers.model_dir, new, generations, engine, pause_mode, partial)
+    engine.close()
+    updater.close()
+
+
+def generate_across_an_update(vllm_servers, engine: VLLMEngine, update: Callable[[], None]) -> list[Generation]:
+    """40 rows of 200 tokens on the first server, `update` (to version 1) landing while they are in flight."""
     result = {}
     generating = threading.Thread(target=lambda: result.setdefault(
         "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
     generating.start()
     vllm_servers.servers[0].wait_for_requests()
-    updater.update_weights(1, str(path))
+    update()
     generating.join(120)
-    generations = result["g"]
+    return result["g"]
+
+
+def assert_each_token_is_its_versions(model_dir, new: dict[str, torch.Tensor], generations: list[Generation],
+                                      engine: VLLMEngine, pause_mode: str, partial: bool) -> None:
+    """Nothing lost, versions 0 then 1 (`new`), and each token's log-prob the one its recorded version's weights
+    give it (to the learner's recomputation). A row may have finished on version 0 before the update reached the
+    server (on a loaded machine the update can come late); some row always spans the update (it landed mid-row)."""
     assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) == 200 for g in generations)
-    assert all(g.versions == sorted(g.versions) and g.versions[-1] == 1 for g in generations)
+    unsorted = [(i, g.versions.count(0), g.versions.count(1)) for i, g in enumerate(generations)
+                if g.versions != sorted(g.versions) or not set(g.versions) <= {0, 1}]
+    assert not unsorted, f"rows whose versions are not 0s then 1s (row, tokens at 0, tokens at 1): {unsorted}"
+    assert any(1 in g.versions for g in generations)
     if pause_mode == "keep":
         assert engine.preemptions == 0 and any(set(g.versions) == {0, 1} for g in generations)
     elif partial:
@@ -196,21 +225,100 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
         assert any(set(g.versions) == {0, 1} for g in generations)
     else:
         assert engine.preemptions > 0 and engine.tokens_kept == 0 and engine.tokens_discarded > 0
-        assert all(set(g.versions) == {1} for g in generations)
-    # Each token's log-prob is the one the weights of its recorded version give (to the learner's recomputation).
-    old_model, new_model = load_model(vllm_servers.model_dir).eval(), load_model(vllm_servers.model_dir).eval()
+        assert all(len(set(g.versions)) == 1 for g in generations), "a preempted row starts over on version 1"
+    old_model, new_model = load_model(model_dir).eval(), load_model(model_dir).eval()
     new_model.load_state_dict(new)
     for generation, prompt in zip(generations, PROMPTS * 8, strict=True):
-        if pause_mode != "keep" or set(generation.versions) == {1}:  # keep: the old KV cache serves the new tokens
-            switch = generation.versions.index(1)
+        switch = generation.versions.index(1) if 1 in generation.versions else len(generation.versions)
+        if switch < 200 and (pause_mode != "keep" or switch == 0):  # keep: the old KV cache serves the new tokens
             part = type(generation)(generation.token_ids[switch:], generation.logprobs[switch:], [], "length")
             assert max_logprob_diff(new_model, [prompt + generation.token_ids[:switch]], [part], 1.0) < LOGPROB_TOL
-        if generation.versions[0] == 0:
-            switch = generation.versions.index(1)
+        if switch > 0:
             part = type(generation)(generation.token_ids[:switch], generation.logprobs[:switch], [], "length")
             assert max_logprob_diff(old_model, [prompt], [part], 1.0) < LOGPROB_TOL
+
+
+def weight_sync_for(urls: list[str], **keys) -> VLLMWeightSync:
+    """The learner's `distributed` transport to `urls`, built from a config as the learner builds it."""
+    vllm = VLLMConfig(urls=urls, weight_sync="distributed", **{"dist_master_port": free_port(), **keys})
+    settings = LearnerSettings.from_config(Config(rollout=RolloutConfig(engine="vllm", vllm=vllm))).publisher.vllm
+    return VLLMWeightSync(settings, vllm_headers(vllm.api_key_file))
+
+
+def test_distributed_sync_pushes_the_learners_tensors_to_every_vllm_server(vllm_servers):
+    """`rollout.vllm.weight_sync: distributed`: the learner broadcasts a learner-like step's tensors (gloo) into both
+    servers' `async_rl` weight-transfer backend; the servers' version moves, the workers' engine only notes it, and
+    the tokens sampled now carry the learner's log-probs on the new weights, not the old."""
+    model, base = load_model(vllm_servers.model_dir).eval(), load_model(vllm_servers.model_dir).eval()
+    state_dict = learner_step(model, favoured_token=9)
+    sync = weight_sync_for(vllm_servers.urls)
+    try:
+        assert sync.world_size == 3  # the learner and one worker per server
+        started = time.monotonic()
+        sync.push(state_dict, version=2)
+        print(f"distributed push of {len(state_dict)} tensors to 2 vLLM servers: {time.monotonic() - started:.2f} s")
+        assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["2", "2"]
+        engine = engine_for(vllm_servers.urls, weight_sync="distributed")
+        engine.update_weights(2, "")  # the workers' part: note the version, load nothing
+        assert engine.version == 2
+        after = engine.generate(PROMPTS * 4, SamplingParams(temperature=1.0, max_new_tokens=8))
+        assert all(g.versions == [2] * 8 for g in after)
+        diff = max_logprob_diff(model, PROMPTS * 4, after, 1.0)
+        print(f"after distributed sync: max log-prob diff vs the new weights {diff:.2e}")
+        assert diff < LOGPROB_TOL < 100 * LOGPROB_TOL < max_logprob_diff(base, PROMPTS * 4, after, 1.0)
+        sync.push(learner_step(model, favoured_token=11, steps=5), version=3)  # a second version, same group
+        after = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=4))
+        assert all(g.versions == [3] * 4 for g in after)
+        assert max_logprob_diff(model, PROMPTS, after, 1.0) < LOGPROB_TOL
+        engine.close()
+    finally:
+        sync.close()
+
+
+def test_a_new_learner_takes_over_the_vllm_servers_group_and_a_taken_port_asks_no_server_to_join(vllm_servers):
+    """A learner that died left the servers in its group: the next one's push reaches them all the same. A learner
+    whose port is taken fails before any server is asked to join it (a server joining a store that is not its
+    learner's would wait inside `/init_weight_transfer_engine`, its engine blocked): the servers go on serving."""
+    model = load_model(vllm_servers.model_dir).eval()
+    dead = weight_sync_for(vllm_servers.urls)
+    dead.push(learner_step(model, favoured_token=9, steps=1), version=1)
+    dead.group.close()  # the learner's end of the group is gone; the servers were never told
+    dead.http.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="address already in use"):
+            weight_sync_for(vllm_servers.urls, dist_master_port=taken.getsockname()[1])
+    engine = engine_for(vllm_servers.urls, weight_sync="distributed")
+    assert engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))[0].versions == [1, 1], "still serving"
+    sync = weight_sync_for(vllm_servers.urls)
+    try:
+        sync.push(learner_step(model, favoured_token=11, steps=2), version=2)
+        engine.update_weights(2, "")
+        after = engine.generate(PROMPTS * 2, SamplingParams(temperature=1.0, max_new_tokens=6))
+        assert engine.version == 2 and all(g.versions == [2] * 6 for g in after)
+        assert max_logprob_diff(model, PROMPTS * 2, after, 1.0) < LOGPROB_TOL
+    finally:
+        sync.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
+def test_a_distributed_update_mid_generation_loses_no_token(vllm_servers, pause_mode):
+    """The learner's push lands on a worker's requests in flight: abort, they come back aborted and continue on
+    the pushed weights from the tokens they had (partial rollouts); keep, they go on in place. Every token is kept,
+    each with the version whose weights sampled it."""
+    engine = engine_for(vllm_servers.urls[:1], weight_sync="distributed")
+    new = learner_step(load_model(vllm_servers.model_dir), 5, steps=2)
+    sync = weight_sync_for(vllm_servers.urls[:1], pause_mode=pause_mode)
+    try:
+        generations = generate_across_an_update(vllm_servers, engine, lambda: sync.push(new, version=1))
+    finally:
+        sync.close()
+    engine.update_weights(1, "")
+    assert engine.version == 1
+    assert_each_token_is_its_versions(vllm_servers.model_dir, new, generations, engine, pause_mode, partial=True)
     engine.close()
-    updater.close()
 
 
 @pytest.mark.parametrize(("pause_mode", "lora"), [("abort", []), ("keep", ["learner.lora.rank=4"])],
@@ -220,11 +328,22 @@ def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mod
     from the learner's HF directory (abort: each worker's update aborts the other's requests; keep: they go on in
     place), multi-token actions: every version trained, the ledger balanced, nothing lost. With LoRA (keep) the
     servers load the base with the adapter merged in, the directory the learner publishes."""
+    train_with_vllm_servers(vllm_servers, tmp_path, f"rollout.vllm.pause_mode={pause_mode}", *lora)
+
+
+def test_train_with_vllm_servers_and_distributed_sync(vllm_servers, tmp_path):
+    """The same with `rollout.vllm.weight_sync: distributed`: the learner pushes each version into both servers
+    (pause_mode abort: the workers' requests come back aborted and continue), the workers only note it."""
+    train_with_vllm_servers(vllm_servers, tmp_path, "rollout.vllm.weight_sync=distributed",
+                            f"rollout.vllm.dist_master_port={free_port()}", "rollout.vllm.pause_mode=abort")
+
+
+def train_with_vllm_servers(vllm_servers, tmp_path, *overrides: str) -> None:
     run = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t",
          f"model.path={vllm_servers.model_dir}", *TRAIN, "rollout.engine=vllm",
-         f"rollout.vllm.urls=[{','.join(vllm_servers.urls)}]", f"rollout.vllm.pause_mode={pause_mode}",
-         "run.max_versions=12", "rollout.max_new_tokens=6", "run.eval_samples_per_task=0", *lora],
+         f"rollout.vllm.urls=[{','.join(vllm_servers.urls)}]", *overrides,
+         "run.max_versions=12", "rollout.max_new_tokens=6", "run.eval_samples_per_task=0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = run.communicate(timeout=400)
     assert run.returncode == 0, err[-3000:]
@@ -235,6 +354,7 @@ def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mod
     rollout_logs = "".join((tmp_path / "t" / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
     assert "vLLM engine: 2/2 server(s) healthy" in rollout_logs
     assert "stops:" not in rollout_logs and "still failing" not in rollout_logs
+    assert "not loaded" not in rollout_logs  # every notice's format is the workers' own
 
 
 def test_a_vllm_server_killed_mid_request_is_replaced_by_the_other(vllm_servers):

@@ -19,15 +19,22 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 class BroadcastGroup:
-    """Rank 0 of a `world_size` group named `name`, hosting its store at `master_addr:master_port`. Joining blocks
-    until every other rank has joined (the caller has them join on other threads meanwhile)."""
+    """Rank 0 of a `world_size` group named `name`, hosting its store at `master_addr:master_port` from the start (a
+    port already taken fails here, before any receiver is asked to join: one that joined another's store would
+    wait on it). `join` blocks until every other rank has joined (the caller has them join on other threads
+    meanwhile)."""
 
     def __init__(self, master_addr: str, master_port: int, world_size: int, backend: str, name: str) -> None:
-        self.backend, self.world_size = backend, world_size
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=GROUP_TIMEOUT)
-        self.group, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(name, store),
-                                                  group_name=GroupName(name), timeout=GROUP_TIMEOUT)
-        _world.pg_group_ranks[self.group] = {i: i for i in range(world_size)}
+        self.backend, self.world_size, self.name = backend, world_size, name
+        self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=GROUP_TIMEOUT,
+                                   wait_for_workers=False)  # they connect once asked to join; `join` waits for them
+        self.group: dist.ProcessGroup | None = None
+
+    def join(self) -> None:
+        self.group, _ = _new_process_group_helper(self.world_size, 0, [], Backend(self.backend),
+                                                  PrefixStore(self.name, self.store), group_name=GroupName(self.name),
+                                                  timeout=GROUP_TIMEOUT)
+        _world.pg_group_ranks[self.group] = {i: i for i in range(self.world_size)}
 
     def on_device(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors where the backend sends them from: CUDA for nccl, host memory for gloo."""
@@ -36,8 +43,14 @@ class BroadcastGroup:
 
     def broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
         """Every tensor to every rank, in the dict's order (the receivers were told that order)."""
+        if self.group is None:
+            raise RuntimeError(f"broadcast group {self.name}: not joined")
         for tensor in tensors.values():
             dist.broadcast(tensor, src=0, group=self.group)
 
     def close(self) -> None:
-        dist.destroy_process_group(self.group)
+        """Leave the group and stop hosting its store (the port is free again)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        del self.store

@@ -16,12 +16,15 @@ does):
   `finish_reason` "abort" (a weight update's `/pause?mode=abort`) is a preemption; a 4xx is the server refusing
   that row; 5xx or no answer, a failed server.
 * **Version**: `GET /weight_info` ("default" at start: version 0).
-* **Weight update** of one server, holding its scheduler paused so that no token is sampled between the load and
-  the label (`VLLM_SERVER_DEV_MODE=1` routes): `POST /pause?mode=` (pause_mode in_place: `wait`, running rows
-  finish on the old weights; abort: `abort`, they come back aborted and are continued; keep: `keep`, they are
-  frozen and go on in the server on the new weights, the version spans recording where), `POST /collective_rpc`
-  `reload_weights` with `weights_path` (vLLM's in-place reload from an HF directory), `POST
-  /update_weight_version`, then always `POST /resume`. Only "hf-dir" notices are loaded; no NCCL/gloo path yet.
+* **Weight update** of one server from an "hf-dir" notice (`weight_sync: disk`), holding its scheduler paused so
+  that no token is sampled between the load and the label (`VLLM_SERVER_DEV_MODE=1` routes): `POST /pause?mode=`
+  (pause_mode in_place: `wait`, running rows finish on the old weights; abort: `abort`, they come back aborted and
+  are continued; keep: `keep`, they are frozen and go on in the server on the new weights, the version spans
+  recording where), `POST /collective_rpc` `reload_weights` with `weights_path` (vLLM's in-place reload from an HF
+  directory), `POST /update_weight_version`, then always `POST /resume`.
+* **"distributed"** (`weight_sync: distributed`): the learner pushed the weights itself, over NCCL/gloo into the
+  servers' `async_rl` weight-transfer backend (learner/vllm_sync.py, scripts/vllm_plugin/), under the same pause;
+  the engine only takes note of the servers' version (the SGLang engine's loader).
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
+from async_rl.config import VLLM_PAUSE_MODES
 from async_rl.security import vllm_headers
 from rollout.engines.base import SamplingParams
 from rollout.engines.sglang import Piece, Server, ServerFailed, SGLangEngine, parse_version
 from rollout.settings import VLLMSettings
 
 ROWS_PER_SERVER = 64  # rows one engine keeps in flight on one server at most (one HTTP request each)
-PAUSE_MODES = {"in_place": "wait", "abort": "abort", "keep": "keep"}
 
 
 class VLLMEngine(SGLangEngine):
@@ -49,7 +52,6 @@ class VLLMEngine(SGLangEngine):
         self.rows = ThreadPoolExecutor(max_workers=ROWS_PER_SERVER * max(1, len(settings.urls)),
                                        thread_name_prefix="vllm-row")
         super().__init__(settings, stop)
-        self.loaders.pop("distributed")  # the learner cannot push into vLLM servers yet: refused by name
 
     def _headers(self) -> dict[str, str]:
         return vllm_headers(self.settings.api_key_file)
@@ -99,7 +101,7 @@ class VLLMEngine(SGLangEngine):
 
     def _load_into(self, server: Server, view: Path, version: int) -> None:
         """Pause `server` (by pause_mode), reload its weights from `view`, label them `version`, resume it."""
-        mode = PAUSE_MODES[self.settings.pause_mode]
+        mode = VLLM_PAUSE_MODES[self.settings.pause_mode]
         # "wait" lasts as long as the longest running request (each bounded by request_timeout_s).
         self._call(server, f"/pause?mode={mode}", {}, timeout=2 * self.settings.request_timeout_s + 10)
         resumed = False
