@@ -52,17 +52,19 @@ def test_the_local_config_is_the_structs_defaults_key_by_key():
 def test_a_packaged_config_is_named_and_a_missing_file_is_named_in_the_error(tmp_path, monkeypatch):
     from async_rl.config_load import packaged_config_names
 
-    assert packaged_config_names() == ["cluster", "local", "smollm2", "smollm2-chain"]
+    assert packaged_config_names() == ["cluster", "cluster-vllm", "local", "smollm2", "smollm2-chain"]
     repo = Path(__file__).resolve().parent.parent
     for name in packaged_config_names():  # configs/ in the checkout is the packaged files, linked
         assert load_config(name) == load_config(repo / "configs" / f"{name}.yaml")
     cluster = load_config("cluster")
     assert (cluster.rollout.engine, cluster.wandb.mode, cluster.algo.entropy_coef) == ("sglang", "online", 0.0)
+    assert load_config("cluster-vllm").rollout.engine == "vllm"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cluster").write_text("run:\n  name: mine\n")
     assert load_config("./cluster").run.name == "mine"  # a path is a file; a bare name the packaged config
     assert load_config("cluster").run.name == "agent-grpo"
-    with pytest.raises(ConfigError, match=r"config file clutser\.yaml does not exist .*: cluster, local, smollm2"):
+    with pytest.raises(ConfigError,
+                       match=r"config file clutser\.yaml does not exist .*: cluster, cluster-vllm, local, smollm2"):
         load_config("clutser.yaml")
     with pytest.raises(ConfigError, match=f"config file {re.escape(str(tmp_path))}/dir: cannot read it"):
         (tmp_path / "dir").mkdir()

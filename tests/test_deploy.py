@@ -672,15 +672,15 @@ def admitted(docs: list[dict]) -> dict[str, dict[str, set]]:
 def test_the_network_policy_admits_only_async_rl_pods(docs, kz):
     """Every pod is selected by a policy; all but the vLLM servers admit every async-rl pod (and nothing else);
     the vLLM servers, whose API key leaves the RL routes (/pause, /collective_rpc, ...) open, admit only the rollout
-    workers and the learner, on the server port alone (docs/deploy.md, "Secrets")."""
+    workers, on the server port alone, and the learner (docs/deploy.md, "Secrets")."""
     everyone = {doc["metadata"]["name"] for doc in workloads(docs)}
     for name, sources in admitted(docs).items():
         assert "*" not in sources, f"{name}: no NetworkPolicy selects its pods"
         if name == "vllm":
             server = container(docs, "StatefulSet", "vllm")
             (port,) = server["ports"]
-            assert sources == {"async-rl-rollout": {("TCP", port["containerPort"])},
-                               "async-rl-learner": {("TCP", port["containerPort"])}}
+            # the learner on any port: weight_sync distributed's NCCL connections into the servers' ranks
+            assert sources == {"async-rl-rollout": {("TCP", port["containerPort"])}, "async-rl-learner": {None}}
         else:
             assert sources == {source: {None} for source in everyone}, name
     assert ("vllm" in everyone) is (kz is VLLM)
@@ -754,13 +754,22 @@ def test_roles_image_installs_the_lock():
     assert all("--hash=sha256:" in block for block in re.split(r"\n(?=[A-Za-z])", lock) if "==" in block)
 
 
-def test_the_vllm_image_adds_only_a_user():
-    """Dockerfile.vllm: the upstream image and a non-root user; the line where the vLLM plugin's install goes."""
+def test_the_vllm_image_adds_the_plugin_and_a_user():
+    """Dockerfile.vllm: the upstream image, async-rl's vLLM plugin (scripts/vllm_plugin/, without dependencies: the
+    image's vLLM and torch stay as they are) and a non-root user; its .dockerignore lets in the plugin's files alone."""
     lines = [line for line in (ROOT / "deploy" / "Dockerfile.vllm").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
-    assert [line.split()[0] for line in lines] == ["FROM", "SHELL", "RUN", "ENV", "USER"]
-    assert "useradd --uid 10001" in lines[2] and "pip" not in lines[2]
-    assert "plugin is to be installed here" in (ROOT / "deploy" / "Dockerfile.vllm").read_text()
+    assert [line.split()[0] for line in lines] == ["FROM", "SHELL", "COPY", "RUN", "RUN", "ENV", "USER"]
+    assert lines[2].split()[1] == "scripts/vllm_plugin" and "pip install --no-cache-dir --no-deps" in lines[3]
+    assert "useradd --uid 10001" in lines[4]
+    allowed = [line[1:] for line in (ROOT / "deploy" / "Dockerfile.vllm.dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    assert sorted(allowed) == sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scripts" / "vllm_plugin").iterdir()
+                                     if p.is_file() and p.suffix in (".py", ".toml"))
+    server = " ".join(container(expand_kustomization(VLLM), "StatefulSet", "vllm")["command"])
+    assert """--weight-transfer-config '{"backend": "async_rl"}'""" in server
+    plugin = (ROOT / "scripts" / "vllm_plugin" / "async_rl_vllm_plugin.py").read_text()
+    assert 'BACKEND = "async_rl"' in plugin  # the name the plugin registers its backend under
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
