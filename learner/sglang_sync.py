@@ -117,14 +117,13 @@ class DistributedWeightSync:
 
     def _join(self, url: str, rank_offset: int) -> None:
         """The server joins the group (blocks until the learner has: called on a thread)."""
-        self._call(url, "POST", "/init_weights_update_group", {
-            "master_address": self.config.dist_master_addr,
-            "master_port": self.config.dist_master_port,
-            "rank_offset": rank_offset,
-            "world_size": self.world_size,
-            "group_name": GROUP_NAME,
-            "backend": self.config.dist_backend,
-        })
+        self._call(url, "POST", "/init_weights_update_group", self._group(rank_offset))
+
+    def _group(self, rank_offset: int) -> dict[str, Any]:
+        """What a server is told to join: the learner's store, the server's first rank, the group's size."""
+        return {"master_address": self.config.dist_master_addr, "master_port": self.config.dist_master_port,
+                "rank_offset": rank_offset, "world_size": self.world_size, "group_name": GROUP_NAME,
+                "backend": self.config.dist_backend}
 
     def _pause(self) -> None:
         self._on_all("/pause_generation", {"mode": self.config.pause_mode})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from async_rl.config import VLLM_PAUSE_MODES
 from learner.settings import VLLMSyncSettings
-from learner.sglang_sync import GROUP_NAME, DistributedWeightSync, Tensors
+from learner.sglang_sync import DistributedWeightSync, Tensors
 
 
 class VLLMWeightSync(DistributedWeightSync):
@@ -42,14 +42,7 @@ class VLLMWeightSync(DistributedWeightSync):
         self.http.post(url + "/shutdown_weight_transfer_engine")
 
     def _join(self, url: str, rank_offset: int) -> None:
-        self._call(url, "POST", "/init_weight_transfer_engine", {"init_info": {
-            "master_address": self.config.dist_master_addr,
-            "master_port": self.config.dist_master_port,
-            "rank_offset": rank_offset,
-            "world_size": self.world_size,
-            "group_name": GROUP_NAME,
-            "backend": self.config.dist_backend,
-        }})
+        self._call(url, "POST", "/init_weight_transfer_engine", {"init_info": self._group(rank_offset)})
 
     def _pause(self) -> None:
         # `wait` lasts as long as the longest running request (each bounded by request_timeout_s).
