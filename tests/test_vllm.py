@@ -41,6 +41,7 @@ from test_sglang import (
     metrics,
     recording_preempted,
 )
+from vllm_server import reload_weights
 
 from async_rl.config import Config, RolloutConfig, VLLMConfig
 from async_rl.errors import WeightsError
@@ -151,13 +152,7 @@ class VLLMHammer(Hammer):
     """test_sglang.py's Hammer through vLLM's routes: pause aborting, reload, label, resume."""
 
     def load(self, http: httpx.Client, url: str, path: Path) -> None:
-        http.post(url + "/pause", params={"mode": "abort"}).raise_for_status()
-        try:
-            http.post(url + "/collective_rpc", json={"method": "reload_weights",
-                                                     "kwargs": {"weights_path": str(path)}}).raise_for_status()
-            http.post(url + "/update_weight_version", json={"new_version": str(self.version)}).raise_for_status()
-        finally:
-            http.post(url + "/resume").raise_for_status()
+        reload_weights(http, url, path, self.version, "abort")
 
 
 def test_ten_aborting_updates_in_a_row_keep_each_prefix_with_its_version_and_logprobs(vllm_servers, tmp_path):

@@ -16,14 +16,8 @@ class VLLMServer(SGLangServer):
 
     def load(self, model_path: Path, version: int, mode: str = "abort") -> None:
         """Load weights from an HF directory and label them `version`, the scheduler paused (`mode`) meanwhile."""
-        with httpx.Client(base_url=self.url, timeout=60) as http:
-            http.post("/pause", params={"mode": mode}).raise_for_status()
-            try:
-                http.post("/collective_rpc", json={"method": "reload_weights",
-                                                   "kwargs": {"weights_path": str(model_path)}}).raise_for_status()
-                http.post("/update_weight_version", json={"new_version": str(version)}).raise_for_status()
-            finally:
-                http.post("/resume").raise_for_status()
+        with httpx.Client(timeout=60) as http:
+            reload_weights(http, self.url, model_path, version, mode)
 
     def model_info(self) -> dict:
         return httpx.get(self.url + "/weight_info", timeout=10).json()
@@ -33,3 +27,15 @@ class VLLMServer(SGLangServer):
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))))
+
+
+def reload_weights(http: httpx.Client, url: str, model_path: Path, version: int, mode: str = "abort") -> None:
+    """One server at `url` loads an HF directory and labels it `version`, its scheduler paused (`mode`) meanwhile
+    and always resumed: vLLM's routes, as rollout/engines/vllm.py calls them."""
+    http.post(url + "/pause", params={"mode": mode}).raise_for_status()
+    try:
+        http.post(url + "/collective_rpc", json={"method": "reload_weights",
+                                                 "kwargs": {"weights_path": str(model_path)}}).raise_for_status()
+        http.post(url + "/update_weight_version", json={"new_version": str(version)}).raise_for_status()
+    finally:
+        http.post(url + "/resume").raise_for_status()
