@@ -154,6 +154,14 @@ class VLLMConfig(_Section):
         "finish on the old weights), `abort` (they come back aborted and continue as partial rollouts) or `keep` "
         "(they are frozen and continue on the new weights in the server, each token's version recorded)"
     )] = "in_place"
+    lora: Annotated[Literal["adapter", "merged"], doc(
+        "Under `learner.lora`: `adapter` (the learner publishes each version's adapters alone, a PEFT directory "
+        "`lora-v<N>/` of a few MB, which the servers load beside their base weights with `/v1/load_lora_adapter`: "
+        "start them with `--enable-lora --max-lora-rank R` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, as "
+        "scripts/start_vllm_server.py `--max-lora-rank R` does; each row runs to its end on the adapter of the "
+        "version it started under, with no pause) or `merged` (the merged full weights, as a full fine-tune's: "
+        "`weight_sync` and `pause_mode` apply)"
+    )] = "adapter"
     request_timeout_s: Annotated[PosFloat, doc("one HTTP request's limit")] = 60.0
     max_retries: Annotated[NonNegInt, doc(
         "a prompt a server *failed* is sent again at most this often (an abort by a weight update is not a "

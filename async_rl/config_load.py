@@ -254,6 +254,11 @@ def _check_relations(config: Config) -> None:
     if lora.rank > 0 and (not lora.target_modules or any(not name.strip() for name in lora.target_modules)):
         raise ConfigError(f"learner.lora.target_modules: expected names of the model's linear layers (e.g. q_proj) "
                           f"when learner.lora.rank > 0, got {lora.target_modules!r}")
+    vllm = rollout.vllm
+    if lora.rank > 0 and rollout.engine == "vllm" and vllm.lora == "adapter" and vllm.weight_sync == "distributed":
+        raise ConfigError("rollout.vllm.lora: `adapter` publishes each version's LoRA adapters as a directory the "
+                          "servers read, but rollout.vllm.weight_sync is `distributed` (no shared disk assumed): set "
+                          "rollout.vllm.lora: merged (the merged weights are pushed) or weight_sync: disk")
     if learner.pack_row_tokens is not None and learner.pack_row_tokens > learner.micro_batch_tokens:
         raise ConfigError(
             f"learner.pack_row_tokens: expected <= learner.micro_batch_tokens ({learner.micro_batch_tokens}), "

@@ -238,13 +238,16 @@ def import_model(source: str, out_dir: str | Path, dtype: str = "fp32", force: b
 # ----------------------------------------------------------------------------------------------------------- export
 def published_versions(weights_dir: Path) -> dict[int, Path]:
     """The policy versions whose weights are on disk under a run's weights/: v{N}.safetensors (built-in engine) or
-    hf-v{N}/ (SGLang's directories), each to its safetensors file."""
+    hf-v{N}/ (the servers' directories), each to its safetensors file; or lora-v{N}/ (LoRA adapters published for
+    vLLM), to the directory."""
     from async_rl.weights.file import version_files
-    from async_rl.weights.hf_dir import WEIGHTS_FILE, version_dirs
+    from async_rl.weights.hf_dir import ADAPTER_FILE, WEIGHTS_FILE, version_dirs
 
     found = version_files(weights_dir)
     for version, directory in version_dirs(weights_dir).items():
         found.setdefault(version, directory / WEIGHTS_FILE)
+    for version, directory in version_dirs(weights_dir, "lora-v", ADAPTER_FILE).items():
+        found.setdefault(version, directory)
     return dict(sorted(found.items()))
 
 
@@ -262,6 +265,25 @@ def run_model_dir(run_dir: Path) -> Path:
     if not (model_dir / "config.json").is_file():
         raise AsyncRLError(f"{run_dir}: its base model directory {model_dir} is gone (no config.json)")
     return model_dir
+
+
+def _merged_adapter(model_dir: Path, adapter_dir: Path) -> dict[str, Any]:
+    """The full weights of the base model in `model_dir` with the LoRA adapter of `adapter_dir` (a lora-v<N>/ the
+    learner published) merged in by peft, its files checked against their manifest first."""
+    import torch
+
+    from async_rl.durable import manifest_problem
+
+    problem = manifest_problem(adapter_dir)
+    if problem is not None:
+        raise AsyncRLError(f"{adapter_dir}: {problem}; not exported")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise AsyncRLError(f"{adapter_dir} holds LoRA adapters: exporting them merged needs peft (pip install -e "
+                           "'.[models]')") from None
+    base = _transformers().AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().state_dict()
 
 
 def _load_published(path: Path) -> dict[str, Any]:
@@ -296,7 +318,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, version: int | None = N
                            "0 is the base model)")
     out_dir = Path(out_dir)
     refuse_non_empty(out_dir, force)
-    state = _load_published(versions[version]) if version else None
+    state = None
+    if version:
+        path = versions[version]
+        state = _merged_adapter(model_dir, path) if path.is_dir() else _load_published(path)
     write_model_dir(model_dir, state, out_dir, dtype, force, source=versions.get(version, model_dir))
     log.info("exported version %d of %s (%s) into %s", version, run_dir, dtype, out_dir)
     return out_dir, version

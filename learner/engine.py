@@ -218,19 +218,22 @@ def _local_device(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
-def full_state_dict(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor] | None:
+def full_state_dict(engine: deepspeed.DeepSpeedEngine, adapters: bool = False) -> dict[str, torch.Tensor] | None:
     """The whole model's weights on rank 0 (None elsewhere), under LoRA merged with the adapter and under the base
-    model's key names (learner/lora.py). Collective at ZeRO-3: every rank must call it."""
+    model's key names (learner/lora.py); `adapters` (under LoRA): the adapters' tensors alone, under PEFT's names.
+    Collective at ZeRO-3: every rank must call it."""
     if engine.zero_optimization_stage() < 3:
-        return _to_cpu(_weights(engine.module)) if rank() == 0 else None
+        return _to_cpu(_weights(engine.module, adapters)) if rank() == 0 else None
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         if rank() != 0:
             return None
-        return _to_cpu(_weights(engine.module))
+        return _to_cpu(_weights(engine.module, adapters))
 
 
-def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return lora.merged_state_dict(module) if lora.is_adapted(module) else module.state_dict()
+def _weights(module: torch.nn.Module, adapters: bool = False) -> dict[str, torch.Tensor]:
+    if not lora.is_adapted(module):
+        return module.state_dict()
+    return lora.adapter_state_dict(module) if adapters else lora.merged_state_dict(module)
 
 
 def _to_cpu(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
 """LoRA in the learner (learner.lora): the model wrapped with peft adapters, the KL reference with the adapter off,
-and the merged full weights the rollout engines load.
+and what the rollout engines load: the merged full weights, or the adapters alone for vLLM servers that load them
+(`rollout.vllm.lora: adapter`, `adapter_state_dict` and `adapter_config`).
 
 Only the adapters are trainable (and so in the optimizer: learner/engine.py builds it over trainable parameters);
-the base weights stay frozen and are never copied. What the learner publishes is a plain state dict under the base
+the base weights stay frozen and are never copied. The merged weights are a plain state dict under the base
 model's own key names with each adapted weight W replaced by W + (alpha / rank) · B · A, computed in fp32 from the
 live tensors without touching the trained model: the built-in engine, SGLang and an export load it as they load a
 full fine-tune's, with no peft.
@@ -10,6 +11,7 @@ full fine-tune's, with no peft.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,9 +63,30 @@ def wrap(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         raise ConfigError("learner.lora.rank > 0 needs peft, which is not installed: pip install -e '.[models]' "
                           "(or pip install peft)") from None
     check_targets(model, lora.target_modules)
-    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                 target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, peft_config, adapter_name=ADAPTER)
+    return get_peft_model(model, PeftLoraConfig(**_peft_fields(lora)), adapter_name=ADAPTER)
+
+
+def _peft_fields(lora: LoraSettings) -> dict[str, Any]:
+    """PEFT's LoraConfig for learner.lora, the one the learner trains and the one a published adapter names."""
+    return {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": list(lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM"}
+
+
+def adapter_config(lora: LoraSettings, base_model: str) -> dict[str, Any]:
+    """The `adapter_config.json` of the adapters the learner publishes (`rollout.vllm.lora: adapter`): PEFT's own
+    serialization of the trained LoraConfig, naming `base_model`."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    config = PeftLoraConfig(**_peft_fields(lora), base_model_name_or_path=base_model).to_dict()
+    return json.loads(json.dumps(config, default=lambda value: sorted(value) if isinstance(value, set) else str(value)))
+
+
+def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors alone, under PEFT's key names (`base_model.model.<module>.lora_A.weight`): what a PEFT
+    adapter directory holds. At ZeRO-3 the caller holds the parameters gathered."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, adapter_name=ADAPTER)
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

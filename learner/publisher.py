@@ -3,7 +3,7 @@
 
 The transport is an `async_rl.weights` publisher chosen by `make_publisher`: a safetensors file for the built-in
 engine, an HF directory or a broadcast into the servers for SGLang and vLLM (`rollout.sglang.weight_sync`,
-`rollout.vllm.weight_sync`); the notice and
+`rollout.vllm.weight_sync`), a LoRA adapter directory for vLLM under `rollout.vllm.lora: adapter`; the notice and
 latest.json carry its format, and every receiver picks its loader by it. The order matters: a worker that sees the
 notice (or reads latest.json) always finds complete weights. PUB drops messages to subscribers that connect late
 (ZeroMQ's slow joiner), so the latest notice is repeated while idle. A safetensors file and latest.json are written
@@ -34,7 +34,7 @@ from async_rl.security import CurveKeys
 from async_rl.transport import CurveServerSocket, bind_publisher, send
 from async_rl.weights.base import Publisher
 from async_rl.weights.file import FilePublisher
-from async_rl.weights.hf_dir import HFDirPublisher
+from async_rl.weights.hf_dir import AdapterDirPublisher, HFDirPublisher
 from learner.settings import PublisherSettings
 
 log = logging.getLogger("async_rl.learner")
@@ -116,10 +116,14 @@ def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir:
         from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: server users only
 
         transport = DistributedWeightSync(settings.sglang, server_headers())
-    elif settings.engine == "vllm" and settings.vllm.weight_sync == "distributed":
+    elif settings.engine == "vllm" and settings.vllm.weight_sync == "distributed" and settings.adapters is None:
         from learner.vllm_sync import VLLMWeightSync
 
         transport = VLLMWeightSync(settings.vllm, server_headers())
+    elif settings.adapters is not None:  # vLLM servers load each version's LoRA adapters beside their base weights
+        from learner.lora import adapter_config
+
+        transport = AdapterDirPublisher(weights_dir, adapter_config(settings.adapters, str(model_dir)))
     elif settings.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
     return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport)

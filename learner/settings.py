@@ -115,6 +115,9 @@ class PublisherSettings(msgspec.Struct, frozen=True, kw_only=True):
     engine: str  # rollout.engine
     sglang: SGLangSyncSettings  # rollout.sglang (its weight_sync: with engine sglang)
     vllm: VLLMSyncSettings  # rollout.vllm (its weight_sync: with engine vllm)
+    # learner.lora when the adapters alone are published (rollout.engine vllm, rollout.vllm.lora adapter); None:
+    # the merged full weights
+    adapters: LoraSettings | None
 
 
 class CheckpointSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,7 +186,9 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
                 keep_weights=learner.keep_weights, engine=config.rollout.engine,
                 # a server engine's transport settings: its section's keys of the same names
                 sglang=msgspec.convert(msgspec.to_builtins(config.rollout.sglang), SGLangSyncSettings),
-                vllm=msgspec.convert(msgspec.to_builtins(config.rollout.vllm), VLLMSyncSettings)),
+                vllm=msgspec.convert(msgspec.to_builtins(config.rollout.vllm), VLLMSyncSettings),
+                adapters=lora if lora.rank > 0 and config.rollout.engine == "vllm"
+                and config.rollout.vllm.lora == "adapter" else None),
             checkpoints=CheckpointSettings(directory=config.run_dir / "checkpoints",
                                            checkpoint_every=learner.checkpoint_every,
                                            keep_checkpoints=learner.keep_checkpoints),

@@ -310,7 +310,7 @@ def _resume(engine: Any, side: _Rank, settings: LearnerSettings, started: float)
     if resume is not None:
         progress.version = progress.checkpointed = progress.published = resume.version
         side.resumed(resume.version, resume.damage)
-        _publish(engine, side.publisher, resume.version)
+        _publish(engine, side.publisher, resume.version, settings)
     return progress
 
 
@@ -348,7 +348,7 @@ def _optimize(
 
 def _publish_if_due(engine: Any, side: _Rank, progress: _Progress, settings: LearnerSettings) -> None:
     if progress.version % settings.publish_every == 0:
-        _publish(engine, side.publisher, progress.version)
+        _publish(engine, side.publisher, progress.version, settings)
         progress.published = progress.version
 
 
@@ -377,7 +377,7 @@ def _finish(engine: Any, side: _Rank, progress: _Progress, settings: LearnerSett
     if progress.checkpointed != progress.version:
         _checkpoint(engine, side, progress, settings)
     if progress.published != progress.version:
-        _publish(engine, side.publisher, progress.version)
+        _publish(engine, side.publisher, progress.version, settings)
     summary = _share_summary(side.summary(progress))
     side.write_summary(summary)
     return summary
@@ -392,9 +392,10 @@ def _share_summary(summary: dict[str, Any]) -> dict[str, Any]:
     return box[0]
 
 
-def _publish(engine: Any, publisher: WeightPublisher | None, version: int) -> None:
-    """Gather the full weights (a collective at ZeRO-3) and let rank 0 announce them."""
-    state_dict = full_state_dict(engine)
+def _publish(engine: Any, publisher: WeightPublisher | None, version: int, settings: LearnerSettings) -> None:
+    """Gather the full weights, or the adapters alone where they are published (a collective at ZeRO-3), and let
+    rank 0 announce them."""
+    state_dict = full_state_dict(engine, adapters=settings.publisher.adapters is not None)
     if publisher is not None:
         publisher.publish(state_dict, version)
 

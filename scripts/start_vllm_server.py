@@ -5,7 +5,7 @@ Runs with any Python 3 (stdlib only); the server itself runs with the python of 
 scripts/build_vllm_env.sh.
 
     python scripts/start_vllm_server.py --model-path DIR --port 8000 [--venv PATH] [--log FILE] [--timeout 300]
-        [-- EXTRA VLLM ARGS]
+        [--max-lora-rank R] [-- EXTRA VLLM ARGS]
 
 Always passes --dtype float32 --enforce-eager --max-model-len 256 (--max-model-len), --logprobs-mode
 processed_logprobs (a token's log-prob under the temperature the request asked for, what the learner
@@ -16,6 +16,10 @@ take either sync); sets VLLM_SERVER_DEV_MODE=1 (the RL routes: /pause, /resume, 
 /update_weight_version, /weight_info), VLLM_CPU_KVCACHE_SPACE=1 (GiB), VLLM_CPU_OMP_THREADS_BIND=nobind and
 OMP_NUM_THREADS (--threads). The CPU attention kernels need a head dimension of 32, 64, 80, 96, 112, 128,
 160, 192, 224, 256 or 512 (the default tiny model's 16 fails at the first request).
+
+--max-lora-rank R (> 0: vLLM's 1, 8, 16, 32, 64, ...; >= learner.lora.rank) lets the server load the learner's LoRA
+adapters (`rollout.vllm.lora: adapter`): --enable-lora --max-lora-rank R --max-loras 4 --max-cpu-loras 8 and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (the /v1/load_lora_adapter and /v1/unload_lora_adapter routes).
 
 On success prints one JSON line {"pid", "pgid", "url", "log", "startup_s"} and exits 0, leaving the server
 running in its own process group (stop it with os.killpg(pgid, SIGTERM)); on failure kills what it started,
@@ -37,16 +41,21 @@ DEFAULT_VENV = os.environ.get(
     "ASYNC_RL_VLLM_VENV", os.path.join(os.path.expanduser("~"), ".cache", "async-rl", "vllm-venv"))
 
 
-def build_command(venv: str, model_path: str, port: int, host: str, max_model_len: int, extra: list[str]) -> list[str]:
+def build_command(venv: str, model_path: str, port: int, host: str, max_model_len: int, extra: list[str],
+                  max_lora_rank: int = 0) -> list[str]:
     # `vllm serve` asks importlib.metadata for a "vllm" distribution, which vllm-cpu is not: run the module.
+    lora = ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "4", "--max-cpu-loras", "8"]
     return [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
             "--host", host, "--port", str(port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}), *extra]
+            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
+            *(lora if max_lora_rank > 0 else []), *extra]
 
 
-def server_env(threads: int) -> dict[str, str]:
+def server_env(threads: int, lora: bool = False) -> dict[str, str]:
     env = dict(os.environ)
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     for leak in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP"):  # the server venv sees nothing of the caller's python
         env.pop(leak, None)
     env.update(VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -61,6 +70,7 @@ def server_env(threads: int) -> dict[str, str]:
 def main() -> int:
     ap = server_args(__doc__ or "", DEFAULT_VENV)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--max-lora-rank", type=int, default=0, help="> 0: load LoRA adapters up to this rank")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="extra vLLM args after --")
     args = ap.parse_args()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
@@ -68,9 +78,9 @@ def main() -> int:
         print(f"no vLLM venv at {args.venv}; run scripts/build_vllm_env.sh", file=sys.stderr)
         return 1
     log_path = args.log or os.path.join(args.venv, f"server-{args.port}.log")
-    cmd = build_command(args.venv, args.model_path, args.port, args.host, args.max_model_len, extra)
-    return launch(cmd, server_env(args.threads), f"http://{args.host}:{args.port}", log_path, args.timeout, "vLLM",
-                  "/health")
+    cmd = build_command(args.venv, args.model_path, args.port, args.host, args.max_model_len, extra, args.max_lora_rank)
+    return launch(cmd, server_env(args.threads, args.max_lora_rank > 0), f"http://{args.host}:{args.port}", log_path,
+                  args.timeout, "vLLM", "/health")
 
 
 if __name__ == "__main__":

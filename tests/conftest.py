@@ -127,10 +127,21 @@ def vllm_pool(tmp_path_factory) -> Pool:
     yield from _server_pool(tmp_path_factory, "vLLM", "build_vllm_env.sh", VLLM_MODEL, VLLMServer)
 
 
-VLLM_MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]  # the tiny model vLLM's CPU kernels can run
+@pytest.fixture(scope="session")
+def vllm_lora_pool(tmp_path_factory) -> Pool:
+    """One vLLM server that loads LoRA adapters (scripts/start_vllm_server.py --max-lora-rank 8), on the same tiny
+    model: the `rollout.vllm.lora: adapter` tests' (`xdist_group("vllm")`)."""
+    from vllm_server import VLLMLoraServer
+
+    yield from _server_pool(tmp_path_factory, "vLLM", "build_vllm_env.sh", VLLM_MODEL, VLLMLoraServer, count=1)
 
 
-def _server_pool(tmp_path_factory, name: str, script: str, model: list[str], kind=None):
+# the tiny model vLLM's CPU kernels can run (heads of 32), with 512 positions (rows long enough for an update to
+# land in: tests/test_vllm.py ROW_TOKENS)
+VLLM_MODEL = ["model.num_heads=2", "model.num_kv_heads=1", "model.max_seq_len=512"]
+
+
+def _server_pool(tmp_path_factory, name: str, script: str, model: list[str], kind=None, count: int = 2):
     from rollout_helpers import model_dir_for
 
     from async_rl.config_load import load_config
@@ -143,7 +154,7 @@ def _server_pool(tmp_path_factory, name: str, script: str, model: list[str], kin
         pytest.skip(f"no {name} server environment: {reason}")
     root = tmp_path_factory.mktemp(name.lower())
     model_dir = model_dir_for(load_config(None, [f"run.dir={root}", "run.name=base", *model]))
-    servers = Pool(venv, model_dir, root, *([kind] if kind else []))
+    servers = Pool(venv, model_dir, root, *([kind] if kind else []), count=count)
     yield servers
     stops = [threading.Thread(target=server.stop) for server in servers.servers]
     for stop in stops:

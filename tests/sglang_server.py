@@ -44,6 +44,7 @@ def build_venv(script: str = "build_sglang_env.sh") -> tuple[Path | None, str]:
 class SGLangServer:
     START: ClassVar[str] = "start_sglang_server.py"
     NAME: ClassVar[str] = "sglang"
+    ARGS: ClassVar[tuple[str, ...]] = ()  # more arguments of its start script
     url: str
     pgid: int
     log: Path
@@ -102,7 +103,7 @@ def start_servers(venv: Path, model_dir: Path, ports: list[int], log_dir: Path,
         subprocess.Popen(
             [sys.executable, str(SCRIPTS / kind.START), "--model-path", str(model_dir),
              "--port", str(port), "--venv", str(venv), "--log", str(log_dir / f"{kind.NAME}-{port}.log"),
-             "--timeout", "240"],
+             "--timeout", "240", *kind.ARGS],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for port in ports
@@ -131,9 +132,10 @@ def free_port() -> int:
 class Pool:
     """The session's servers; a test that kills one gets it back at the next `reset`."""
 
-    def __init__(self, venv: Path, model_dir: Path, log_dir: Path, kind: type[SGLangServer] = SGLangServer) -> None:
+    def __init__(self, venv: Path, model_dir: Path, log_dir: Path, kind: type[SGLangServer] = SGLangServer,
+                 count: int = 2) -> None:
         self.venv, self.model_dir, self.log_dir, self.kind = venv, model_dir, log_dir, kind
-        self.servers = start_servers(venv, model_dir, [free_port(), free_port()], log_dir, kind)
+        self.servers = start_servers(venv, model_dir, [free_port() for _ in range(count)], log_dir, kind)
 
     @property
     def urls(self) -> list[str]:

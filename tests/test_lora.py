@@ -192,6 +192,58 @@ def test_published_weights_are_the_base_model_with_the_adapter_merged_and_the_mo
     torch.testing.assert_close(logits(published, batch), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_published_adapters_are_a_peft_directory_that_peft_loads_as_the_trained_model(tmp_path, items, zero_stage):
+    """`rollout.engine: vllm` with `rollout.vllm.lora: adapter` (the default): the learner's publisher writes each
+    version's adapters alone as a PEFT adapter directory (lora-v<N>/, what vLLM's /v1/load_lora_adapter reads), and
+    plain peft loading it onto the base model computes what the trained model does; old versions are pruned."""
+    import zmq
+    from peft import PeftModel
+    from sglang_server import free_port
+
+    from learner.publisher import make_publisher
+    from learner.settings import LearnerSettings
+
+    config = make_config(tmp_path, learner={"zero_stage": zero_stage, "keep_weights": 2,
+                                            "publish_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+                         rollout={"engine": "vllm", "vllm": {"urls": ["http://127.0.0.1:1"]}})
+    settings = LearnerSettings.from_config(config).publisher
+    assert settings.adapters is not None
+    batch = collate(items)
+    engine, _ = engine_for(config)
+    context = zmq.Context()
+    publisher = make_publisher(context, settings, model_dir_for(config), None)
+    try:
+        adapters = randomize_adapters(engine)
+        for version in (1, 2, 3):
+            assert publisher.publish(full_state_dict(engine, adapters=True), version)
+    finally:
+        engine.destroy()
+        publisher.close()
+        context.term()
+    weights = tmp_path / "lora" / "weights"
+    assert sorted(p.name for p in weights.iterdir() if p.is_dir()) == ["lora-v2", "lora-v3"]
+    assert json.loads((weights / "latest.json").read_text()) == {
+        "version": 3, "path": str(weights / "lora-v3"), "format": "lora-adapter"}
+    assert sorted(os.listdir(weights / "lora-v3")) == ["adapter_config.json", "adapter_model.safetensors",
+                                                      "manifest.json"]
+    loaded = PeftModel.from_pretrained(load_model(model_dir_for(config)), str(weights / "lora-v3")).eval()
+    expected = logits(hand_built_peft(config, adapters).eval(), batch)
+    assert not torch.allclose(logits(load_model(model_dir_for(config)), batch), expected, atol=1e-3)
+    torch.testing.assert_close(logits(loaded, batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_on_vllm_with_a_distributed_sync_are_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.vllm.lora: merged"):
+        make_config(tmp_path, rollout={"engine": "vllm", "vllm": {"urls": ["http://h:1"],
+                                                                  "weight_sync": "distributed"}})
+    config = make_config(tmp_path, rollout={"engine": "vllm", "vllm": {"urls": ["http://h:1"], "lora": "merged",
+                                                                       "weight_sync": "distributed"}})
+    from learner.settings import LearnerSettings
+
+    assert LearnerSettings.from_config(config).publisher.adapters is None  # the merged weights are pushed
+
+
 def test_the_kl_reference_is_the_base_model_with_the_adapter_off(tmp_path, items):
     config = make_config(tmp_path, algo={"kl_beta": 0.1})
     batch = collate(items)

@@ -55,6 +55,8 @@ from rollout.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
+ROW_TOKENS = 400  # a row of the updates mid-generation (the pool's servers take 512 tokens: tests/vllm_server.py)
+
 
 def engine_for(urls: list[str], **overrides) -> VLLMEngine:
     return VLLMEngine(vllm_settings(urls=urls, request_timeout_s=30.0, **overrides))
@@ -184,11 +186,12 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
     new = learner_step(load_model(vllm_servers.model_dir), 5, steps=2)
     path = write_hf_dir(new, vllm_servers.model_dir, tmp_path / "hf-v1")
 
-    def attempt() -> tuple[VLLMEngine, list[Generation]]:
+    def attempt(delay: float) -> tuple[VLLMEngine, list[Generation]]:
         engine = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode, partial_rollouts=partial)
         updater = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode)
         try:
-            return engine, generate_across_an_update(vllm_servers, engine, lambda: updater.update_weights(1, str(path)))
+            return engine, generate_across_an_update(vllm_servers, engine, lambda: updater.update_weights(1, str(path)),
+                                                     delay)
         finally:
             updater.close()
 
@@ -197,32 +200,58 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
     engine.close()
 
 
-def until_the_update_lands_mid_row(vllm_servers, attempt: Callable[[], tuple[VLLMEngine, list[Generation]]],
-                                   pause_mode: str, tries: int = 4) -> tuple[VLLMEngine, list[Generation]]:
-    """`attempt` (rows generated across an update to version 1) until the update reached the server while rows
-    were running: some row preempted (abort) or spanning both versions (keep). 40 rows of 200 tokens take about
-    1 s on this machine and an update up to 1 s before its pause, so it can come after the last row: each lost
-    race resets the server to version 0 and tries again (never more than `tries` times)."""
+def until_the_update_lands_mid_row(vllm_servers, attempt: Callable[[float], tuple[VLLMEngine, list[Generation]]],
+                                   pause_mode: str, tries: int = 6) -> tuple[VLLMEngine, list[Generation]]:
+    """`attempt(delay)` (rows generated across an update to version 1, sent `delay` s after the first row) until
+    the update reached the server while rows were running: some row preempted (abort) or spanning both versions
+    (keep). 40 rows of ROW_TOKENS tokens take 2-3 s here and an update up to 1 s before its pause, so it can come
+    after the last row; on a loaded machine a keep pause also came before any row was scheduled (every row on
+    version 1). Each lost race resets the server to version 0 and tries again, the update later if it came too
+    early, sooner if too late (at most `tries` times)."""
+    delay = 0.0
     for n in range(1, tries + 1):
-        engine, generations = attempt()
+        engine, generations = attempt(delay)
         if engine.preemptions > 0 if pause_mode == "abort" else any(set(g.versions) == {0, 1} for g in generations):
-            print(f"the update landed mid-row on try {n}")
+            print(f"the update landed mid-row on try {n} ({delay:.2f} s after the first row was sent)")
             return engine, generations
+        rows = [set(g.versions) for g in generations]
+        early = rows.count({1}) > rows.count({0})
+        print(f"try {n}: the update missed the rows ({delay:.2f} s after the first was sent): {rows.count({0})} rows "
+              f"on version 0 alone, {rows.count({1})} on version 1 alone, {engine.preemptions} preempted")
+        delay = delay + 0.25 if early else delay / 2
         engine.close()
         vllm_servers.reset()
-    pytest.fail(f"the update reached the server after every row had finished, {tries} times in a row")
+    pytest.fail(f"the update never reached the server while rows were running, {tries} times in a row")
 
 
-def generate_across_an_update(vllm_servers, engine: VLLMEngine, update: Callable[[], None]) -> list[Generation]:
-    """40 rows of 200 tokens on the first server, `update` (to version 1) landing while they are in flight."""
+def generate_across_an_update(vllm_servers, engine: VLLMEngine, update: Callable[[], None],
+                              delay: float = 0.0) -> list[Generation]:
+    """40 rows of ROW_TOKENS tokens on the first server, `update` (to version 1) `delay` s after the first was
+    sent."""
     result = {}
     generating = threading.Thread(target=lambda: result.setdefault(
-        "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
+        "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=ROW_TOKENS))))
+    sent = rows_sent(engine)
     generating.start()
-    vllm_servers.servers[0].wait_for_requests()
+    assert sent.wait(30), "no row was sent in 30 s"
+    time.sleep(delay)
     update()
     generating.join(120)
     return result["g"]
+
+
+def rows_sent(engine: VLLMEngine) -> threading.Event:
+    """Set when `engine` sends its first row (its HTTP client's request hook). What a test that must interrupt
+    generation waits for: the server's request gauges (/metrics) lag, and on a loaded machine they missed a
+    whole 40-row generation."""
+    sent = threading.Event()
+
+    def on_request(request: httpx.Request) -> None:
+        if request.url.path == "/inference/v1/generate":
+            sent.set()
+
+    engine.http.event_hooks["request"].append(on_request)
+    return sent
 
 
 def assert_each_token_is_its_versions(model_dir, new: dict[str, torch.Tensor], generations: list[Generation],
@@ -230,7 +259,7 @@ def assert_each_token_is_its_versions(model_dir, new: dict[str, torch.Tensor], g
     """Nothing lost, versions 0 then 1 (`new`), and each token's log-prob the one its recorded version's weights
     give it (to the learner's recomputation). A row may have finished on version 0 before the update reached the
     server (on a loaded machine the update can come late); some row always spans the update (it landed mid-row)."""
-    assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) == 200 for g in generations)
+    assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) == ROW_TOKENS for g in generations)
     unsorted = [(i, g.versions.count(0), g.versions.count(1)) for i, g in enumerate(generations)
                 if g.versions != sorted(g.versions) or not set(g.versions) <= {0, 1}]
     assert not unsorted, f"rows whose versions are not 0s then 1s (row, tokens at 0, tokens at 1): {unsorted}"
@@ -247,7 +276,8 @@ def assert_each_token_is_its_versions(model_dir, new: dict[str, torch.Tensor], g
     new_model.load_state_dict(new)
     for generation, prompt in zip(generations, PROMPTS * 8, strict=True):
         switch = generation.versions.index(1) if 1 in generation.versions else len(generation.versions)
-        if switch < 200 and (pause_mode != "keep" or switch == 0):  # keep: the old KV cache serves the new tokens
+        # keep: the old KV cache serves the new tokens (not recomputed exactly)
+        if switch < ROW_TOKENS and (pause_mode != "keep" or switch == 0):
             part = type(generation)(generation.token_ids[switch:], generation.logprobs[switch:], [], "length")
             assert max_logprob_diff(new_model, [prompt + generation.token_ids[:switch]], [part], 1.0) < LOGPROB_TOL
         if switch > 0:
@@ -327,11 +357,11 @@ def test_a_distributed_update_mid_generation_loses_no_token(vllm_servers, pause_
     each with the version whose weights sampled it."""
     new = learner_step(load_model(vllm_servers.model_dir), 5, steps=2)
 
-    def attempt() -> tuple[VLLMEngine, list[Generation]]:
+    def attempt(delay: float) -> tuple[VLLMEngine, list[Generation]]:
         engine = engine_for(vllm_servers.urls[:1], weight_sync="distributed")
         sync = weight_sync_for(vllm_servers.urls[:1], pause_mode=pause_mode)
         try:
-            return engine, generate_across_an_update(vllm_servers, engine, lambda: sync.push(new, version=1))
+            return engine, generate_across_an_update(vllm_servers, engine, lambda: sync.push(new, version=1), delay)
         finally:
             sync.close()
 
@@ -342,13 +372,15 @@ def test_a_distributed_update_mid_generation_loses_no_token(vllm_servers, pause_
     engine.close()
 
 
-@pytest.mark.parametrize(("pause_mode", "lora"), [("abort", []), ("keep", ["learner.lora.rank=4"])],
-                         ids=["abort", "keep-lora"])
+@pytest.mark.parametrize(("pause_mode", "lora"),
+                         [("abort", []), ("keep", ["learner.lora.rank=4", "rollout.vllm.lora=merged"])],
+                         ids=["abort", "keep-lora-merged"])
 def test_train_with_vllm_servers_and_disk_sync(vllm_servers, tmp_path, pause_mode, lora):
     """`async-rl train rollout.engine=vllm`: two workers sharing two vLLM servers, each published version loaded
     from the learner's HF directory (abort: each worker's update aborts the other's requests; keep: they go on in
-    place), multi-token actions: every version trained, the ledger balanced, nothing lost. With LoRA (keep) the
-    servers load the base with the adapter merged in, the directory the learner publishes."""
+    place), multi-token actions: every version trained, the ledger balanced, nothing lost. With LoRA merged (keep)
+    the servers load the base with the adapter merged in, the directory the learner publishes (adapters loaded by
+    the servers: tests/test_vllm_lora.py)."""
     train_with_vllm_servers(vllm_servers, tmp_path, f"rollout.vllm.pause_mode={pause_mode}", *lora)
 
 
@@ -359,7 +391,8 @@ def test_train_with_vllm_servers_and_distributed_sync(vllm_servers, tmp_path):
                             f"rollout.vllm.dist_master_port={free_port()}", "rollout.vllm.pause_mode=abort")
 
 
-def train_with_vllm_servers(vllm_servers, tmp_path, *overrides: str) -> None:
+def train_with_vllm_servers(vllm_servers, tmp_path, *overrides: str, servers_at: str = "12") -> None:
+    """A 12-version run of two workers on `vllm_servers`; its invariants; every server's weights at `servers_at`."""
     run = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "train", f"run.dir={tmp_path}", "run.name=t",
          f"model.path={vllm_servers.model_dir}", *TRAIN, "rollout.engine=vllm",
@@ -371,9 +404,10 @@ def train_with_vllm_servers(vllm_servers, tmp_path, *overrides: str) -> None:
     lines = metrics(tmp_path / "t")
     assert_invariants(lines, max_staleness=2)
     assert len(lines) == 12
-    assert [s.model_info()["weight_version"] for s in vllm_servers.servers] == ["12", "12"]
+    servers = vllm_servers.servers
+    assert [s.model_info()["weight_version"] for s in servers] == [servers_at] * len(servers)
     rollout_logs = "".join((tmp_path / "t" / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
-    assert "vLLM engine: 2/2 server(s) healthy" in rollout_logs
+    assert f"vLLM engine: {len(servers)}/{len(servers)} server(s) healthy" in rollout_logs
     assert "stops:" not in rollout_logs and "still failing" not in rollout_logs
     assert "not loaded" not in rollout_logs  # every notice's format is the workers' own
 
@@ -383,8 +417,9 @@ def test_a_vllm_server_killed_mid_request_is_replaced_by_the_other(vllm_servers)
     result = {}
     generating = threading.Thread(target=lambda: result.setdefault(
         "g", engine.generate(PROMPTS * 8, SamplingParams(max_new_tokens=200))))
+    sent = rows_sent(engine)
     generating.start()
-    vllm_servers.servers[0].wait_for_requests()
+    assert sent.wait(30), "no row was sent in 30 s"
     vllm_servers.servers[0].stop()
     generating.join(120)
     assert all(len(g.token_ids) == 200 and g.versions == [0] * 200 for g in result["g"])

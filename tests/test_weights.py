@@ -248,18 +248,22 @@ def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_ref
         context.term()
 
 
-def test_a_format_no_learner_writes_is_refused_by_name(model_dir, tmp_path, caplog):
+@pytest.mark.parametrize(("weights_format", "what"), [
+    ("gguf", "a format no async-rl learner of this version writes"),
+    ("lora-adapter", "a PEFT LoRA adapter directory"),  # written for vLLM servers (rollout.vllm.lora: adapter)
+])
+def test_a_format_the_engine_cannot_load_is_refused_by_name(model_dir, tmp_path, caplog, weights_format, what):
     context = zmq.Context()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     pub = bind_publisher(context, endpoint, None)
     built_in = Worker(context, TorchEngine(model_dir, seed=0), endpoint, tmp_path)
     try:
-        notice = WeightsPublished(version=3, path=str(tmp_path / "v3.lora"), format="lora-adapter")
+        notice = WeightsPublished(version=3, path=str(tmp_path / "lora-v3"), format=weights_format)
         with caplog.at_level(logging.ERROR, logger="async_rl.rollout"):
-            follow(None, [built_in], lambda: send(pub, notice) or built_in.follower.refused == (3, "lora-adapter"))
+            follow(None, [built_in], lambda: send(pub, notice) or built_in.follower.refused == (3, weights_format))
         assert built_in.engine.version == 0
-        assert any("the built-in engine cannot load weights of format 'lora-adapter' (a format no async-rl learner "
-                   "of this version writes)" in record.getMessage() for record in caplog.records)
+        assert any(f"the built-in engine cannot load weights of format {weights_format!r} ({what}"
+                   in record.getMessage() for record in caplog.records)
     finally:
         built_in.close()
         pub.close(linger=0)

@@ -13,6 +13,7 @@ from sglang_server import SGLangServer
 class VLLMServer(SGLangServer):
     START: ClassVar[str] = "start_vllm_server.py"
     NAME: ClassVar[str] = "vllm"
+    ARGS: ClassVar[tuple[str, ...]] = ("--max-model-len", "512")  # rows long enough for an update to land in
 
     def load(self, model_path: Path, version: int, mode: str = "abort") -> None:
         """Load weights from an HF directory and label them `version`, the scheduler paused (`mode`) meanwhile."""
@@ -22,11 +23,16 @@ class VLLMServer(SGLangServer):
     def model_info(self) -> dict:
         return httpx.get(self.url + "/weight_info", timeout=10).json()
 
-    def requests_in_flight(self) -> int:
-        """Requests the server is running or has queued (its Prometheus gauges)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))))
+
+class VLLMLoraServer(VLLMServer):
+    """A vLLM server that loads LoRA adapters (rank up to 8)."""
+
+    ARGS: ClassVar[tuple[str, ...]] = ("--max-lora-rank", "8")  # (and 256 tokens, the script's default)
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters it has loaded, by name."""
+        models = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
+        return [model["id"] for model in models if model.get("parent")]
 
 
 def reload_weights(http: httpx.Client, url: str, model_path: Path, version: int, mode: str = "abort") -> None:

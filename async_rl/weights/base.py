@@ -11,6 +11,7 @@ the checksums written with the weights before anything is loaded (`WeightsError`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -22,6 +23,8 @@ from async_rl.protocol import WeightsPublished
 FORMATS = {
     "safetensors": "one safetensors file with the crc32 of its tensors (async_rl/weights/file.py)",
     "hf-dir": "an HF model directory with a manifest of its files' crc32s (async_rl/weights/hf_dir.py)",
+    "lora-adapter": "a PEFT LoRA adapter directory with a manifest of its files' crc32s, loaded by vLLM servers "
+                    "beside their base weights (async_rl/weights/hf_dir.py)",
     "distributed": "pushed by the learner into SGLang servers over a torch.distributed group, no file to read "
                    "(async_rl/weights/distributed.py)",
 }
@@ -68,4 +71,6 @@ def format_of(path: str) -> str:
     """The format of a `latest.json` written before it recorded one: the path's shape says it."""
     if not path:
         return "distributed"
-    return "safetensors" if path.endswith(".safetensors") else "hf-dir"
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    return "lora-adapter" if Path(path).name.startswith("lora-v") else "hf-dir"

@@ -1,6 +1,9 @@
-"""The `hf-dir` format: one HF model directory per version, `weights/hf-v<N>/` (the model's config files, one
-`model.safetensors`, a `manifest.json` of the files' sizes and crc32s), SGLang's disk transport; read whole by
-the built-in engine, or handed to SGLang servers as a view of hard links to the checked files.
+"""HF directories, one per version: the `hf-dir` format, a model directory `weights/hf-v<N>/` (the model's config
+files, one `model.safetensors`, a `manifest.json` of the files' sizes and crc32s), SGLang's and vLLM's disk
+transport, read whole by the built-in engine or handed to servers as a view of hard links to the checked files;
+and the `lora-adapter` format, a PEFT adapter directory `weights/lora-v<N>/` (`adapter_config.json`, the
+adapters' tensors in `adapter_model.safetensors` under PEFT's key names, the manifest) that vLLM servers load
+beside their unchanged base weights (`rollout.vllm.lora: adapter`).
 
 The learner writes a directory whole (a staging directory, fsynced, renamed) and prunes the old ones; a reader
 checks the files against the manifest before anything is loaded, and a server reads them through a view of hard
@@ -14,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +29,7 @@ from async_rl.weights.file import read_weights, save_weights
 
 HF_FILES = ("config.json", "generation_config.json")  # copied from the model directory beside the weights
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_CONFIG, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter directory's
 LOAD_VIEW_PREFIX = ".sglang-load-"  # a rollout worker's hard links to an hf-v<N>/ while a server loads from them
 STALE_LOAD_VIEW_S = 3600.0  # a view this old was left by a worker killed mid-load: the learner's prune removes it
 
@@ -32,17 +37,38 @@ STALE_LOAD_VIEW_S = 3600.0  # a view this old was left by a worker killed mid-lo
 def write_hf_dir(state_dict: dict[str, torch.Tensor], model_dir: Path, target: Path) -> Path:
     """An HF model directory SGLang can load: the model's config files and the new weights, with a manifest of their
     sizes and crc32s (checked by every reader before it loads them), made atomically."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         for name in HF_FILES:
             if (model_dir / name).exists():
                 shutil.copy(model_dir / name, staging / name)
         save_weights(state_dict, staging / WEIGHTS_FILE)
+
+    return _write_whole(target, fill)
+
+
+def write_adapter_dir(adapters: dict[str, torch.Tensor], adapter_config: dict, target: Path) -> Path:
+    """A PEFT adapter directory vLLM can load (`/v1/load_lora_adapter`): `adapter_config` (PEFT's LoraConfig as a
+    dict) and the adapters' tensors under PEFT's key names, with the manifest, made atomically."""
+
+    def fill(staging: Path) -> None:
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2))
+        save_weights(adapters, staging / ADAPTER_FILE)
+
+    return _write_whole(target, fill)
+
+
+def _write_whole(target: Path, fill: Callable[[Path], None]) -> Path:
+    """`target` made whole or not at all: `fill` writes a staging directory beside it, the manifest is added, and
+    the staging directory is renamed into place (replacing a re-published version)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        fill(staging)
         write_manifest(staging)
-    except OSError as exc:  # a full disk: WeightsError names the weights file, this the copy
+    except OSError as exc:  # a full disk: WeightsError names the weights file, this the other files
         shutil.rmtree(staging, ignore_errors=True)
-        raise WeightsError(f"{staging}: could not write the model directory: {exc}") from None
+        raise WeightsError(f"{staging}: could not write the directory: {exc}") from None
     except WeightsError:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -51,10 +77,12 @@ def write_hf_dir(state_dict: dict[str, torch.Tensor], model_dir: Path, target: P
     return target
 
 
-def version_dirs(weights_dir: Path) -> dict[int, Path]:
-    """The `hf-v<N>/` directories in `weights_dir` that hold their weights file, by version, oldest first."""
-    found = {int(path.name[4:]): path for path in weights_dir.glob("hf-v*")
-             if path.name[4:].isdigit() and (path / WEIGHTS_FILE).is_file()}
+def version_dirs(weights_dir: Path, prefix: str = "hf-v", file: str = WEIGHTS_FILE) -> dict[int, Path]:
+    """The `<prefix><N>/` directories in `weights_dir` that hold `file`, by version, oldest first: hf-v<N>/ with its
+    weights (the default), or lora-v<N>/ with its adapters (`prefix="lora-v", file=ADAPTER_FILE`)."""
+    n = len(prefix)
+    found = {int(path.name[n:]): path for path in weights_dir.glob(f"{prefix}*")
+             if path.name[n:].isdigit() and (path / file).is_file()}
     return dict(sorted(found.items()))
 
 
@@ -83,7 +111,7 @@ def load_view(directory: Path) -> Path:
         try:
             _link_or_copy(directory / MANIFEST, view / MANIFEST)
         except FileNotFoundError:
-            if (directory / WEIGHTS_FILE).exists():
+            if (directory / WEIGHTS_FILE).exists() or (directory / ADAPTER_FILE).exists():
                 raise WeightsError(f"{directory}: no {MANIFEST} (its files' checksums): it cannot be checked") from None
             raise
         try:
@@ -123,21 +151,36 @@ def prune_stale_load_views(weights_dir: Path, older_than_s: float = STALE_LOAD_V
 class HFDirPublisher:
     """The learner's `hf-dir` transport: `weights_dir/hf-v<N>/`, written whole with its manifest."""
 
-    format = "hf-dir"
+    format, prefix = "hf-dir", "hf-v"
 
     def __init__(self, weights_dir: Path, model_dir: Path) -> None:
         self.weights_dir, self.model_dir = weights_dir, model_dir
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
-        path = write_hf_dir(state_dict, self.model_dir, self.weights_dir / f"hf-v{version}")
+        path = write_hf_dir(state_dict, self.model_dir, self.weights_dir / f"{self.prefix}{version}")
         return WeightsPublished(version=version, path=str(path), format=self.format)
 
     def prune(self, keep: int) -> None:
-        dirs = sorted((p for p in self.weights_dir.glob("hf-v*") if p.name[4:].isdigit()),
-                      key=lambda p: int(p.name[4:]))
+        n = len(self.prefix)
+        dirs = sorted((p for p in self.weights_dir.glob(f"{self.prefix}*") if p.name[n:].isdigit()),
+                      key=lambda p: int(p.name[n:]))
         for old in dirs[:-keep]:
             shutil.rmtree(old, ignore_errors=True)  # a worker loading it reads its own links (load_view)
         prune_stale_load_views(self.weights_dir)
 
     def close(self) -> None:
         """Nothing held."""
+
+
+class AdapterDirPublisher(HFDirPublisher):
+    """The learner's `lora-adapter` transport: `weights_dir/lora-v<N>/`, the adapters alone (what it is given is
+    the adapters' state dict, learner/lora.py `adapter_state_dict`), written whole with its manifest."""
+
+    format, prefix = "lora-adapter", "lora-v"
+
+    def __init__(self, weights_dir: Path, adapter_config: dict) -> None:
+        self.weights_dir, self.adapter_config = weights_dir, adapter_config
+
+    def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
+        path = write_adapter_dir(state_dict, self.adapter_config, self.weights_dir / f"{self.prefix}{version}")
+        return WeightsPublished(version=version, path=str(path), format=self.format)

@@ -25,23 +25,47 @@ does):
 * **"distributed"** (`weight_sync: distributed`): the learner pushed the weights itself, over NCCL/gloo into the
   servers' `async_rl` weight-transfer backend (learner/vllm_sync.py, scripts/vllm_plugin/), under the same pause;
   the engine only takes note of the servers' version (the SGLang engine's loader).
+* **"lora-adapter"** (`rollout.vllm.lora: adapter` under `learner.lora`): each version's adapters alone, a PEFT
+  directory checked against its manifest and loaded into every live server (`POST /v1/load_lora_adapter`) from a
+  view of hard links under a name of its own (`async-rl-<engine>-<n>-v<N>`, the engine's n-th load: workers sharing
+  a server never unload each other's, and a version published again after the learner resumed from a checkpoint is
+  a new adapter); new rows name the last loaded (`model`), and every token of a row carries the version of the
+  adapter it was sent with: a row runs to its end on that adapter, so an update needs no pause and preempts
+  nothing. The last `ADAPTERS_KEPT` loaded stay loaded (and their views on disk: vLLM may read an adapter again
+  after evicting it from its CPU cache); older ones no row of this engine still runs on are unloaded and their
+  views removed. A server that rejoins loads the current one.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
+import shutil
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 from async_rl.config import VLLM_PAUSE_MODES
 from async_rl.security import vllm_headers
+from async_rl.weights.hf_dir import ADAPTER_FILE, load_view
 from rollout.engines.base import SamplingParams
 from rollout.engines.sglang import Piece, Server, ServerFailed, SGLangEngine, parse_version
 from rollout.settings import VLLMSettings
 
+log = logging.getLogger("async_rl.rollout")
+
 ROWS_PER_SERVER = 64  # rows one engine keeps in flight on one server at most (one HTTP request each)
+ADAPTERS_KEPT = 2  # LoRA adapters an engine keeps loaded in its servers: the current one and the one before
+
+
+class Adapter:
+    """A LoRA adapter this engine loaded into its servers: its version, its name there, the view they read."""
+
+    def __init__(self, version: int, name: str, view: Path) -> None:
+        self.version, self.name, self.view = version, name, view
 
 
 class VLLMEngine(SGLangEngine):
@@ -51,7 +75,13 @@ class VLLMEngine(SGLangEngine):
     def __init__(self, settings: VLLMSettings, stop: threading.Event | None = None) -> None:
         self.rows = ThreadPoolExecutor(max_workers=ROWS_PER_SERVER * max(1, len(settings.urls)),
                                        thread_name_prefix="vllm-row")
+        self.adapters: list[Adapter] = []  # loaded into the servers, in the order loaded (the last is the current)
+        self.rows_on = collections.Counter[str]()  # rows in flight on each adapter, by name
+        self.adapter_lock = threading.Lock()
+        self.loads = 0  # adapters loaded so far (each one's name is new)
+        self.name = f"async-rl-{uuid.uuid4().hex[:8]}"  # this engine's adapters' prefix
         super().__init__(settings, stop)
+        self.loaders["lora-adapter"] = self._load_adapter
 
     def _headers(self) -> dict[str, str]:
         return vllm_headers(self.settings.api_key_file)
@@ -74,6 +104,23 @@ class VLLMEngine(SGLangEngine):
         return pieces
 
     def _generate_row(self, server: Server, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Piece:
+        """One row on the current adapter (if any: every token carries its version) or on the base weights."""
+        with self.adapter_lock:
+            adapter = self.adapters[-1] if self.adapters else None
+            if adapter is not None:
+                self.rows_on[adapter.name] += 1
+        try:
+            piece = self._generate_row_on(server, ids, max_new_tokens, params, adapter)
+        finally:
+            if adapter is not None:
+                with self.adapter_lock:
+                    self.rows_on[adapter.name] -= 1
+        if adapter is not None:
+            piece.versions[:] = [adapter.version] * len(piece.versions)
+        return piece
+
+    def _generate_row_on(self, server: Server, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                         adapter: Adapter | None) -> Piece:
         sampling = {
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -84,8 +131,8 @@ class VLLMEngine(SGLangEngine):
             "detokenize": bool(params.stop),
             **({"stop": params.stop, "include_stop_str_in_output": True} if params.stop else {}),
         }
-        response = self._request(server, "POST", "/inference/v1/generate",
-                                 json={"token_ids": ids, "sampling_params": sampling})
+        body = {"token_ids": ids, "sampling_params": sampling, **({"model": adapter.name} if adapter else {})}
+        response = self._request(server, "POST", "/inference/v1/generate", json=body)
         if response.status_code != 200:
             return Piece([], [], [], "refused", f"HTTP {response.status_code}: {response.text[:300]}")
         try:
@@ -116,6 +163,60 @@ class VLLMEngine(SGLangEngine):
                 with contextlib.suppress(ServerFailed, RuntimeError):
                     self._call(server, "/resume", {})
 
+    def _load_adapter(self, version: int, path: str) -> None:
+        """The "lora-adapter" loader: `path` (a lora-v<N>/ directory) checked against its manifest and loaded into
+        every live server from a view of hard links; then the rows sent next run on it. WeightsError when it fails
+        its check, FileNotFoundError when the learner has pruned it (the worker loads the next notice's),
+        RuntimeError naming the fix when a server cannot load adapters."""
+        if not (Path(path) / ADAPTER_FILE).is_file():
+            raise FileNotFoundError(f"{path} holds no {ADAPTER_FILE} (pruned by learner.keep_weights: this worker "
+                                    "fell behind, or not a lora-v<N> directory)")
+        view = load_view(Path(path))
+        self.loads += 1
+        adapter = Adapter(version, f"{self.name}-{self.loads}-v{version}", view)
+        try:
+            self._check(view, path)
+            for server in self._live():
+                with contextlib.suppress(ServerFailed):  # marked dead; it loads the current adapter when it rejoins
+                    self._load_adapter_into(server, adapter)
+        except BaseException:
+            shutil.rmtree(view, ignore_errors=True)
+            raise
+        with self.adapter_lock:
+            self.adapters.append(adapter)
+            done = [old for old in self.adapters[:-ADAPTERS_KEPT] if not self.rows_on[old.name]]
+            self.adapters = [kept for kept in self.adapters if kept not in done]
+        self.version = version
+        log.info("policy version %d: LoRA adapter %s loaded from %s", version, adapter.name, path)
+        for old in done:
+            for server in self._live():
+                with contextlib.suppress(ServerFailed, RuntimeError):
+                    self._call(server, "/v1/unload_lora_adapter", {"lora_name": old.name})
+            shutil.rmtree(old.view, ignore_errors=True)
+
+    def _load_adapter_into(self, server: Server, adapter: Adapter) -> None:
+        response = self._request(server, "POST", "/v1/load_lora_adapter",
+                                 json={"lora_name": adapter.name, "lora_path": str(adapter.view)})
+        if response.status_code != 200 and "already" not in response.text:
+            raise RuntimeError(
+                f"{server.url}/v1/load_lora_adapter refused the LoRA adapter of version {adapter.version}: HTTP "
+                f"{response.status_code}: {response.text[:300]}. A server loads adapters when started with "
+                "--enable-lora --max-lora-rank R (>= learner.lora.rank) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                "(scripts/start_vllm_server.py --max-lora-rank R); or set rollout.vllm.lora: merged")
+
+    def _probe(self, server: Server) -> bool:
+        """As SGLang's, and a server that rejoins loads the current adapter (a restarted one has none)."""
+        alive = super()._probe(server)
+        with self.adapter_lock:
+            adapter = self.adapters[-1] if self.adapters else None
+        if alive and adapter is not None:
+            try:
+                self._load_adapter_into(server, adapter)
+            except (ServerFailed, RuntimeError) as exc:
+                log.warning("%s rejoined and could not load the LoRA adapter of version %d: %s", server.url,
+                            adapter.version, exc)
+        return server.alive
+
     def _call(self, server: Server, path: str, body: dict, timeout: float | None = None) -> None:
         """POST `body`; RuntimeError when the server refuses it (4xx), ServerFailed when it fails."""
         kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -125,6 +226,11 @@ class VLLMEngine(SGLangEngine):
                                f"{response.text[:300]}")
 
     def close(self) -> None:
+        for adapter in self.adapters:  # unloaded where the servers answer (each engine loads its own)
+            for server in self._live():
+                with contextlib.suppress(ServerFailed, RuntimeError):
+                    self._call(server, "/v1/unload_lora_adapter", {"lora_name": adapter.name}, timeout=5.0)
+            shutil.rmtree(adapter.view, ignore_errors=True)
         super().close()
         self.rows.shutdown(wait=False, cancel_futures=True)
 
