@@ -10,6 +10,10 @@ peak RSS is its own; they run one after the other (full fine-tune first). Per ar
   state_mib          parameters + gradients + optimizer state (exact tensor bytes): what LoRA is meant to cut
   trainable          parameters in the optimizer
 
+The lora arm also times what the learner publishes per version, median of --publish-runs writes: the merged full
+weights (an hf-v<N>/ directory, what every engine loads) against the adapters alone (a lora-v<N>/ PEFT directory,
+what vLLM servers load under rollout.vllm.lora: adapter): publish_merged_s / _mib, publish_adapter_s / _mib.
+
 The ratios are LoRA's over the full fine-tune's. With --set algo.kl_beta=0.05 the full fine-tune also holds a frozen
 reference copy of the model, which LoRA does not (its reference is the base with the adapter off).
 
@@ -119,6 +123,7 @@ def arm(args: argparse.Namespace) -> dict:
         version, _ = train_on_items(engine, reference, items, version, settings.step)
         if n >= args.warmup:
             wall.append(time.perf_counter() - started)
+    publish = publishing(engine, settings, config, args.publish_runs) if rank else {}
     reference_bytes = tensor_bytes(reference.parameters()) if hasattr(reference, "parameters") else 0
     state = (tensor_bytes(engine.module.parameters()) + tensor_bytes(trainable)  # weights, gradients
              + optimizer_state_bytes(engine) + reference_bytes)
@@ -127,7 +132,33 @@ def arm(args: argparse.Namespace) -> dict:
     return {"arm": args.arm, "lora_rank": rank, "parameters": parameters,
             "trainable": sum(p.numel() for p in trainable), "steps_wall_s": wall,
             "s_per_step": statistics.median(wall), "peak_rss_mib": peak, "over_imports_mib": peak - imported,
-            "state_mib": state / 2**20, "reference_mib": reference_bytes / 2**20}
+            "state_mib": state / 2**20, "reference_mib": reference_bytes / 2**20, **publish}
+
+
+def publishing(engine, settings, config, runs: int) -> dict:
+    """Seconds (median of `runs`, each the gather and the directory written whole) and MiB of a version published
+    merged (hf-v<N>/) and as adapters alone (lora-v<N>/)."""
+    from async_rl.weights.hf_dir import write_adapter_dir, write_hf_dir
+    from learner.engine import full_state_dict
+    from learner.lora import adapter_config
+
+    model_dir = Path(config.model.path) if config.model.path else config.run_dir / "model"
+    out = Path(tempfile.mkdtemp(prefix="lora-publish-"))
+    adapter_json = adapter_config(settings.engine.lora, str(model_dir))
+    ways = {"merged": lambda n: write_hf_dir(full_state_dict(engine), model_dir, out / f"hf-v{n}"),
+            "adapter": lambda n: write_adapter_dir(full_state_dict(engine, adapters=True), adapter_json,
+                                                   out / f"lora-v{n}")}
+    result = {}
+    for name, write in ways.items():
+        wall = []
+        for n in range(runs):
+            started = time.perf_counter()
+            directory = write(n)
+            wall.append(time.perf_counter() - started)
+        result[f"publish_{name}_s"] = statistics.median(wall)
+        result[f"publish_{name}_range_s"] = [min(wall), max(wall)]
+        result[f"publish_{name}_mib"] = sum(f.stat().st_size for f in directory.iterdir()) / 2**20
+    return result
 
 
 def main() -> int:
@@ -143,6 +174,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per arm (default 1)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for both arms, e.g. algo.kl_beta=0.05 (repeatable)")
+    parser.add_argument("--publish-runs", type=int, default=3, help="writes of each published form timed (default 3)")
     parser.add_argument("--arm", choices=["full", "lora"], help=argparse.SUPPRESS)  # a child process: one arm
     args = parser.parse_args()
     if args.model is not None and not (Path(args.model) / "config.json").exists():
@@ -155,7 +187,7 @@ def main() -> int:
         print(json.dumps(arm(args)))
         return 0
     results = {}
-    shared = ("model", "rank", "alpha", "steps", "warmup", "items", "item_tokens", "threads")
+    shared = ("model", "rank", "alpha", "steps", "warmup", "items", "item_tokens", "threads", "publish_runs")
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in shared and v is not None]
     forwarded += [f"--set={s}" for s in args.set]
     for name in ("full", "lora"):
@@ -173,6 +205,12 @@ def main() -> int:
     ratios = {key: lora[key] / full[key] for key in ("s_per_step", "peak_rss_mib", "over_imports_mib", "state_mib",
                                                       "trainable")}
     print("lora / full: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
+    ratios["publish_adapter_over_merged_s"] = lora["publish_adapter_s"] / lora["publish_merged_s"]
+    ratios["publish_adapter_over_merged_mib"] = lora["publish_adapter_mib"] / lora["publish_merged_mib"]
+    print(f"published per version: merged {lora['publish_merged_mib']:.1f} MiB in {lora['publish_merged_s']:.3f} s, "
+          f"adapters alone {lora['publish_adapter_mib']:.2f} MiB in {lora['publish_adapter_s']:.3f} s "
+          f"({ratios['publish_adapter_over_merged_s']:.3f}x the time, {ratios['publish_adapter_over_merged_mib']:.4f}x "
+          "the bytes)", flush=True)
     print(json.dumps({"model": args.model or "tiny", "parameters": full["parameters"],
                       "tokens_per_step": args.items * args.item_tokens, "full": full, "lora": lora,
                       "ratios": ratios}))

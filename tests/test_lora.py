@@ -360,3 +360,5 @@ def test_the_lora_benchmark_quick_form_measures_both_arms_on_the_same_batches():
     assert 0 < adapted["trainable"] < full["trainable"] and adapted["state_mib"] < full["state_mib"]
     assert len(full["steps_wall_s"]) == len(adapted["steps_wall_s"]) == 2
     assert result["ratios"]["state_mib"] == pytest.approx(adapted["state_mib"] / full["state_mib"])
+    assert 0 < adapted["publish_adapter_mib"] < adapted["publish_merged_mib"]  # what vLLM loads vs every engine
+    assert adapted["publish_adapter_s"] > 0 and adapted["publish_merged_s"] > 0
