@@ -165,12 +165,17 @@ def test_ten_aborting_updates_in_a_row_keep_each_prefix_with_its_version_and_log
     path_b = write_hf_dir(learner_step(model_b, 5, steps=2), vllm_servers.model_dir, tmp_path / "hf-b")
     engine = engine_for(vllm_servers.urls[:1], pause_mode="abort")
     seen = recording_preempted(engine)
-    prompts = PROMPTS * 8
+    prompts, generations = [], []
     with VLLMHammer(vllm_servers.urls[:1], paths=[vllm_servers.model_dir, path_b], every_s=0.05) as hammer:
-        generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=200))
+        # batches of 40 rows of 200 tokens until two rows were preempted (on a loaded machine a whole batch once ran
+        # between two updates), at most 4
+        while engine.preemptions < 2 and len(prompts) < 4 * 40 and not hammer.errors:
+            prompts += PROMPTS * 8
+            generations += engine.generate(PROMPTS * 8, SamplingParams(temperature=1.0, max_new_tokens=200))
         while hammer.rounds < 10 and not hammer.errors:  # ten updates at least, the last ones maybe after the rows
             time.sleep(0.05)
-    print(f"{hammer.rounds} aborting updates; {engine.preemptions} rows preempted, {engine.tokens_kept} tokens kept")
+    print(f"{hammer.rounds} aborting updates; {len(prompts) // 40} batch(es); {engine.preemptions} rows preempted, "
+          f"{engine.tokens_kept} tokens kept")
     assert not hammer.errors and hammer.rounds >= 10 and engine.preemptions >= 2 and seen
     worst = assert_each_prefix_kept_with_its_version(prompts, generations, seen, model_a, model_b)
     print(f"max |vllm - learner| log-prob diff, each token against its own version: {worst:.2e}")
