@@ -113,7 +113,8 @@ def arm(args: argparse.Namespace) -> dict:
                  *(QUICK_MODEL if args.model is None else [f"model.path={args.model}"]), *args.set]
     config = load_config(None, overrides)
     settings = LearnerSettings.from_config(config)
-    engine, reference = build_engine(settings.engine, prepare_model_dir(RolloutSettings.from_config(config).model_dir))
+    model_dir = prepare_model_dir(RolloutSettings.from_config(config).model_dir)
+    engine, reference = build_engine(settings.engine, model_dir)
     parameters = sum(p.numel() for p in engine.module.parameters())
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     data = batches(engine.module.config.vocab_size, args.warmup + args.steps, args.items, args.item_tokens)
@@ -123,7 +124,7 @@ def arm(args: argparse.Namespace) -> dict:
         version, _ = train_on_items(engine, reference, items, version, settings.step)
         if n >= args.warmup:
             wall.append(time.perf_counter() - started)
-    publish = publishing(engine, settings, config, args.publish_runs) if rank else {}
+    publish = publishing(engine, settings, model_dir, args.publish_runs) if rank else {}
     reference_bytes = tensor_bytes(reference.parameters()) if hasattr(reference, "parameters") else 0
     state = (tensor_bytes(engine.module.parameters()) + tensor_bytes(trainable)  # weights, gradients
              + optimizer_state_bytes(engine) + reference_bytes)
@@ -135,14 +136,13 @@ def arm(args: argparse.Namespace) -> dict:
             "state_mib": state / 2**20, "reference_mib": reference_bytes / 2**20, **publish}
 
 
-def publishing(engine, settings, config, runs: int) -> dict:
+def publishing(engine, settings, model_dir: Path, runs: int) -> dict:
     """Seconds (median of `runs`, each the gather and the directory written whole) and MiB of a version published
     merged (hf-v<N>/) and as adapters alone (lora-v<N>/)."""
     from async_rl.weights.hf_dir import write_adapter_dir, write_hf_dir
     from learner.engine import full_state_dict
     from learner.lora import adapter_config
 
-    model_dir = Path(config.model.path) if config.model.path else config.run_dir / "model"
     out = Path(tempfile.mkdtemp(prefix="lora-publish-"))
     adapter_json = adapter_config(settings.engine.lora, str(model_dir))
     ways = {"merged": lambda n: write_hf_dir(full_state_dict(engine), model_dir, out / f"hf-v{n}"),

@@ -116,14 +116,14 @@ def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir:
         from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: server users only
 
         transport = DistributedWeightSync(settings.sglang, server_headers())
-    elif settings.engine == "vllm" and settings.vllm.weight_sync == "distributed" and settings.adapters is None:
-        from learner.vllm_sync import VLLMWeightSync
-
-        transport = VLLMWeightSync(settings.vllm, server_headers())
     elif settings.adapters is not None:  # vLLM servers load each version's LoRA adapters beside their base weights
         from learner.lora import adapter_config
 
         transport = AdapterDirPublisher(weights_dir, adapter_config(settings.adapters, str(model_dir)))
+    elif settings.engine == "vllm" and settings.vllm.weight_sync == "distributed":
+        from learner.vllm_sync import VLLMWeightSync
+
+        transport = VLLMWeightSync(settings.vllm, server_headers())
     elif settings.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
     return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport)

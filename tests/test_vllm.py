@@ -195,8 +195,7 @@ def test_an_update_mid_generation_loses_no_token_and_records_each_version(vllm_s
         engine = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode, partial_rollouts=partial)
         updater = engine_for(vllm_servers.urls[:1], pause_mode=pause_mode)
         try:
-            return engine, generate_across_an_update(vllm_servers, engine, lambda: updater.update_weights(1, str(path)),
-                                                     delay)
+            return engine, generate_across_an_update(engine, lambda: updater.update_weights(1, str(path)), delay)
         finally:
             updater.close()
 
@@ -229,8 +228,7 @@ def until_the_update_lands_mid_row(vllm_servers, attempt: Callable[[float], tupl
     pytest.fail(f"the update never reached the server while rows were running, {tries} times in a row")
 
 
-def generate_across_an_update(vllm_servers, engine: VLLMEngine, update: Callable[[], None],
-                              delay: float = 0.0) -> list[Generation]:
+def generate_across_an_update(engine: VLLMEngine, update: Callable[[], None], delay: float = 0.0) -> list[Generation]:
     """40 rows of ROW_TOKENS tokens on the first server, `update` (to version 1) `delay` s after the first was
     sent."""
     result = {}
@@ -366,7 +364,7 @@ def test_a_distributed_update_mid_generation_loses_no_token(vllm_servers, pause_
         engine = engine_for(vllm_servers.urls[:1], weight_sync="distributed")
         sync = weight_sync_for(vllm_servers.urls[:1], pause_mode=pause_mode)
         try:
-            return engine, generate_across_an_update(vllm_servers, engine, lambda: sync.push(new, version=1), delay)
+            return engine, generate_across_an_update(engine, lambda: sync.push(new, version=1), delay)
         finally:
             sync.close()
 

@@ -80,9 +80,13 @@ def _write_whole(target: Path, fill: Callable[[Path], None]) -> Path:
 def version_dirs(weights_dir: Path, prefix: str = "hf-v", file: str = WEIGHTS_FILE) -> dict[int, Path]:
     """The `<prefix><N>/` directories in `weights_dir` that hold `file`, by version, oldest first: hf-v<N>/ with its
     weights (the default), or lora-v<N>/ with its adapters (`prefix="lora-v", file=ADAPTER_FILE`)."""
+    return {version: path for version, path in _numbered(weights_dir, prefix).items() if (path / file).is_file()}
+
+
+def _numbered(weights_dir: Path, prefix: str) -> dict[int, Path]:
+    """Every `<prefix><N>` in `weights_dir`, by N, oldest first."""
     n = len(prefix)
-    found = {int(path.name[n:]): path for path in weights_dir.glob(f"{prefix}*")
-             if path.name[n:].isdigit() and (path / file).is_file()}
+    found = {int(path.name[n:]): path for path in weights_dir.glob(f"{prefix}*") if path.name[n:].isdigit()}
     return dict(sorted(found.items()))
 
 
@@ -157,14 +161,14 @@ class HFDirPublisher:
         self.weights_dir, self.model_dir = weights_dir, model_dir
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
-        path = write_hf_dir(state_dict, self.model_dir, self.weights_dir / f"{self.prefix}{version}")
+        path = self._write_dir(state_dict, self.weights_dir / f"{self.prefix}{version}")
         return WeightsPublished(version=version, path=str(path), format=self.format)
 
+    def _write_dir(self, state_dict: dict[str, torch.Tensor], target: Path) -> Path:
+        return write_hf_dir(state_dict, self.model_dir, target)
+
     def prune(self, keep: int) -> None:
-        n = len(self.prefix)
-        dirs = sorted((p for p in self.weights_dir.glob(f"{self.prefix}*") if p.name[n:].isdigit()),
-                      key=lambda p: int(p.name[n:]))
-        for old in dirs[:-keep]:
+        for old in list(_numbered(self.weights_dir, self.prefix).values())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)  # a worker loading it reads its own links (load_view)
         prune_stale_load_views(self.weights_dir)
 
@@ -181,6 +185,5 @@ class AdapterDirPublisher(HFDirPublisher):
     def __init__(self, weights_dir: Path, adapter_config: dict) -> None:
         self.weights_dir, self.adapter_config = weights_dir, adapter_config
 
-    def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
-        path = write_adapter_dir(state_dict, self.adapter_config, self.weights_dir / f"{self.prefix}{version}")
-        return WeightsPublished(version=version, path=str(path), format=self.format)
+    def _write_dir(self, state_dict: dict[str, torch.Tensor], target: Path) -> Path:
+        return write_adapter_dir(state_dict, self.adapter_config, target)

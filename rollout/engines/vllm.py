@@ -189,10 +189,7 @@ class VLLMEngine(SGLangEngine):
         self.version = version
         log.info("policy version %d: LoRA adapter %s loaded from %s", version, adapter.name, path)
         for old in done:
-            for server in self._live():
-                with contextlib.suppress(ServerFailed, RuntimeError):
-                    self._call(server, "/v1/unload_lora_adapter", {"lora_name": old.name})
-            shutil.rmtree(old.view, ignore_errors=True)
+            self._unload(old)
 
     def _load_adapter_into(self, server: Server, adapter: Adapter) -> None:
         response = self._request(server, "POST", "/v1/load_lora_adapter",
@@ -203,6 +200,13 @@ class VLLMEngine(SGLangEngine):
                 f"{response.status_code}: {response.text[:300]}. A server loads adapters when started with "
                 "--enable-lora --max-lora-rank R (>= learner.lora.rank) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
                 "(scripts/start_vllm_server.py --max-lora-rank R); or set rollout.vllm.lora: merged")
+
+    def _unload(self, adapter: Adapter, timeout: float | None = None) -> None:
+        """`adapter` unloaded where the servers answer, and its view removed."""
+        for server in self._live():
+            with contextlib.suppress(ServerFailed, RuntimeError):
+                self._call(server, "/v1/unload_lora_adapter", {"lora_name": adapter.name}, timeout=timeout)
+        shutil.rmtree(adapter.view, ignore_errors=True)
 
     def _probe(self, server: Server) -> bool:
         """As SGLang's, and a server that rejoins loads the current adapter (a restarted one has none)."""
@@ -226,11 +230,8 @@ class VLLMEngine(SGLangEngine):
                                f"{response.text[:300]}")
 
     def close(self) -> None:
-        for adapter in self.adapters:  # unloaded where the servers answer (each engine loads its own)
-            for server in self._live():
-                with contextlib.suppress(ServerFailed, RuntimeError):
-                    self._call(server, "/v1/unload_lora_adapter", {"lora_name": adapter.name}, timeout=5.0)
-            shutil.rmtree(adapter.view, ignore_errors=True)
+        for adapter in self.adapters:  # each engine loads its own
+            self._unload(adapter, timeout=5.0)
         super().close()
         self.rows.shutdown(wait=False, cancel_futures=True)
 
