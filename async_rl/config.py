@@ -214,7 +214,7 @@ class RolloutConfig(_Section):
     )] = 32
     engine_batch_wait_s: Annotated[NonNegFloat, doc(
         "An engine call starts once 3/4 of the trajectories in flight wait for it, or the first of them has "
-        "waited this long (rollout/agent.py): more rows share a call's fixed cost. 0: a call takes whoever waits "
+        "waited this long (rollout/runner.py): more rows share a call's fixed cost. 0: a call takes whoever waits "
         "at once."
     )] = 0.002
     device: Annotated[Literal["auto", "cpu", "cuda"], doc(

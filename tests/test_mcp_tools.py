@@ -1,4 +1,4 @@
-"""MCP tools for the `tasks` env (rollout/mcp_tools.py): a real MCP server written here (mcp's MCPServer, FastMCP
+"""MCP tools for the `tasks` env (rollout/agents/mcp_tools.py): a real MCP server written here (mcp's MCPServer, FastMCP
 in mcp 1) run over stdio as a subprocess; listing, calls, errors, a crash mid-run, a bad command, and the docs'
 training command through real processes."""
 
@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("mcp")
 
 from async_rl import Action, Task  # noqa: E402
+from rollout.agents.mcp_tools import McpSettings, McpTools, ServerFailed  # noqa: E402
 from rollout.envs.base import EnvError, checked_step, load_factory, tools_of  # noqa: E402
-from rollout.mcp_tools import McpSettings, McpTools, ServerFailed  # noqa: E402
 from rollout.tool_parser import parse_hermes, tool_names  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -372,8 +372,8 @@ class ScriptedEngine:
 
 def test_a_crash_through_the_episode_runner_abandons_that_group_and_the_next_group_works(tmp_path, server):
     from async_rl.model import byte_tokenizer
-    from rollout.agent import EpisodeRunner
     from rollout.engines import SamplingParams
+    from rollout.runner import EpisodeRunner
 
     class Outcomes:
         def __init__(self):
