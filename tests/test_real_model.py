@@ -222,9 +222,9 @@ def test_the_warm_start_recipe_runs_as_printed_and_the_warmed_up_model_calls_its
 
 
 @pytest.mark.slow
-def test_the_readme_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_rewards(workdir):
-    """docs/environments.md's agent warm start on a real model: examples/weather_agent.py (written only against the `openai`
-    client), its demonstrations written and fine-tuned on by the printed commands (LoRA), then trained by the
+def test_the_documented_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_rewards(workdir):
+    """docs/environments.md's agent warm start on a real model: examples/weather_agent.py (written only against the
+    `openai` client), its demonstrations written and fine-tuned on by the printed commands (LoRA), then trained by the
     printed `env.name=agent` command from the warmed-up SmolLM2: its completions arrive as stages rendered with the
     agent's tool, the model calls the tool, the agent's `async_rl.reward` calls arrive as stage rewards, a version
     is trained and the ledger holds."""
