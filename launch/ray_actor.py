@@ -41,7 +41,8 @@ def interface_of(address: str) -> str | None:
 class RoleActor:
     """`name` (replay, learner, learner-1, rollout-3, evaluate) running `argv` on this node. `keys`: file name ->
     bytes of the CURVE key files this role reads (security.role_files), or None (the config's own curve_dir, or
-    none). `endpoint`: the config key this role binds on this node (`replay.endpoint`), given a free port here unless
+    none). `endpoint`: the config key this role binds on this node (`replay.endpoint`, the learner rank 0's
+    `learner.publish_endpoint`), given a free port here unless
     a restarted actor on the same node finds its old one in `<run dir>/ray/<name>.endpoint`. `start`: False for
     a learner rank, which `start` starts once the driver knows every rank's node."""
 
@@ -79,6 +80,7 @@ class RoleActor:
         previous = record.read_text().strip() if record.exists() else ""
         if previous.startswith(f"tcp://{self.node_ip}:"):
             with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no bar
                 try:
                     probe.bind((self.node_ip, int(previous.rsplit(":", 1)[1])))
                     return previous

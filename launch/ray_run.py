@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from async_rl.config import Config
 from async_rl.config_load import config_to_dict
@@ -43,6 +44,7 @@ from rollout.envs.base import load_factory
 log = logging.getLogger("launch.ray_run")
 
 POLL_S = 0.5
+DEAD_AFTER_ERRORS = 3
 
 
 class RoleState:
@@ -66,6 +68,7 @@ class Slot:
     info: dict | None = None
     pending: object = None  # the info call in flight
     dead: str | None = None  # why Ray gave the actor up
+    errors: int = 0  # calls failed in a row (a call in flight when the actor died fails even if Ray restarts it)
     since: float = field(default_factory=time.monotonic)  # created (or restarted) at
 
 
@@ -79,30 +82,36 @@ def train_on_ray(config: Config, address: str, resume: bool = False) -> int:
     import ray
 
     connect(address, config.ray.connect_timeout_s)
-    console = Console(stderr=True)
     try:
-        check_resources(config)
-        if not resume:
-            config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run,
-                                                                                 name=fresh_run_name(config)))
-        run = RayRun(config, resume, console)
-        try:
-            failed, interrupted = run.supervise()
-        finally:
-            run.stop_all()
-        if failed is not None:
-            console.print(run.failure(failed), soft_wrap=True)
-            return 1
-        result = _result(run.config, run.slots[0], console)
-        if result is None:
-            return 1
-        result["nodes"] = run.placement()
-        if config.run.eval_samples_per_task > 0 and not interrupted:
-            result.update(run.evaluate())
-        print(json.dumps(result), flush=True)
-        return 130 if interrupted else 0
+        code, result = _drive(config, resume)
     finally:
         ray.shutdown()
+    if result is not None:  # after the shutdown: Ray's own messages (a node lost) print until then
+        print(json.dumps(result), flush=True)
+    return code
+
+
+def _drive(config: Config, resume: bool) -> tuple[int, dict | None]:
+    """The run on the cluster this process joined: (exit code, the result line or None)."""
+    console = Console(stderr=True)
+    check_resources(config)
+    if not resume:
+        config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, name=fresh_run_name(config)))
+    run = RayRun(config, resume, console)
+    try:
+        failed, interrupted = run.supervise()
+    finally:
+        run.stop_all()
+    if failed is not None:
+        console.print(run.failure(failed), soft_wrap=True)
+        return 1, None
+    result = _result(run.config, run.slots[0], console)
+    if result is None:
+        return 1, None
+    result["nodes"] = run.placement()
+    if config.run.eval_samples_per_task > 0 and not interrupted:
+        result.update(run.evaluate())
+    return (130 if interrupted else 0), result
 
 
 class RayRun:
@@ -212,14 +221,16 @@ class RayRun:
         slots = self._ranks()
         for i, slot in enumerate(slots):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+            publishes = {"endpoint": "learner.publish_endpoint"} if i == 0 else {}  # rank 0 binds the PUB
             slot.actor = self._actor(slot.name, r.learner_cpus, r.learner_gpus, 0, strategy, ["learner"], "learner",
-                                     start=False)
+                                     start=False, **publishes)
             slot.process.returncode, slot.dead, slot.info, slot.since = None, None, None, time.monotonic()
         places = self._placed(slots, "place")
         master = places[0]
-        self._with("learner", publish_endpoint=f"tcp://{master['node_ip']}:{master['free_port']}")
+        # The same PUB address as before when rank 0 is back on its node: the workers need not start again.
+        self._with("learner", publish_endpoint=master["endpoint"])
         self._write_config()
-        master_port = self._other_port(slots[0], master["free_port"])
+        master_port = self._other_port(slots[0], int(master["endpoint"].rsplit(":", 1)[1]))
         envs = []
         for i, place in enumerate(places):
             # LOCAL_RANK 0: Ray shows each rank only its own GPUs (CUDA_VISIBLE_DEVICES), which it sees as cuda:0.
@@ -297,9 +308,13 @@ class RayRun:
             except ActorUnavailableError:
                 continue  # restarting: asked again next round
             except RayActorError as exc:
-                slot.dead = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                slot.process.returncode = slot.process.returncode if slot.process.returncode is not None else -9
+                # Calls to an actor Ray is restarting wait for it; only one given up for good fails each time.
+                slot.errors += 1
+                if slot.errors >= DEAD_AFTER_ERRORS or slot.name.startswith("learner"):  # ranks: never restarted
+                    slot.dead = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    slot.process.returncode = -9 if slot.process.returncode is None else slot.process.returncode
                 continue
+            slot.errors = 0
             if slot.info is not None and info["pid"] != slot.info["pid"]:
                 self._restarted(slot, info)
             elif slot.info is None and slot.name.startswith("rollout"):  # the others' placing was recorded
@@ -336,7 +351,8 @@ class RayRun:
                     if self.restarts["learner"] >= self.config.run.max_restarts:
                         return slot
                     self.restarts["learner"] += 1
-                    self._restart_learner(f"{slot.name} {slot.dead or f'exited {slot.process.returncode}'}")
+                    why = f"lost its actor ({slot.dead})" if slot.dead else f"exited {slot.process.returncode}"
+                    self._restart_learner(f"{slot.name} {why}")
                     return None
             elif slot.dead is not None or config_error:
                 return slot
@@ -422,9 +438,9 @@ class RayRun:
         if code == CONFIG_EXIT_CODE:
             why = "a config error, not restarted"
         restarts = self.restarts.get("learner" if slot.name.startswith("learner") else slot.name, 0)
-        return (f"[red bold]{slot.name} failed ({why}) after {restarts} restart(s); the run is stopped[/] (continue "
-                f"it with async-rl train --ray ADDRESS --resume {self.config.run_dir}). Last lines of "
-                f"{slot.log_path}:\n{_tail(slot.log_path)}")
+        return (f"[red bold]{slot.name} failed ({escape(why)}) after {restarts} restart(s); the run is stopped[/] "
+                f"(continue it with async-rl train --ray ADDRESS --resume {self.config.run_dir}). Last lines of "
+                f"{slot.log_path}:\n{escape(_tail(slot.log_path))}")
 
     def placement(self) -> dict[str, str]:
         """Role -> the address of the node it ran on last."""

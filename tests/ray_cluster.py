@@ -5,7 +5,9 @@ alone); `close` ends each node's `ray start` process and then any process of thi
 
 Ray's health checks run every second (RAY_health_check_period_ms; Ray's default is 3 s) so that a node whose raylet
 was killed (its port refuses at once) is declared dead in about 4 s rather than 15: the tests kill one. Their
-timeout stays Ray's own (10 s), so a raylet slow to answer on a loaded machine is not declared dead."""
+timeout stays Ray's own (10 s), so a raylet slow to answer on a loaded machine is not declared dead. Ray's memory
+monitor is off (RAY_memory_monitor_refresh_ms=0): it counts the whole machine's memory, and on a machine shared with
+other jobs it killed the run's actors for memory those jobs used."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def node_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
                RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="1000",
-               RAY_health_check_failure_threshold="4", **extra)
+               RAY_health_check_failure_threshold="4", RAY_memory_monitor_refresh_ms="0", **extra)
     for key in ("RAY_ADDRESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -65,37 +67,44 @@ class RayCluster:
         self.net.open()
         self.logs.mkdir(parents=True, exist_ok=True)
         try:
-            for host, cpus in self.cpus.items():
-                address = self.net.address(host)
-                common = [f"--node-ip-address={address}", f"--num-cpus={cpus:g}", "--num-gpus=0",
-                          "--object-store-memory=80000000", "--block", "--disable-usage-stats"]
-                if host == self.head:
-                    argv = ["ray", "start", "--head", f"--port={GCS_PORT}", f"--temp-dir={self.temp_dir}",
-                            "--include-dashboard=true", "--dashboard-host=0.0.0.0",
-                            f"--dashboard-port={DASHBOARD_PORT}", *common]
+            for host in self.cpus:  # one at a time: on a loaded 2-core machine a burst of joins overloads the GCS
+                for attempt in range(3):
+                    if self._start(host, attempt, time.monotonic() + timeout_s):
+                        break
                 else:
-                    argv = ["ray", "start", f"--address={self.head_address}", *common]
-                self.nodes[host] = subprocess.Popen(
-                    self.in_namespace(host, argv), stdout=(self.logs / f"ray-{host}.log").open("w"),
-                    stderr=subprocess.STDOUT, env=node_env(), start_new_session=True)
-                if host == self.head:  # the workers join it together
-                    self._wait_started(host, time.monotonic() + timeout_s)
-            for host in self.cpus:
-                self._wait_started(host, time.monotonic() + timeout_s)
+                    raise RuntimeError(f"ray node {host} did not start (3 tries):\n"
+                                       f"{(self.logs / f'ray-{host}.log').read_text(errors='replace')[-3000:]}")
         except BaseException:
             self.close()
             raise
         return self
 
-    def _wait_started(self, host: str, deadline: float) -> None:
+    def _start(self, host: str, attempt: int, deadline: float) -> bool:
+        """Start `host`'s node; False if its `ray start` gave up (Ray waits a fixed 30 s for a joining raylet to
+        register, which a machine at load 15 sometimes exceeds: it is then started again)."""
+        address, cpus = self.net.address(host), self.cpus[host]
+        common = [f"--node-ip-address={address}", f"--num-cpus={cpus:g}", "--num-gpus=0",
+                  "--object-store-memory=80000000", "--block", "--disable-usage-stats"]
+        if host == self.head:
+            argv = ["ray", "start", "--head", f"--port={GCS_PORT}", f"--temp-dir={self.temp_dir}",
+                    "--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}",
+                    *common]
+        else:
+            argv = ["ray", "start", f"--address={self.head_address}", *common]
         log = self.logs / f"ray-{host}.log"
+        with log.open("a") as out:
+            out.write(f"--- attempt {attempt + 1}\n")
+            out.flush()
+            self.nodes[host] = subprocess.Popen(self.in_namespace(host, argv), stdout=out, stderr=subprocess.STDOUT,
+                                                env=node_env(), start_new_session=True)
+        started = f"--- attempt {attempt + 1}\n"
         while time.monotonic() < deadline:
-            if "Ray runtime started" in log.read_text(errors="replace"):
-                return
+            if "Ray runtime started" in log.read_text(errors="replace").rsplit(started, 1)[-1]:
+                return True
             if self.nodes[host].poll() is not None:
-                break
+                return False
             time.sleep(0.5)
-        raise RuntimeError(f"ray node {host} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        raise RuntimeError(f"ray node {host} did not start in time:\n{log.read_text(errors='replace')[-3000:]}")
 
     def raylet(self, host: str) -> psutil.Process:
         """The raylet of `host` (a child of its `ray start` process)."""
@@ -113,15 +122,12 @@ class RayCluster:
         return found
 
     def close(self) -> None:
+        """SIGKILL every node's processes (a test cluster has nothing to drain; `ray start`'s SIGTERM drains for up
+        to 30 s), then whatever of this session is left; then the namespaces and the temp dir."""
         for process in self.nodes.values():
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.nodes.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            process.wait()
         for process in self.session_processes():
             with contextlib.suppress(psutil.Error):
                 process.kill()

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from chaos_check import check  # noqa: E402
 
-VERSIONS = 10
+VERSIONS = 30  # about 2 s a version once the backlog is trained: the kill lands mid-run
 KILL_AT = 3  # versions trained before the raylet is killed
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),
@@ -86,6 +86,16 @@ def test_ray_refuses_a_relative_run_dir(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_ray_config_keys_are_typed_and_a_wrong_one_is_refused_by_name(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "config", "ray.learner_rank=2"], capture_output=True,
+                          text=True, timeout=60, env=node_env())
+    assert done.returncode == 2 and "ray.learner_rank: unknown key" in done.stderr, done.stderr
+    assert "learner_ranks" in done.stderr  # the allowed keys are named
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "config", "ray.learner_placement=WIDE"],
+                          capture_output=True, text=True, timeout=60, env=node_env())
+    assert done.returncode == 2 and "ray.learner_placement" in done.stderr, done.stderr
+
+
 def test_ray_without_a_cluster_at_the_address_fails_within_seconds(tmp_path):
     config = run_config(tmp_path / "run.yaml", tmp_path / "runs")
     with __import__("socket").socket() as probe:  # a port nothing listens on
@@ -121,33 +131,59 @@ def test_ray_refuses_a_placement_the_cluster_cannot_hold_naming_what_it_asked_an
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
+def test_ray_a_role_that_keeps_failing_stops_the_run_with_its_own_error(cluster, tmp_path):
+    """A worker whose engine has no server fails at its start; Ray starts it again (run.max_restarts=1), it fails
+    again, and the driver stops the run naming the role, its restarts and the role's own error."""
+    config = run_config(tmp_path / "run.yaml", tmp_path / "runs", run={"max_restarts": 1},
+                        rollout={"workers": 1, "engine": "sglang",
+                                 "sglang": {"urls": ["http://127.0.0.1:9"], "unavailable_timeout_s": 1}},
+                        ray={"learner_ranks": 1})
+    done = train(cluster, "--ray", cluster.head_address, "--config", str(config), timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]
+    stderr = " ".join(done.stderr.split())  # the console wraps long lines
+    assert "rollout-0 failed" in stderr and "after 1 restart(s); the run is stopped" in stderr
+    assert "--resume" in stderr and "no SGLang server left of ['http://127.0.0.1:9']" in stderr
+    assert done.stderr.count("rollout-0 died; Ray started it again") == 1
+
+
 # --- the job submit form ------------------------------------------------------------------------------------------
 
 
-def documented_submit() -> str:
-    """The `ray job submit` line docs/deploy.md prints."""
+def documented_submits() -> tuple[str, str]:
+    """The two `ray job submit` lines docs/deploy.md prints: a new run, and a run continued."""
     lines = [line.strip() for line in (ROOT / "docs" / "deploy.md").read_text().splitlines()
              if line.strip().startswith("ray job submit ")]
-    assert len(lines) == 1, lines
-    return lines[0]
+    assert len(lines) == 2 and "--config run.yaml" in lines[0] and "--resume" in lines[1], lines
+    return lines[0], lines[1]
 
 
-def test_ray_job_submit_runs_as_docs_deploy_prints_it(cluster, tmp_path):
-    submit = tmp_path / "submit"  # the working directory the job uploads: the config alone
-    submit.mkdir()
-    run_config(submit / "run.yaml", tmp_path / "runs", run={"max_versions": 3},
-               rollout={"workers": 1}, ray={"learner_ranks": 1})
-    command = shlex.split(documented_submit().replace("HEAD", cluster.net.address(cluster.head)))
-    done = subprocess.run(cluster.in_namespace(cluster.head, command), env=node_env(), cwd=submit,
+def submit(cluster: RayCluster, line: str, cwd: Path, **placeholders: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run a documented `ray job submit` line in the head's namespace, HEAD and `placeholders` filled in; (the
+    process, the run's result line from the job's streamed logs)."""
+    for name, value in {"HEAD": cluster.net.address(cluster.head), **placeholders}.items():
+        line = line.replace(name, value)
+    done = subprocess.run(cluster.in_namespace(cluster.head, shlex.split(line)), env=node_env(), cwd=cwd,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "succeeded" in done.stdout + done.stderr
-    printed = re.findall(r'\{"final_success_rate".*\}', done.stdout + done.stderr)  # the job's logs, streamed
+    printed = re.findall(r'\{"final_success_rate".*\}', done.stdout)  # the job's logs, streamed
     assert printed, done.stdout[-4000:]
-    result = json.loads(printed[-1])
+    return done, json.loads(printed[-1])
+
+
+def test_ray_job_submit_runs_and_resumes_as_docs_deploy_prints_it(cluster, tmp_path):
+    new, resume = documented_submits()
+    work = tmp_path / "submit"  # the working directory the job uploads: the config alone
+    work.mkdir()
+    run_config(work / "run.yaml", tmp_path / "runs", run={"max_versions": 3}, rollout={"workers": 1},
+               ray={"learner_ranks": 1})
+    _, result = submit(cluster, new, work)
+    run_dir = tmp_path / "runs" / "ray"
     assert result["versions"] == 3 and result["stop_reason"] == "max_versions"
-    summary = json.loads((tmp_path / "runs" / "ray" / "summary.json").read_text())
-    assert summary["versions"] == 3
+    assert json.loads((run_dir / "summary.json").read_text())["versions"] == 3
+    _, result = submit(cluster, resume, work, **{"/shared/runs/NAME": str(run_dir), "=N": "=5"})
+    assert result["versions"] == 5 and result["run_dir"] == str(run_dir)
+    assert "resumed from checkpoint v" in (run_dir / "logs" / "learner.log").read_text()
 
 
 # --- the run: placement, a node lost, the journals' join ----------------------------------------------------------
@@ -196,6 +232,9 @@ def test_ray_trains_across_nodes_and_survives_a_killed_raylet(cluster, tmp_path)
     assert all(node[ip] != victim for ip in result["nodes"].values())
     assert "starting every rank again" in stderr
     assert "learner rank 1 of world size 2" in (run_dir / "logs" / "learner-1.log").read_text()
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    resumed = [int(v) for v in re.findall(r"resumed from checkpoint v(\d+)", learner_log)]
+    assert resumed and resumed[0] < VERSIONS  # the ranks came back mid-run and trained the rest
     # the journals' join: nothing acknowledged lost, nothing trained twice
     numbers, problems = check(run_dir, run_dir / "replay", run_dir / "replay", VERSIONS)
     assert numbers["acked_stages_lost"] == 0 and numbers["stages_trained_twice"] == 0, (numbers, problems)
