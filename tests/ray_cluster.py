@@ -45,8 +45,10 @@ class RayCluster:
     """`RayCluster({"head": cpus, "node-1": cpus, ...}, logs).open()`: the first host is the head (with the dashboard
     and the job server); `head_address` is its GCS (HOST:6379), `dashboard` its job API's URL."""
 
-    def __init__(self, cpus: dict[str, float], logs: Path) -> None:
+    def __init__(self, cpus: dict[str, float], logs: Path, head_command: str = "ray start --head --port=6379",
+                 worker_command: str = "ray start --address=HEAD:6379") -> None:
         self.cpus, self.logs = dict(cpus), logs
+        self.head_command, self.worker_command = head_command.split(), worker_command.split()  # HEAD: its address
         self.net = Network({host: [] for host in cpus})
         self.temp_dir = Path(f"/tmp/arl-ray-{uuid.uuid4().hex[:8]}")
         self.nodes: dict[str, subprocess.Popen] = {}
@@ -85,12 +87,11 @@ class RayCluster:
         address, cpus = self.net.address(host), self.cpus[host]
         common = [f"--node-ip-address={address}", f"--num-cpus={cpus:g}", "--num-gpus=0",
                   "--object-store-memory=80000000", "--block", "--disable-usage-stats"]
-        if host == self.head:
-            argv = ["ray", "start", "--head", f"--port={GCS_PORT}", f"--temp-dir={self.temp_dir}",
-                    "--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}",
-                    *common]
+        if host == self.head:  # the command as given, then what this machine needs (its own temp dir, ...)
+            argv = [*self.head_command, f"--temp-dir={self.temp_dir}", "--include-dashboard=true",
+                    "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}", *common]
         else:
-            argv = ["ray", "start", f"--address={self.head_address}", *common]
+            argv = [part.replace("HEAD", self.net.address(self.head)) for part in self.worker_command] + common
         log = self.logs / f"ray-{host}.log"
         with log.open("a") as out:
             out.write(f"--- attempt {attempt + 1}\n")

@@ -54,11 +54,21 @@ def cluster(tmp_path_factory):
     """Head: 1 CPU (the replay's); each worker node 4 CPUs: a learner rank and a rollout worker each, and room for
     the other node's two when one is lost."""
     need_namespaces()
-    cluster = RayCluster({"head": 1, "node-1": 4, "node-2": 4}, tmp_path_factory.mktemp("ray-nodes"))
+    head, worker = documented_starts()
+    cluster = RayCluster({"head": 1, "node-1": 4, "node-2": 4}, tmp_path_factory.mktemp("ray-nodes"), head, worker)
     try:
         yield cluster.open()
     finally:
         cluster.close()
+
+
+def documented_starts() -> tuple[str, str]:
+    """The two `ray start` commands docs/deploy.md prints (head, then every other node), without their comments: the
+    cluster's nodes run them, with the flags this machine needs added (tests/ray_cluster.py)."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / "docs" / "deploy.md").read_text().splitlines()
+             if line.startswith("ray start ")]
+    assert len(lines) == 2 and "--head" in lines[0] and "--address=HEAD:" in lines[1], lines
+    return lines[0], lines[1]
 
 
 def run_config(path: Path, runs: Path, **sections: dict) -> Path:
