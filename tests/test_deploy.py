@@ -32,7 +32,8 @@ from launch.cli import main as async_rl
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 CLUSTER_CONFIG = ROOT / "configs" / "cluster.yaml"
-DOCKERFILES = [ROOT / "deploy" / name for name in ("Dockerfile", "Dockerfile.sglang", "Dockerfile.vllm")]
+DOCKERFILES = [ROOT / "deploy" / name
+               for name in ("Dockerfile", "Dockerfile.sglang", "Dockerfile.vllm", "Dockerfile.ray")]
 KUBE_VERSIONS = ["1.29.0", "1.37.0"]  # oldest supported (Job completion-index pod label: 1.28+) and newest schema
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 UID = 10001
@@ -832,6 +833,10 @@ def test_the_ray_cluster_mounts_the_shared_volume_and_runs_the_ray_image():
     dockerfile = (ROOT / "deploy" / "Dockerfile.ray").read_text()
     assert _from_lines(ROOT / "deploy" / "Dockerfile.ray") == [f"async-rl:{version}"]
     assert f'"ray[default]=={cluster["spec"]["rayVersion"]}"' in dockerfile
+    from packaging.requirements import Requirement
+
+    (extra,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
+    assert Requirement(extra).specifier.contains(cluster["spec"]["rayVersion"])  # the version `.[ray]` allows
     for name, template in _ray_pods(cluster):
         spec = template["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
