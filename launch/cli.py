@@ -18,7 +18,7 @@ from launch.warm_start import add_parsers as add_warm_start_parsers
 
 ROLES = {
     "train": "Run every role on this machine (replay, learner, rollout workers as separate processes), then "
-    "evaluate the final weights. The local default.",
+    "evaluate the final weights. The local default; with --ray ADDRESS, every role as a Ray actor on a Ray cluster.",
     "replay": "Run the replay service (one pod): leases, the credit ledger, training items, batches.",
     "learner": "Run the DeepSpeed learner (one pod, or every rank under torchrun).",
     "rollout": "Run one rollout worker (one pod each): environments, the inference engine, stage records.",
