@@ -73,6 +73,10 @@ def _pods_of(workload: dict, scale: dict[str, int]) -> list[dict]:
         body["spec"]["hostname"] = pod["name"]
         if pod["restart"]:
             body["spec"]["restartPolicy"] = pod["restart"]
+        if body["spec"].get("initContainers") and body["spec"].get("restartPolicy", "Always") == "Always":
+            # podman 4.3 restarts a pod's init containers by its policy too: under Always an init container that
+            # finished starts again while play removes it, and the play fails. OnFailure restarts the same crashes.
+            body["spec"]["restartPolicy"] = "OnFailure"
         labels = {**body.get("metadata", {}).get("labels", {}), **pod["labels"]}
         for c in body["spec"].get("initContainers", []) + body["spec"]["containers"]:
             c["env"] = [{"name": k, "value": v} for k, v in pod["env"].items()] + c.get("env", [])
@@ -105,9 +109,18 @@ def render(docs: list[dict], only: set[str] | None = None, scale: dict[str, int]
     pods = [pod for w in workloads if only is None or w["metadata"]["name"] in only for pod in _pods_of(w, scale)]
     secrets_defined = by_kind.get("Secret", {})
     secrets: dict[str, str] = {}
+    # podman keeps a named volume for each emptyDir, ConfigMap and Secret volume after its pod: up and down clear them
+    scratch: list[str] = []
+    empty_dirs: list[str] = []
     for pod in pods:
         spec = pod["spec"]
         for volume in spec.get("volumes", []):
+            if "emptyDir" in volume:  # podman 4.3 makes a new directory root-owned 0755, Kubernetes 0777: a named
+                del volume["emptyDir"]  # volume of the pod's own, which up creates 0777
+                volume["persistentVolumeClaim"] = {"claimName": f"{pod['metadata']['name']}-{volume['name']}"}
+                empty_dirs.append(volume["persistentVolumeClaim"]["claimName"])
+            elif "configMap" in volume:
+                scratch.append(volume["configMap"]["name"])
             source = volume.get("secret")
             if source is None:
                 continue
@@ -120,6 +133,7 @@ def render(docs: list[dict], only: set[str] | None = None, scale: dict[str, int]
                     name = source["secretName"] = f"{name}.{pod['metadata']['name']}.{volume['name']}"
                 secrets[name] = yaml.safe_dump({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
                                                 "data": _base64(data)})
+            scratch.append(name)
             source["optional"] = bool(source.get("optional", False))  # podman#16636
         for c in spec.get("initContainers", []) + spec["containers"]:
             kept = []
@@ -141,7 +155,8 @@ def render(docs: list[dict], only: set[str] | None = None, scale: dict[str, int]
                     aliases[pod["metadata"]["name"]].append(f"{pod['spec']['hostname']}.{name}")
     return {"pods": [{"name": p["metadata"]["name"], "doc": p, "aliases": aliases[p["metadata"]["name"]]}
                      for p in pods],
-            "secrets": secrets, "configmaps": list(by_kind.get("ConfigMap", {}).values())}
+            "secrets": secrets, "configmaps": list(by_kind.get("ConfigMap", {}).values()),
+            "scratch": sorted(set(scratch)), "empty_dirs": empty_dirs}
 
 
 def write(plan: dict, out: Path) -> None:
@@ -155,7 +170,7 @@ def write(plan: dict, out: Path) -> None:
     for pod in plan["pods"]:
         (out / "pods" / f"{pod['name']}.yaml").write_text(yaml.safe_dump(pod["doc"], sort_keys=False))
     summary = {"pods": [{"name": p["name"], "aliases": p["aliases"]} for p in plan["pods"]],
-               "secrets": sorted(plan["secrets"])}
+               "secrets": sorted(plan["secrets"]), "scratch": plan["scratch"], "empty_dirs": plan["empty_dirs"]}
     (out / PLAN).write_text(json.dumps(summary, indent=1) + "\n")
 
 
@@ -183,6 +198,18 @@ def _secret_for_podman(path: Path, version: tuple[int, ...]) -> Path:
     return raw
 
 
+def _logs(pod: str) -> str:
+    """The end of each of the pod's containers' output (an init container that failed says why here)."""
+    listed = _podman("ps", "--all", "--filter", f"pod={pod}", "--format", "{{.ID}} {{.Names}}", check=False).stdout
+    text = ""
+    for line in listed.splitlines():
+        container, name = line.split()
+        if not name.endswith("-infra"):
+            tail = _podman("logs", "--tail", "20", container, check=False)
+            text += f"\n--- {name}:\n{(tail.stdout + tail.stderr).strip()}"
+    return text
+
+
 def up(out: Path, network: str) -> None:
     """Network, secrets, then each pod; a pod whose play fails is removed again, and the error names the cause."""
     plan = json.loads((out / PLAN).read_text())
@@ -192,13 +219,19 @@ def up(out: Path, network: str) -> None:
     for name in plan["secrets"]:
         _podman("secret", "rm", name, check=False)
         _podman("secret", "create", name, str(_secret_for_podman(out / "secrets" / name, version)))
+    for name in plan["scratch"] + plan["empty_dirs"]:  # an emptyDir starts empty; a secret's files are the new ones
+        _podman("volume", "rm", "--force", name, check=False)
+    for name in plan["empty_dirs"]:
+        _podman("volume", "create", name)
+        os.chmod(_podman("volume", "inspect", name, "--format", "{{.Mountpoint}}").stdout.strip(), 0o777)
     for pod in plan["pods"]:
         net = network + "".join(f",alias={a}" if i else f":alias={a}" for i, a in enumerate(pod["aliases"]))
         played = _podman("kube", "play", "--network", net, "--configmap", str(out / "configmaps.yaml"),
                          str(out / "pods" / f"{pod['name']}.yaml"), check=False)
         if played.returncode != 0:
+            logs = _logs(pod["name"])
             _podman("pod", "rm", "--force", pod["name"], check=False)
-            raise RenderError(f"pod {pod['name']}: podman kube play failed: {played.stderr.strip()}")
+            raise RenderError(f"pod {pod['name']}: podman kube play failed: {played.stderr.strip()}{logs}")
 
 
 def down(out: Path, network: str) -> None:
@@ -207,6 +240,8 @@ def down(out: Path, network: str) -> None:
         _podman("pod", "rm", "--force", pod["name"], check=False)
     for name in plan["secrets"]:
         _podman("secret", "rm", name, check=False)
+    for name in plan["scratch"] + plan["empty_dirs"]:
+        _podman("volume", "rm", "--force", name, check=False)
     _podman("network", "rm", network, check=False)
 
 

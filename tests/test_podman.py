@@ -127,7 +127,8 @@ def manifests(tmp_path_factory) -> list[dict]:
     docs = kustomize(here / "deploy" / "k8s")
     for doc in docs:
         spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-        if doc["metadata"]["name"] == "async-rl-rollout":  # no inference servers to wait for: the torch engine
+        if doc["kind"] == "StatefulSet" and doc["metadata"]["name"] == "async-rl-rollout":  # the torch engine:
+            # no inference servers to wait for
             spec["initContainers"] = [c for c in spec["initContainers"] if c["name"] != "wait-for-servers"]
         if doc["metadata"]["name"] == "async-rl-learner" and doc["kind"] == "Job":  # no GPU: one process
             script = spec["containers"][0]["command"][2]
