@@ -21,7 +21,6 @@ deps)
     uv pip sync --require-hashes --python "$venv/bin/python" "$lock"
     if [ -n "${3:-}" ]; then
         uv pip install --python "$venv/bin/python" --no-deps "$3"
-        rm /tmp/requirements-cpu.lock
     fi
     ;;
 package)
@@ -36,3 +35,5 @@ package)
     exit 2
     ;;
 esac
+# The build's scratch (uv's locks, the CPU lock): the pods mount an emptyDir on /tmp, which podman fills from here.
+rm -rf /tmp/*
