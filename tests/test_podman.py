@@ -187,6 +187,7 @@ def test_podman_pods_train_from_the_image_and_a_killed_rollout_pod_rejoins(image
         # Each pod's main process: uid 10001, its own network stack (the host's is none of them), its key files.
         assert set(seen) == set(CURVE), f"never saw running: {set(CURVE) - set(seen)}"
         assert {pod: s["uid"] for pod, s in seen.items()} == {pod: "10001" for pod in CURVE}
+        assert all(s["read_only_root"] for s in seen.values())  # readOnlyRootFilesystem: true, as the manifests say
         assert len({s["net"] for s in seen.values()}) == len(CURVE) and os.readlink("/proc/self/ns/net") not in {
             s["net"] for s in seen.values()}
         assert {pod: s["curve"] for pod, s in seen.items()} == CURVE
@@ -232,11 +233,13 @@ def test_podman_play_of_a_missing_image_or_secret_fails_naming_it(image, manifes
 
 
 def _seen_from_the_host(pods: set[str]) -> dict[str, dict]:
-    """For each running pod's main container: its process's uid, network namespace and CURVE key files."""
+    """For each running pod's main container: its process's uid, network namespace, CURVE key files and whether its
+    root filesystem is read-only."""
     seen = {}
     for pod in pods:
         role = pod.removeprefix("async-rl-").split("-")[0]
-        found = state(f"{pod}-{role}")["State"]
+        inspected = state(f"{pod}-{role}")
+        found = inspected["State"]
         if found["Status"] != "running" or not found["Pid"]:
             continue
         proc = Path(f"/proc/{found['Pid']}")
@@ -244,6 +247,7 @@ def _seen_from_the_host(pods: set[str]) -> dict[str, dict]:
             uid = next(line.split()[1] for line in (proc / "status").read_text().splitlines()
                        if line.startswith("Uid:"))
             seen[pod] = {"uid": uid, "net": os.readlink(proc / "ns" / "net"),
+                         "read_only_root": inspected["HostConfig"]["ReadonlyRootfs"],
                          "curve": {p.name for p in (proc / "root" / "etc" / "async-rl" / "curve").iterdir()}}
         except (FileNotFoundError, ProcessLookupError):
             continue  # it exited meanwhile
