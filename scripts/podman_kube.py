@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from build_pod_image import engine_env  # scripts/, beside this file: the same CONTAINERS_CONF
 
 PLAN = "plan.json"
 
@@ -175,7 +176,7 @@ def write(plan: dict, out: Path) -> None:
 
 
 def _podman(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(["podman", *argv], text=True, capture_output=True)
+    out = subprocess.run(["podman", *argv], text=True, capture_output=True, env=engine_env(), timeout=600)
     if check and out.returncode != 0:
         raise RenderError(f"podman {' '.join(argv)} failed ({out.returncode}):\n{out.stdout}{out.stderr}")
     return out

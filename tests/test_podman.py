@@ -136,6 +136,48 @@ def manifests(tmp_path_factory) -> list[dict]:
     return docs
 
 
+def test_podman_render_makes_the_pods_kubernetes_would_run(manifests):
+    """render (no podman needed): each workload's pods with the template's containers as they are, plus what the
+    controllers add; Services as aliases; the Secrets as podman reads them."""
+    plan = podman_kube.render(copy.deepcopy(manifests), None, {"async-rl-rollout": 2, "sglang": 1})
+    pods = {pod["name"]: pod for pod in plan["pods"]}
+    assert set(pods) == {"async-rl-replay", "async-rl-learner-0", "async-rl-rollout-0", "async-rl-rollout-1",
+                         "sglang-0", "sglang-router"}
+    templates = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in manifests if "template" in d.get(
+        "spec", {})}
+    for name, pod in pods.items():
+        spec = pod["doc"]["spec"]
+        template = templates[name.rsplit("-", 1)[0] if name[-1].isdigit() else name]
+        assert spec["hostname"] == name and spec["securityContext"] == template["securityContext"]
+        for rendered, original in zip(spec.get("initContainers", []) + spec["containers"],
+                                      template.get("initContainers", []) + template["containers"], strict=True):
+            index = [{"name": "JOB_COMPLETION_INDEX", "value": "0"}] if name == "async-rl-learner-0" else []
+            env = [e for e in original.get("env", []) if not e.get("valueFrom", {}).get("secretKeyRef", {}).get(
+                "name", "").startswith("vllm-api-key")]  # the other engine's optional Secret: not generated
+            assert rendered == {**original, "env": index + env}, name
+    learner = pods["async-rl-learner-0"]
+    assert learner["doc"]["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0"
+    assert learner["doc"]["spec"]["restartPolicy"] == "Never"
+    assert {"async-rl-learner", "async-rl-learner-0.async-rl-learner-workers"} <= set(learner["aliases"])
+    assert pods["async-rl-replay"]["aliases"] == ["async-rl-replay"]
+    assert pods["async-rl-replay"]["doc"]["spec"]["restartPolicy"] == "Always"
+    assert pods["async-rl-rollout-1"]["doc"]["spec"]["restartPolicy"] == "OnFailure"  # it has init containers
+    assert "sglang-0.sglang" in pods["sglang-0"]["aliases"]
+    for name, files in CURVE.items():  # each key volume a Secret of its items alone (podman ignores `items`)
+        (volume,) = [v for v in pods[name]["doc"]["spec"]["volumes"] if v["name"] in ("curve", "curve-all")
+                     and "secret" in v]
+        assert volume["secret"]["optional"] is False  # podman#16636
+        secret = yaml.safe_load(plan["secrets"][volume["secret"]["secretName"]])
+        expected = files if volume["name"] == "curve" else {f"rollout-{i}.key_secret" for i in range(4)} | {
+            "replay.key", "learner.key"}
+        assert set(secret["data"]) == expected
+    (wandb,) = [name for name in plan["secrets"] if name.startswith("async-rl-wandb")]
+    assert json.loads(plan["secrets"][wandb]) == {"WANDB_API_KEY": ""}  # podman#16269: flat JSON, base64 values
+    assert {"async-rl-rollout-0-curve", "async-rl-rollout-0-tmp"} <= set(plan["empty_dirs"])
+    with pytest.raises(podman_kube.RenderError, match="no workload named async-rl-nope"):
+        podman_kube.render(manifests, {"async-rl-nope"})
+
+
 def documented(command: str) -> list[str]:
     """docs/deploy.md's `python scripts/podman_kube.py COMMAND ...` line, as an argv for this interpreter."""
     (line,) = [line for line in (ROOT / "docs" / "deploy.md").read_text().splitlines()
