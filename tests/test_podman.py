@@ -36,7 +36,7 @@ import build_pod_image  # noqa: E402
 import podman_kube  # noqa: E402
 
 pytestmark = pytest.mark.slow
-VERSIONS = 8  # the learner's budget (run.max_versions)
+VERSIONS = 12  # the learner's budget (run.max_versions)
 NETWORK = "async-rl"  # podman_kube.py's default, as docs/deploy.md runs it
 VOLUME = "async-rl-shared"  # the PersistentVolumeClaim's name: podman's named volume
 CURVE = {  # the files each pod's key volume holds (docs/deploy.md, "Secrets")
@@ -73,6 +73,13 @@ def podman(*argv: str, check: bool = True) -> str:
     out = subprocess.run(["podman", *argv], capture_output=True, text=True, timeout=120)
     assert not check or out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def logs(container: str) -> str:
+    """The container's output (podman logs writes its stderr on stderr)."""
+    out = subprocess.run(["podman", "logs", container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=120)
+    return out.stdout
 
 
 def cpu_config(config: dict) -> dict:
@@ -210,22 +217,25 @@ def test_podman_pods_train_from_the_image_and_a_killed_rollout_pod_rejoins(image
         run_documented("up", tmp_path)
         volume = Path(podman("volume", "inspect", VOLUME, "--format", "{{.Mountpoint}}"))
         run_dir = volume / "runs" / "podman"
-        killed_at_acks, seen = None, {}
+        killed_at_acks, seen, frozen_until = None, {}, None
         deadline = time.monotonic() + 600
         while state("async-rl-learner-0-learner")["State"]["Status"] in ("created", "running"):
-            assert time.monotonic() < deadline, podman("logs", "async-rl-learner-0-learner")[-3000:]
+            assert time.monotonic() < deadline, logs("async-rl-learner-0-learner")[-3000:]
             seen.update(_seen_from_the_host(set(CURVE) - set(seen)))
-            metrics = run_dir / "metrics.jsonl"
-            versions = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-            if killed_at_acks is None and versions >= 2:  # mid-run: the worker dies as a crash would kill it
-                killed_at_acks = _acks(run_dir, "rollout-1")
+            if killed_at_acks is None and _acks(run_dir, "rollout-1") > 0:  # it has joined: now it dies, as a
+                killed_at_acks = _acks(run_dir, "rollout-1")  # crash would kill it
                 os.kill(state("async-rl-rollout-1-rollout")["State"]["Pid"], signal.SIGKILL)
+                # The other worker frozen until the restarted one's records are acked (at most 90 s, within
+                # replay.lease_timeout_s: it keeps its leases): the run cannot end on its records alone first.
+                podman("pause", "async-rl-rollout-0-rollout")
+                frozen_until = time.monotonic() + 90
+            if frozen_until and (_acks(run_dir, "rollout-1") > killed_at_acks or time.monotonic() > frozen_until):
+                podman("unpause", "async-rl-rollout-0-rollout")
+                frozen_until = None
             time.sleep(1)
         learner = state("async-rl-learner-0-learner")
-        logs = {name: podman("logs", f"{name}-{role}", check=False)
-                for name, role in (("async-rl-replay", "replay"), ("async-rl-rollout-0", "rollout"),
-                                   ("async-rl-rollout-1", "rollout"))}
-        assert learner["State"]["ExitCode"] == 0, podman("logs", "async-rl-learner-0-learner")[-3000:]
+        rollout_1 = logs("async-rl-rollout-1-rollout")
+        assert learner["State"]["ExitCode"] == 0, logs("async-rl-learner-0-learner")[-3000:]
         # Each pod's main process: uid 10001, its own network stack (the host's is none of them), its key files.
         assert set(seen) == set(CURVE), f"never saw running: {set(CURVE) - set(seen)}"
         assert {pod: s["uid"] for pod, s in seen.items()} == {pod: "10001" for pod in CURVE}
@@ -233,10 +243,11 @@ def test_podman_pods_train_from_the_image_and_a_killed_rollout_pod_rejoins(image
         assert len({s["net"] for s in seen.values()}) == len(CURVE) and os.readlink("/proc/self/ns/net") not in {
             s["net"] for s in seen.values()}
         assert {pod: s["curve"] for pod, s in seen.items()} == CURVE
-        assert killed_at_acks is not None, "the learner finished before the kill"
+        assert killed_at_acks is not None, "rollout-1 had nothing acked before the learner finished"
         rollout = state("async-rl-rollout-1-rollout")
-        assert rollout["RestartCount"] >= 1 and rollout["State"]["Status"] == "running", logs["async-rl-rollout-1"]
-        assert _acks(run_dir, "rollout-1") > killed_at_acks  # the restarted worker's records were acked: it rejoined
+        assert rollout["RestartCount"] >= 1 and rollout["State"]["Status"] == "running", rollout_1[-3000:]
+        # The restarted worker's records were acked: it rejoined.
+        assert _acks(run_dir, "rollout-1") > killed_at_acks, logs("async-rl-rollout-1-rollout")[-5000:]
 
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["versions"] == VERSIONS and summary["stop_reason"] == "max_versions"
