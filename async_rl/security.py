@@ -197,8 +197,18 @@ def insecure_endpoints(curve_dir: str | None, endpoints: Sequence[str]) -> list[
 def check_transport(curve_dir: str | None, insecure: bool, endpoints: Sequence[str]) -> None:
     """Every role at its start: TCP without CURVE (`insecure_endpoints`) is refused (a ConfigError naming the keys
     and the fixes) unless `insecure` (security.insecure: true) says so in so many words; then it is a loud
-    warning."""
-    exposed = insecure_endpoints(curve_dir, endpoints)
+    warning. The sockets check it again as they are bound or connected (`check_socket`), whoever opens them."""
+    _refuse_or_warn(insecure_endpoints(curve_dir, endpoints), insecure)
+
+
+def check_socket(endpoint: str, curve: CurveKeys | None, insecure: bool) -> None:
+    """Every socket as it is bound or connected (async_rl/transport.py): a tcp:// endpoint without CURVE keys is
+    refused as in `check_transport` unless `insecure` (security.insecure: true), so a role started as a library
+    (`replay.server.run`, the learner's and worker's `run`, a Ray actor, a test) refuses as the CLI does."""
+    _refuse_or_warn([endpoint] if curve is None and endpoint.startswith("tcp://") else [], insecure)
+
+
+def _refuse_or_warn(exposed: list[str], insecure: bool) -> None:
     if not exposed:
         return
     if not insecure:

@@ -7,7 +7,9 @@ service can count it, answer `Error`, and carry on.
 With `curve` keys (async_rl/security.py) every socket speaks CurveZMQ: a binding socket is a CURVE server whose
 ZAP handler admits only the public keys of its allowed clients (and stops with the socket), and counts the
 handshakes it refused; a connecting socket is a CURVE client of the server role's public key, and a DEALER's
-routing identity is bound to its secret key (`security.routing_id`).
+routing identity is bound to its secret key (`security.routing_id`). A tcp:// endpoint without keys is refused
+here, whoever opens the socket, unless the caller passes `insecure=True` (security.insecure: true;
+`security.check_socket`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import zmq.utils.monitor
 
 from async_rl.errors import ProtocolError
 from async_rl.protocol import AnyMessage, Message, decode, encode
-from async_rl.security import ZAP_DOMAIN, CurveKeys, routing_id, start_authenticator
+from async_rl.security import ZAP_DOMAIN, CurveKeys, check_socket, routing_id, start_authenticator
 
 # Handshake failures a CURVE server counts, by the reason it reports (ReplayStats.rejected for the replay).
 HANDSHAKE_EVENTS = {
@@ -121,13 +123,15 @@ def _client_socket(context: zmq.Context, kind: int, curve: CurveKeys | None, ser
 
 
 def bind_router(
-    context: zmq.Context, endpoint: str, max_message_bytes: int | None = None, curve: CurveKeys | None = None
+    context: zmq.Context, endpoint: str, max_message_bytes: int | None = None, curve: CurveKeys | None = None,
+    *, insecure: bool = False,
 ) -> zmq.Socket:
     """A ROUTER bound at `endpoint`. With `max_message_bytes` (ZMQ_MAXMSGSIZE), a peer that sends a bigger frame
     is disconnected by ZeroMQ before the frame is buffered (a DEALER reconnects on its own). With `curve` (the
     replay's keys) it admits only the learner's and the workers' keys. A new connection under an identity in use
     takes it over (ZMQ_ROUTER_HANDOVER); with CURVE an identity is out of reach of every other key
     (`security.routing_id`), so only the same key's new connection can."""
+    check_socket(endpoint, curve, insecure)
     socket = _server_socket(context, zmq.ROUTER, curve)
     socket.setsockopt(zmq.LINGER, 0)
     if max_message_bytes is not None:
@@ -142,9 +146,11 @@ def bind_router(
     return socket
 
 
-def connect_dealer(context: zmq.Context, endpoint: str, identity: str, curve: CurveKeys | None = None) -> zmq.Socket:
+def connect_dealer(context: zmq.Context, endpoint: str, identity: str, curve: CurveKeys | None = None,
+                   *, insecure: bool = False) -> zmq.Socket:
     """A DEALER connected to the replay's ROUTER as `identity` (`learner-0`, `rollout-3`); with `curve` a CURVE client
     of the replay's key whose routing identity is `identity` bound to its secret key (`security.routing_id`)."""
+    check_socket(endpoint, curve, insecure)
     socket = _client_socket(context, zmq.DEALER, curve, "replay")
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.IDENTITY, routing_id(identity, curve))
@@ -152,15 +158,20 @@ def connect_dealer(context: zmq.Context, endpoint: str, identity: str, curve: Cu
     return socket
 
 
-def bind_publisher(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None) -> zmq.Socket:
+def bind_publisher(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None,
+                   *, insecure: bool = False) -> zmq.Socket:
     """The learner's weight PUB (with `curve`, the learner's keys: only the workers' keys may subscribe)."""
+    check_socket(endpoint, curve, insecure)
     socket = _server_socket(context, zmq.PUB, curve)
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(bind_address(endpoint))
     return socket
 
 
-def connect_subscriber(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None) -> zmq.Socket:
+def connect_subscriber(context: zmq.Context, endpoint: str, curve: CurveKeys | None = None,
+                       *, insecure: bool = False) -> zmq.Socket:
+    """A SUB of the learner's weight PUB (with `curve`, a worker's keys)."""
+    check_socket(endpoint, curve, insecure)
     socket = _client_socket(context, zmq.SUB, curve, "learner")
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SUBSCRIBE, b"")

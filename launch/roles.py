@@ -83,10 +83,10 @@ def run_in_process(command: str, name: str, config: Config, entry: Callable[[], 
     CONFIG_EXIT_CODE, which the launcher and a pod's restart policy do not retry (it would stop the same way)."""
     configure_logging(name, config)
     try:
-        if command in ("train", "replay", "learner", "rollout"):
+        if command == "train":  # the roles' entries and sockets refuse it themselves (async_rl/transport.py)
             from async_rl.security import check_transport
 
-            # TCP without CURVE: refused unless security.insecure says so
+            # TCP without CURVE: refused unless security.insecure says so, before the run directory is made
             check_transport(config.security.curve_dir, config.security.insecure,
                             (config.replay.endpoint, config.learner.publish_endpoint))
         if command not in NO_TORCH:

@@ -48,13 +48,15 @@ class WeightPublisher:
     `weights_dir`)."""
 
     def __init__(self, context: zmq.Context, endpoint: str, weights_dir: Path, keep: int,
-                 curve: CurveKeys | None = None, transport: Publisher | None = None) -> None:
+                 curve: CurveKeys | None = None, transport: Publisher | None = None, *,
+                 insecure: bool = False) -> None:
         self.weights_dir = weights_dir.resolve()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.transport = transport if transport is not None else FilePublisher(self.weights_dir)
         self.latest: WeightsPublished | None = None
-        self._socket = bind_publisher(context, endpoint, curve)  # curve: only the rollout key may subscribe
+        # curve: only the rollout keys may subscribe
+        self._socket = bind_publisher(context, endpoint, curve, insecure=insecure)
         self._last_sent = 0.0
         self.refused_handshakes = 0
         self._refused_log = RateLimitedLog(log, REFUSED_LOG_EVERY_S)
@@ -126,4 +128,5 @@ def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir:
         transport = VLLMWeightSync(settings.vllm, server_headers())
     elif settings.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
-    return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport)
+    return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport,
+                           insecure=settings.insecure)

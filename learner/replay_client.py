@@ -43,12 +43,12 @@ RESEND_LOG_EVERY_S = 300.0  # a long wait for items re-sends every request_timeo
 
 class ReplayClient:
     def __init__(self, context: zmq.Context, endpoint: str, learner_id: str, request_timeout_s: float = 30.0,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, *, insecure: bool = False) -> None:
         self.learner_id = learner_id
         self.request_timeout_s = request_timeout_s
         self.resent_requests = 0
         self.resent_acks = 0
-        self._socket = connect_dealer(context, endpoint, learner_id, curve)
+        self._socket = connect_dealer(context, endpoint, learner_id, curve, insecure=insecure)
         self._inbox = Inbox(self._socket, "replay", log)
         self._msg_ids = itertools.count(1)
         self._open: deque[int] = deque(maxlen=OPEN_REQUESTS)

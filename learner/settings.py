@@ -78,6 +78,7 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The learner's replay client (learner/replay_client.py)."""
 
     endpoint: str  # replay.endpoint
+    insecure: bool  # security.insecure (tcp:// without keys allowed)
     request_timeout_s: float  # learner.request_timeout_s
     request: RequestSettings
 
@@ -111,6 +112,7 @@ class PublisherSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     weights_dir: Path  # <run_dir>/weights
     publish_endpoint: str  # learner.publish_endpoint
+    insecure: bool  # security.insecure (tcp:// without keys allowed)
     keep_weights: int  # learner.keep_weights
     engine: str  # rollout.engine
     sglang: SGLangSyncSettings  # rollout.sglang (its weight_sync: with engine sglang)
@@ -177,13 +179,14 @@ class LearnerSettings(msgspec.Struct, frozen=True, kw_only=True):
                                   lora=lora),
             step=StepSettings(ppo_epochs=algo.ppo_epochs, temperature=config.rollout.temperature,
                               grad_clip=learner.grad_clip, layout=layout, loss=algo),
-            client=ClientSettings(endpoint=config.replay.endpoint, request_timeout_s=learner.request_timeout_s,
+            client=ClientSettings(endpoint=config.replay.endpoint, insecure=config.security.insecure,
+                                  request_timeout_s=learner.request_timeout_s,
                                   request=RequestSettings(batch_tokens=learner.batch_tokens,
                                                           min_batch_items=learner.min_batch_items,
                                                           batch_wait_s=learner.batch_wait_s)),
             publisher=PublisherSettings(
                 weights_dir=(config.run_dir / "weights").resolve(), publish_endpoint=learner.publish_endpoint,
-                keep_weights=learner.keep_weights, engine=config.rollout.engine,
+                insecure=config.security.insecure, keep_weights=learner.keep_weights, engine=config.rollout.engine,
                 # a server engine's transport settings: its section's keys of the same names
                 sglang=msgspec.convert(msgspec.to_builtins(config.rollout.sglang), SGLangSyncSettings),
                 vllm=msgspec.convert(msgspec.to_builtins(config.rollout.vllm), VLLMSyncSettings),

@@ -33,7 +33,7 @@ from async_rl.evidence import trained_item
 from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
-from async_rl.security import CurveKeys, load_keys, sglang_headers, vllm_headers
+from async_rl.security import CurveKeys, check_transport, load_keys, sglang_headers, vllm_headers
 from async_rl.signals import StopRequest, stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from learner.batch import collate
@@ -93,6 +93,9 @@ def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
     """The role's entry (launch/roles.py), the loop's one reader of the `Config`: train until a stop condition;
     returns (and on rank 0 writes to <run_dir>/summary.json) the summary."""
     started = float(os.environ.get("ASYNC_RL_RUN_START", time.time()))
+    # refused before the engine is built; the sockets refuse again (async_rl/transport.py)
+    check_transport(config.security.curve_dir, config.security.insecure,
+                    (config.replay.endpoint, config.learner.publish_endpoint))
     settings = LearnerSettings.from_config(config)
     outside = Outside(
         model_dir=lambda: wait_for_model_dir(config.model.path, config.run_dir),
@@ -198,7 +201,8 @@ class _Leader(_Rank):
                  request: StopRequest) -> None:
         self.settings, self.request = settings, request
         keys, client = outside.keys(), settings.client
-        self.client = ReplayClient(context, client.endpoint, LEARNER_ID, client.request_timeout_s, keys)
+        self.client = ReplayClient(context, client.endpoint, LEARNER_ID, client.request_timeout_s, keys,
+                                   insecure=client.insecure)
         self.publisher = make_publisher(context, settings.publisher, model_dir, keys, outside.server_headers)
         self.metrics = MetricsLog(outside.metrics())
         self.stats = ReplayStats()

@@ -16,7 +16,7 @@ import zmq
 from async_rl.config import Config
 from async_rl.config_load import config_to_dict
 from async_rl.protocol import AnyMessage, Error, decode, encode
-from async_rl.security import load_keys
+from async_rl.security import check_transport, load_keys
 from async_rl.signals import stop_on_signals
 from async_rl.telemetry import MetricsSettings, RoleMetrics
 from async_rl.transport import BadFrame, CurveServerSocket, bind_router, poll, receive_from, send
@@ -42,6 +42,7 @@ def run(config: Config, stop: threading.Event | None = None, service: ReplayServ
     each poll round's inputs are written and fsynced before its replies are sent: started again with the same
     config after a crash, the replay goes on from the last acknowledged input. Every start begins a new epoch.
     A disk that refuses the log (full, failing) holds the replay until it takes it again (`hold_until_written`)."""
+    check_transport(config.security.curve_dir, config.security.insecure, (config.replay.endpoint,))
     with stop_on_signals(stop) as request:
         _serve_until_stopped(config, service if service is not None else build_service(config), request.event)
 
@@ -59,7 +60,7 @@ def _serve_until_stopped(config: Config, service: ReplayService, stop: threading
                           "replay", histograms=("queue_staleness_hist",))
     try:
         socket = bind_router(context, config.replay.endpoint, config.replay.max_message_bytes,
-                             load_keys(config.security.curve_dir, "replay"))
+                             load_keys(config.security.curve_dir, "replay"), insecure=config.security.insecure)
         try:
             service.start_epoch(service.epoch + 1 if wal is not None else _volatile_epoch(), clock())
             if wal is None or start_log(wal, service, clock, stop):

@@ -110,6 +110,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str  # replay.endpoint
     publish_endpoint: str  # learner.publish_endpoint
     curve_dir: str | None  # security.curve_dir (the worker's own key)
+    insecure: bool  # security.insecure (tcp:// without keys allowed)
 
 
 class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,7 +142,7 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
                                   group_size=rollout.group_size, max_inflight=rollout.max_inflight,
                                   ack_timeout_s=rollout.ack_timeout_s, heartbeat_s=rollout.heartbeat_s,
                                   endpoint=config.replay.endpoint, publish_endpoint=config.learner.publish_endpoint,
-                                  curve_dir=config.security.curve_dir),
+                                  curve_dir=config.security.curve_dir, insecure=config.security.insecure),
             env=env,
             model_dir=ModelDirSettings(model=config.model, run_dir=config.run_dir, seed=run.seed, env=env),
             engine=EngineSettings(

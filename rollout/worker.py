@@ -44,7 +44,7 @@ from async_rl.protocol import (
     WeightsPublished,
     pack,
 )
-from async_rl.security import load_keys
+from async_rl.security import check_transport, load_keys
 from async_rl.signals import stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from async_rl.transport import Inbox, connect_dealer, connect_subscriber
@@ -235,6 +235,9 @@ def published_files(weights_dir: Path, below: int | None) -> list[tuple[int, Pat
 def run(config: Config, worker_index: int, stop: threading.Event | None = None) -> None:
     """Run rollout worker `rollout-<worker_index>` until `stop` is set (or SIGTERM/SIGINT in the main thread). The
     role's entry: the components' settings are read from the config here."""
+    # refused before the env and engine are built; the sockets refuse again (async_rl/transport.py)
+    check_transport(config.security.curve_dir, config.security.insecure,
+                    (config.replay.endpoint, config.learner.publish_endpoint))
     settings = RolloutSettings.from_config(config)
     with stop_on_signals(stop) as request:
         _run_until_stopped(settings, worker_index, request.event)
@@ -274,8 +277,8 @@ class _Worker:
         self.engine = EngineThread(make_engine(settings.engine, model_dir, seed=seed, stop=stop))
         self.context = zmq.Context()
         curve = load_keys(worker.curve_dir, worker_id)  # its own key: the replay holds it to this worker id and leases
-        self.dealer = connect_dealer(self.context, worker.endpoint, worker_id, curve)
-        self.subscriber = connect_subscriber(self.context, worker.publish_endpoint, curve)
+        self.dealer = connect_dealer(self.context, worker.endpoint, worker_id, curve, insecure=worker.insecure)
+        self.subscriber = connect_subscriber(self.context, worker.publish_endpoint, curve, insecure=worker.insecure)
         self.journal = AckJournal(journal_path(worker.run_dir, worker_id))
         self.link = ReplayLink(self.dealer, worker_id, worker.ack_timeout_s, worker.heartbeat_s, self.journal)
         self.weights = WeightsFollower(self.subscriber, self.engine, worker.run_dir)

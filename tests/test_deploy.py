@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from optional_packages import require
 
 from async_rl.config_load import config_to_dict, load_config
 from async_rl.security import role_files
@@ -197,7 +198,7 @@ def engine_settings(kz: Kustomization) -> Any:
 
 
 def _validate(docs: list[dict]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[deploy]'")
+    kubernetes_validate = require("kubernetes_validate", "deploy")
     for doc in docs:
         for version in KUBE_VERSIONS:
             try:

@@ -115,7 +115,7 @@ def test_a_weights_file_torn_or_changed_after_it_was_written_is_refused_by_name(
 def test_a_publish_the_full_disk_refuses_names_the_file_and_leaves_the_previous_version_published(
         small_disk: Path, caplog):
     context = zmq.Context()
-    weights_out = WeightPublisher(context, "tcp://127.0.0.1:*", small_disk / "weights", keep=3)
+    weights_out = WeightPublisher(context, "tcp://127.0.0.1:*", small_disk / "weights", keep=3, insecure=True)
     try:
         assert weights_out.publish(weights(1), 1)
         filler = fill(small_disk)
@@ -141,7 +141,7 @@ def test_a_publish_is_renamed_into_place_without_fsync_and_a_checkpoint_is_fsync
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     context = zmq.Context()
-    weights_out = WeightPublisher(context, "tcp://127.0.0.1:*", tmp_path / "weights", keep=3)
+    weights_out = WeightPublisher(context, "tcp://127.0.0.1:*", tmp_path / "weights", keep=3, insecure=True)
     try:
         assert weights_out.publish(weights(1), 1)
     finally:

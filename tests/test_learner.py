@@ -87,6 +87,7 @@ def make_config(tmp_path: Path, **sections: dict) -> Config:
                     "min_batch_items": 2, "batch_wait_s": 0.1, "precision": "fp32", "pack_row_tokens": None},
         "algo": {"entropy_coef": 0.0},
         "wandb": {"mode": "disabled"},
+        "security": {"insecure": True},  # the fake replay listens on loopback TCP without keys
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
@@ -179,7 +180,7 @@ class FakeReplay(threading.Thread):
 
     def run(self) -> None:
         context = zmq.Context()
-        router = bind_router(context, self.endpoint)
+        router = bind_router(context, self.endpoint, insecure=True)
         self.ready.set()
         batch_id = 0
         while not self.done.is_set():
@@ -238,7 +239,7 @@ class Subscriber(threading.Thread):
 
     def run(self) -> None:
         context = zmq.Context()
-        sub = connect_subscriber(context, self.endpoint)
+        sub = connect_subscriber(context, self.endpoint, insecure=True)
         while not self.done.is_set():
             if poll(sub, 0.05):
                 self.heard.add(receive(sub)[1])
@@ -261,7 +262,7 @@ class LearnerRun:
 
     def start(self) -> LearnerRun:
         self.replay.start()
-        self.replay.ready.wait(5)
+        assert self.replay.ready.wait(5), "the fake replay never bound its socket"
         self.subscriber.start()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -624,7 +625,7 @@ def test_sigterm_finishes_the_step_writes_the_summary_and_exits_zero(tmp_path):
     sequences = Sequences(config)
     replay = FakeReplay(config.replay.endpoint, sequences.items(config))
     replay.start()
-    replay.ready.wait(5)
+    assert replay.ready.wait(5), "the fake replay never bound its socket"
     overrides = command_line(config)
     env = {**learner_process_env(), "ASYNC_RL_RUN_START": str(time.time() - 1000)}
     process = subprocess.Popen([sys.executable, "-c", LEARNER_SCRIPT, *overrides], env=env, cwd=tmp_path)
@@ -666,7 +667,7 @@ def test_a_learner_whose_launcher_is_killed_mid_ack_exits_promptly(tmp_path):
     config = make_config(tmp_path, run={"max_versions": 50})
     replay = FakeReplay(config.replay.endpoint, Sequences(config).items(config), answer_acks=False)
     replay.start()
-    replay.ready.wait(5)
+    assert replay.ready.wait(5), "the fake replay never bound its socket"
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, sys.executable, "-c", LEARNER_SCRIPT,
                                  *command_line(config)], env=learner_process_env(), cwd=tmp_path,
                                 stdout=subprocess.PIPE, text=True)
@@ -711,7 +712,7 @@ def test_two_ranks_at_zero3_under_torchrun_train_like_one_process(trained, tmp_p
     config = make_config(tmp_path, learner={"zero_stage": 3, "micro_batch_tokens": 8, "device": device})
     replay = FakeReplay(config.replay.endpoint, Sequences(config).items(config))
     replay.start()
-    replay.ready.wait(5)
+    assert replay.ready.wait(5), "the fake replay never bound its socket"
     script = tmp_path / "learner_entry.py"
     script.write_text(LEARNER_SCRIPT.replace("; ", "\n"))
     try:
@@ -789,7 +790,7 @@ class DropFirst(threading.Thread):
 
     def run(self) -> None:
         context = zmq.Context()
-        router = bind_router(context, self.endpoint)
+        router = bind_router(context, self.endpoint, insecure=True)
         self.ready.set()
         while not self.done.is_set():
             if poll(router, 0.05):
@@ -805,9 +806,10 @@ class DropFirst(threading.Thread):
 def client_of(replay: DropFirst, config: Config) -> Iterator[ReplayClient]:
     """The learner's ReplayClient against `replay` (started here, stopped after)."""
     replay.start()
-    replay.ready.wait(5)
+    assert replay.ready.wait(5), "the fake replay never bound its socket"
     context = zmq.Context()
-    client = ReplayClient(context, config.replay.endpoint, "learner-0", config.learner.request_timeout_s)
+    client = ReplayClient(context, config.replay.endpoint, "learner-0", config.learner.request_timeout_s,
+                          insecure=True)
     try:
         yield client
     finally:

@@ -206,6 +206,7 @@ def test_published_adapters_are_a_peft_directory_that_peft_loads_as_the_trained_
 
     config = make_config(tmp_path, learner={"zero_stage": zero_stage, "keep_weights": 2,
                                             "publish_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+                         security={"insecure": True},
                          rollout={"engine": "vllm", "vllm": {"urls": ["http://127.0.0.1:1"]}})
     settings = LearnerSettings.from_config(config).publisher
     assert settings.adapters is not None

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from optional_packages import require
 
-pytest.importorskip("mcp")
+require("mcp", "mcp")
 
 from async_rl import Action, Task  # noqa: E402
 from rollout.agents.mcp_tools import McpSettings, McpTools, ServerFailed  # noqa: E402

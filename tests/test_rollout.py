@@ -53,7 +53,7 @@ class ReplayDouble:
     def __init__(
         self, context: zmq.Context, leases: list[str], group_size: int, retry_after_s: float = 0.1
     ) -> None:
-        self.socket = bind_router(context, "tcp://127.0.0.1:*")
+        self.socket = bind_router(context, "tcp://127.0.0.1:*", insecure=True)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.leases = list(leases)
         self.group_size = group_size
@@ -125,7 +125,7 @@ def zmq_context():
 
 @pytest.fixture
 def publisher(zmq_context):
-    socket = bind_publisher(zmq_context, "tcp://127.0.0.1:*")
+    socket = bind_publisher(zmq_context, "tcp://127.0.0.1:*", insecure=True)
     yield socket
     socket.close(linger=0)
 
@@ -137,6 +137,7 @@ def worker_overrides(tmp_path: Path, replay: ReplayDouble, publisher: zmq.Socket
         f"replay.endpoint={replay.endpoint}",
         f"learner.publish_endpoint={publisher.getsockopt_string(zmq.LAST_ENDPOINT)}",
         f"rollout.group_size={replay.group_size}",
+        "security.insecure=true",  # the doubles listen on loopback TCP without keys
         "env.kwargs.num_tasks=3",
         "env.kwargs.step_latency_s=0.02",
         "rollout.heartbeat_s=0.2",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.utils.monitor
 from project_commands import project_command
 from rollout_helpers import sglang_settings
 
@@ -48,7 +49,7 @@ from async_rl.security import (
     routing_id,
     sglang_headers,
 )
-from async_rl.transport import connect_dealer, connect_subscriber, poll, receive, send
+from async_rl.transport import bind_publisher, bind_router, connect_dealer, connect_subscriber, poll, receive, send
 from launch.cli import main
 from replay.server import build_service
 from replay.server import run as run_replay
@@ -85,12 +86,12 @@ def make_config(tmp_path: Path, curve_dir: Path | None, **replay):
 
 
 def endpoints(config: Config) -> tuple[str, str]:
-    """The endpoints a role checks (launch/roles.py): the replay's and the learner's."""
+    """The endpoints a role checks at its entry: the replay's and the learner's."""
     return config.replay.endpoint, config.learner.publish_endpoint
 
 
 def check(config: Config) -> None:
-    """`check_transport` as every role calls it at start (launch/roles.py)."""
+    """`check_transport` as every role's entry calls it (`async-rl train` too, launch/roles.py)."""
     check_transport(config.security.curve_dir, config.security.insecure, endpoints(config))
 
 
@@ -160,7 +161,7 @@ def test_tcp_without_keys_is_refused_unless_the_config_says_insecure(caplog):
     assert insecure_endpoints(tcp.security.curve_dir, endpoints(tcp)) == ["tcp://replay:5555"]
     with pytest.raises(ConfigError, match=r"security.curve_dir: not set, and tcp://replay:5555 would run in the clear"
                                           r".*async-rl keys DIR --workers N.*security.insecure=true"):
-        check(tcp)  # every role calls it at start (launch/roles.py)
+        check(tcp)  # every role's entry calls it
     insecure = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}, "security": {"insecure": True}})
     with caplog.at_level(logging.WARNING, logger="async_rl.security"):
         check(insecure)
@@ -172,6 +173,82 @@ def test_tcp_without_keys_is_refused_unless_the_config_says_insecure(caplog):
     secure = config_from_dict({"replay": {"endpoint": "tcp://replay:5555"}, "security": {"curve_dir": "/k"}})
     assert insecure_endpoints(secure.security.curve_dir, endpoints(secure)) == []
     check(secure)
+
+
+def _port_is_free(endpoint: str) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+        except OSError:
+            return False
+    return True
+
+
+def test_every_socket_refuses_tcp_without_keys_whoever_opens_it(tmp_path, caplog):
+    """The refusal lives where the sockets are bound and connected (async_rl/transport.py), not in the CLI: a
+    library caller that passes no keys gets the same ConfigError, and nothing is bound. `insecure=True` is the
+    explicit opt-out (a loud warning); ipc:// needs no keys."""
+    context = zmq.Context()
+    endpoint = free_endpoint()
+    openers = {
+        "bind_router": lambda **kw: bind_router(context, endpoint, **kw),
+        "bind_publisher": lambda **kw: bind_publisher(context, endpoint, **kw),
+        "connect_dealer": lambda **kw: connect_dealer(context, endpoint, "rollout-0", **kw),
+        "connect_subscriber": lambda **kw: connect_subscriber(context, endpoint, **kw),
+    }
+    try:
+        for name, open_socket in openers.items():
+            with pytest.raises(ConfigError, match=rf"security.curve_dir: not set, and {endpoint} would run in the "
+                                                  r"clear.*security.insecure=true"):
+                open_socket()
+            assert _port_is_free(endpoint), f"{name} bound the port before refusing"
+        with caplog.at_level(logging.WARNING, logger="async_rl.security"):
+            for open_socket in openers.values():
+                open_socket(insecure=True).close(linger=0)
+        assert sum("UNAUTHENTICATED (security.insecure)" in r.getMessage() for r in caplog.records) == len(openers)
+        bind_router(context, f"ipc://{tmp_path}/replay.ipc").close(linger=0)  # a Unix socket: its permissions guard it
+    finally:
+        context.term()
+
+
+def _learner_run(config: Config, stop: threading.Event) -> None:
+    from learner.trainer import run
+
+    run(config, stop)
+
+
+def _worker_run(config: Config, stop: threading.Event) -> None:
+    from rollout.worker import run
+
+    run(config, 0, stop)
+
+
+@pytest.mark.parametrize("role", ["replay", "learner", "rollout"])
+def test_a_role_started_as_a_library_refuses_tcp_without_keys(tmp_path, role):
+    """`replay.server.run`, the learner's and the worker's `run` called from Python (a Ray actor, a test, a
+    user's script), not through `async-rl`: each refuses TCP without keys at once, naming the fix."""
+    config = make_config(tmp_path, None)
+    entry = {"replay": lambda stop: run_replay(config, stop), "learner": lambda stop: _learner_run(config, stop),
+             "rollout": lambda stop: _worker_run(config, stop)}[role]
+    stop, raised = threading.Event(), []
+
+    def start() -> None:
+        try:
+            entry(stop)
+        except Exception as exc:  # noqa: BLE001 - the test reads what it raised
+            raised.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)  # bounds a regression: a role that starts serves until stopped
+    started = thread.is_alive()
+    stop.set()
+    thread.join(60)
+    assert not started, f"the {role} started on {config.replay.endpoint} without keys"
+    [error] = raised
+    assert isinstance(error, ConfigError) and "security.curve_dir: not set" in str(error), error
+    assert "security.insecure=true" in str(error)
+    assert _port_is_free(config.replay.endpoint) and _port_is_free(config.learner.publish_endpoint)
 
 
 def test_a_local_run_that_falls_back_to_loopback_tcp_gets_keys_of_its_own(tmp_path):
@@ -222,6 +299,23 @@ def _reply(sock: zmq.Socket, timeout_s: float):
     return receive(sock)[1] if poll(sock, timeout_s) else None
 
 
+HANDSHAKE_OUTCOMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused_key",
+                      zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed_protocol",
+                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed"}
+
+
+def _handshake(monitor: zmq.Socket, timeout_s: float = 10.0) -> str | None:
+    """The outcome of a client socket's first ZMTP handshake, as its own monitor reports it (HANDSHAKE_OUTCOMES):
+    a refusal is an event the client saw (the server's ERROR with status 400 for a key ZAP refused, a mechanism
+    mismatch, a server that hung up), not a reply that failed to come."""
+    deadline = time.monotonic() + timeout_s
+    while monitor.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+        if event in HANDSHAKE_OUTCOMES:
+            return HANDSHAKE_OUTCOMES[event]
+    return None
+
+
 def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, other_keys):
     config = make_config(tmp_path, keys)
     endpoint = config.replay.endpoint
@@ -234,12 +328,13 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
     stranger = load_keys(make_config(tmp_path, other_keys).security.curve_dir, "rollout-0")
     impostor = CurveKeys("rollout-0", stranger.public, stranger.secret, rollout.peers)  # knows the server key only
     clients = {
-        "plain": connect_dealer(context, endpoint, "plain"),  # no CURVE at all
+        "plain": connect_dealer(context, endpoint, "plain", insecure=True),  # no CURVE at all
         "wrong_key": connect_dealer(context, endpoint, "wrong", impostor),  # a key not in the key directory
         "wrong_server": connect_dealer(context, endpoint, "mitm", stranger),  # expects another server key
         "rollout": connect_dealer(context, endpoint, "rollout-0", rollout),
         "learner": connect_dealer(context, endpoint, "learner-0", learner),
     }
+    monitors = {name: clients[name].get_monitor_socket() for name in ("plain", "wrong_key", "wrong_server", "rollout")}
     try:
         for name, client in clients.items():
             send(client, LeaseRequest(worker_id="rollout-0" if name == "rollout" else name, msg_id=1))
@@ -250,8 +345,12 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
                                               min_items=1, max_wait_s=0.0))
         error = _reply(clients["rollout"], 10.0)
         assert isinstance(error, Error) and error.detail.startswith("not_learner")
-        for name in ("plain", "wrong_key", "wrong_server"):
-            assert _reply(clients[name], 0.5) is None, f"{name} got an answer"
+        # each refused client saw its handshake fail: ZAP's refusal (status 400), a plain peer's mechanism mismatch,
+        # a server that cannot read a client of another server key and hangs up
+        assert _handshake(monitors["rollout"]) == "succeeded"
+        assert _handshake(monitors["plain"]) == "failed_protocol"
+        assert _handshake(monitors["wrong_key"]) == "refused_key"
+        assert _handshake(monitors["wrong_server"]) == "failed"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             rejected = service.stats_snapshot().rejected
@@ -264,6 +363,9 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
         assert stats.groups_started == 1 and service.policy_version == 0  # only rollout-0 got in
         assert stats.rejected["not_learner"] == 1 and stats.rejected["not_rollout"] == 1
     finally:
+        for name, monitor in monitors.items():
+            clients[name].disable_monitor()
+            monitor.close(linger=0)
         for client in clients.values():
             client.close(linger=0)
         stop.set()
@@ -320,8 +422,9 @@ def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
     publisher = WeightPublisher(context, endpoint, tmp_path / "weights", 2, load_keys(curve_dir, "learner"))
     subscribers = {
         "rollout": connect_subscriber(context, endpoint, load_keys(config.security.curve_dir, "rollout-0")),
-        "plain": connect_subscriber(context, endpoint),
+        "plain": connect_subscriber(context, endpoint, insecure=True),
     }
+    plain_monitor = subscribers["plain"].get_monitor_socket()
     try:
         publisher.publish({"w": torch.zeros(2)}, 3)
         deadline = time.monotonic() + 10
@@ -331,9 +434,11 @@ def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
             publisher.republish_if_due()
             got = got or _reply(subscribers["rollout"], 0.1)
         assert isinstance(got, WeightsPublished) and got.version == 3
-        assert _reply(subscribers["plain"], 0.3) is None
-        assert publisher.refused_handshakes >= 1  # the plain subscriber was kept out, and counted
+        assert _handshake(plain_monitor) == "failed_protocol"  # the plain subscriber saw itself kept out
+        assert publisher.refused_handshakes >= 1  # ... and the publisher counted it
     finally:
+        subscribers["plain"].disable_monitor()
+        plain_monitor.close(linger=0)
         for sub in subscribers.values():
             sub.close(linger=0)
         publisher.close()
@@ -347,13 +452,17 @@ def test_a_plain_heartbeat_is_answered_by_nothing_but_does_not_crash_a_curve_rep
     thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
     thread.start()
     context = zmq.Context()
-    plain = connect_dealer(context, config.replay.endpoint, "plain")
+    plain = connect_dealer(context, config.replay.endpoint, "plain", insecure=True)
     good = connect_dealer(context, config.replay.endpoint, "rollout-0",
                           load_keys(config.security.curve_dir, "rollout-0"))
     try:
         send(plain, Heartbeat(worker_id="rollout-0"))
         send(good, LeaseRequest(worker_id="rollout-0", msg_id=1))
         assert isinstance(_reply(good, 10.0), LeaseGrant)
+        deadline = time.monotonic() + 10
+        while not service.stats_snapshot().rejected.get("handshake_failed") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.stats_snapshot().rejected.get("handshake_failed", 0) >= 1  # the plain peer, counted
     finally:
         plain.close(linger=0)
         good.close(linger=0)

@@ -51,7 +51,7 @@ def new_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 def learner_config(run_dir: Path, *overrides: str):
     return load_config(None, [f"run.dir={run_dir}", f"learner.publish_endpoint=tcp://127.0.0.1:{free_port()}",
-                              *overrides])
+                              "security.insecure=true", *overrides])
 
 
 def publisher_of(context: zmq.Context, config, model_dir: Path) -> WeightPublisher:
@@ -66,7 +66,7 @@ class Worker:
 
     def __init__(self, context: zmq.Context, engine, endpoint: str, run_dir: Path) -> None:
         self.engine = EngineThread(engine)
-        self.socket = connect_subscriber(context, endpoint, None)
+        self.socket = connect_subscriber(context, endpoint, None, insecure=True)
         self.follower = WeightsFollower(self.socket, self.engine, run_dir)
 
     def close(self) -> None:
@@ -255,7 +255,7 @@ def test_distributed_weights_pushed_to_sglang_are_taken_by_a_disk_worker_and_ref
 def test_a_format_the_engine_cannot_load_is_refused_by_name(model_dir, tmp_path, caplog, weights_format, what):
     context = zmq.Context()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    pub = bind_publisher(context, endpoint, None)
+    pub = bind_publisher(context, endpoint, None, insecure=True)
     built_in = Worker(context, TorchEngine(model_dir, seed=0), endpoint, tmp_path)
     try:
         notice = WeightsPublished(version=3, path=str(tmp_path / "lora-v3"), format=weights_format)
