@@ -69,8 +69,9 @@ class DistributedWeightSync:
         for url in self.urls:  # a learner that died left its group behind on the server
             self._leave(url)
         # The store first: a port already taken fails here, before any server is asked to join it.
+        self.secret = self._store_secret()
         self.group = BroadcastGroup(config.dist_master_addr, config.dist_master_port, self.world_size,
-                                    config.dist_backend, GROUP_NAME)
+                                    config.dist_backend, GROUP_NAME, self.secret)
         joins = [self.threads.submit(self._join, url, offset) for url, offset in zip(self.urls, offsets, strict=True)]
         self.group.join()
         for join in joins:
@@ -106,6 +107,11 @@ class DistributedWeightSync:
         """Nothing on disk to remove."""
 
     # --- the server calls (SGLang's) ---------------------------------------------------------------
+
+    def _store_secret(self) -> bytes | None:
+        """The group store's secret, or None: SGLang's `/init_weights_update_group` takes no secret and joins a plain
+        store (docs/architecture.md, "Security": only the network policy guards it)."""
+        return None
 
     def _ranks(self, url: str) -> int:
         """The ranks one server takes in the group (one per tensor-parallel worker)."""

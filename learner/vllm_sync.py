@@ -7,8 +7,9 @@ the calls are vLLM 0.32's, answered on the servers' side by the `async_rl` weigh
 (scripts/vllm_plugin/, which scripts/start_vllm_server.py asks for with `--weight-transfer-config`):
 
 * once: `/init_weight_transfer_engine` {init_info: master address and port, rank_offset (the server's first rank;
-  its ranks are `/get_world_size`'s), world_size, group_name, backend} (`/shutdown_weight_transfer_engine` first:
-  a learner that died left its group behind);
+  its ranks are `/get_world_size`'s), world_size, group_name, backend, store_secret (the group store's key, fresh
+  for each group: async_rl/weights/keyed_store.py)} (`/shutdown_weight_transfer_engine` first: a learner that died
+  left its group behind);
 * per version: `/pause?mode=` (rollout.vllm.pause_mode: in_place `wait`, abort `abort`, keep `keep`) →
   `/start_weight_update` → `/update_weights` {update_info: names, dtype_names, shapes} (+ one broadcast per tensor)
   → `/finish_weight_update` {weight_version} (vLLM then sets `/weight_info`'s label, as `/update_weight_version`
@@ -21,6 +22,7 @@ the server resumes on the weights it had, or the ones it got before the failure.
 from __future__ import annotations
 
 from async_rl.config import VLLM_PAUSE_MODES
+from async_rl.weights.keyed_store import new_secret
 from learner.settings import VLLMSyncSettings
 from learner.sglang_sync import DistributedWeightSync, Tensors
 
@@ -41,8 +43,13 @@ class VLLMWeightSync(DistributedWeightSync):
     def _leave(self, url: str) -> None:
         self.http.post(url + "/shutdown_weight_transfer_engine")
 
+    def _store_secret(self) -> bytes:
+        return new_secret()  # fresh for each group; the plugin refuses a join without one
+
     def _join(self, url: str, rank_offset: int) -> None:
-        self._call(url, "POST", "/init_weight_transfer_engine", {"init_info": self._group(rank_offset)})
+        assert self.secret is not None
+        init_info = {**self._group(rank_offset), "store_secret": self.secret.hex()}
+        self._call(url, "POST", "/init_weight_transfer_engine", {"init_info": init_info})
 
     def _pause(self) -> None:
         # `wait` lasts as long as the longest running request (each bounded by request_timeout_s).

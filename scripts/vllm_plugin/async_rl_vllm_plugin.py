@@ -13,11 +13,18 @@ Registered with vLLM's `WeightTransferEngineFactory` by the `vllm.general_plugin
 process, the engine core and its workers included); a server uses it with `--weight-transfer-config
 '{"backend": "async_rl"}'` (scripts/start_vllm_server.py passes it). Installed into the server venv, without
 dependencies, by scripts/build_vllm_env.sh; imports nothing of async-rl.
+
+The group's store is keyed: the learner hands each server a fresh secret (`store_secret`) and every value in the
+store is signed with it (`KeyedStore`, a copy of async_rl/weights/keyed_store.py's), so a process that reaches the
+learner's TCPStore without the secret cannot join the group or point this worker at itself; a join without a secret
+is refused.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +60,7 @@ class BroadcastInitInfo(WeightTransferInitInfo):
     world_size: int  # the learner and every worker of every server
     group_name: str
     backend: str = "gloo"  # or "nccl"
+    store_secret: str = ""  # hex: the key of the group's store (required: a join without one is refused)
 
 
 @dataclass
@@ -84,12 +92,16 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         """Join the group (blocks until every rank has: the learner joins as this call waits). A group joined
         before (a learner that died) is left first."""
         self.shutdown()
+        if len(init_info.store_secret) < 32:
+            raise ValueError("init_info.store_secret: the weight-sync group's store key (hex, from the async-rl "
+                             "learner) is required; refusing to join an unkeyed store")
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
                               is_master=False, timeout=GROUP_TIMEOUT)
         self.group, _ = _new_process_group_helper(
-            init_info.world_size, rank, [], Backend(init_info.backend), PrefixStore(init_info.group_name, store),
+            init_info.world_size, rank, [], Backend(init_info.backend),
+            KeyedStore(PrefixStore(init_info.group_name, store), bytes.fromhex(init_info.store_secret)),
             group_name=GroupName(init_info.group_name), timeout=GROUP_TIMEOUT)
         _world.pg_group_ranks[self.group] = {i: i for i in range(init_info.world_size)}
         self.receive_device = self.device if init_info.backend == "nccl" else torch.device("cpu")
@@ -124,3 +136,47 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+class KeyedStore(dist.Store):
+    """async_rl/weights/keyed_store.py's `KeyedStore`: every value signed (HMAC-SHA256 of key and value under the
+    group's secret) on `set` and checked on `get`."""
+
+    def __init__(self, inner: dist.Store, secret: bytes) -> None:
+        super().__init__()
+        self.inner, self.secret = inner, secret
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self.inner.set(key, value + self._tag(key, value))
+
+    def get(self, key: str) -> bytes:
+        signed = self.inner.get(key)
+        value, tag = signed[:-32], signed[-32:]
+        if len(signed) < 32 or not hmac.compare_digest(tag, self._tag(key, value)):
+            raise PermissionError(f"weight-sync store: the value of {key!r} is not signed with this group's secret")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)
