@@ -490,8 +490,8 @@ class SecurityConfig(_Section):
     )] = None
     insecure: Annotated[bool, doc(
         "`true`: run tcp:// endpoints without `curve_dir`, unauthenticated and in the clear (a loud warning in "
-        "every role); `false`: every role refuses to start so. ipc:// and inproc:// endpoints (`async-rl train` "
-        "on one machine) need neither"
+        "every role); `false`: every role refuses to start so, and every socket refuses to open so, whoever "
+        "opens it. ipc:// and inproc:// endpoints (`async-rl train` on one machine) need neither"
     )] = False
 
 
