@@ -320,6 +320,7 @@ def command_line(config: Config) -> list[str]:
         # load_config(None, ...) starts from the defaults, whose entropy bonus these tests leave out
         f"algo.entropy_coef={config.algo.entropy_coef}",
         f"learner.device={learner.device}", f"learner.precision={learner.precision}",
+        f"security.insecure={str(config.security.insecure).lower()}",  # the fake replay: loopback TCP, no keys
     ]
 
 

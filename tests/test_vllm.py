@@ -325,6 +325,20 @@ def test_distributed_sync_pushes_the_learners_tensors_to_every_vllm_server(vllm_
         sync.close()
 
 
+def test_a_vllm_server_refuses_to_join_a_weight_sync_group_without_its_store_secret(vllm_servers):
+    """The `async_rl` backend (scripts/vllm_plugin/) joins only a keyed store: a join without `store_secret` (a
+    learner of an older async-rl, or anyone's unkeyed group) is refused before it touches any store, naming the
+    field; the server goes on serving."""
+    url = vllm_servers.urls[0]
+    group = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+             "group_name": "async_rl_weights", "backend": "gloo"}
+    refused = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": group}, timeout=60)
+    assert refused.status_code != 200 and "store_secret" in refused.text, refused.text[:500]
+    engine = engine_for(vllm_servers.urls[:1])
+    assert len(engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))[0].versions) == 2, "still serving"
+    engine.close()
+
+
 def test_a_new_learner_takes_over_the_vllm_servers_group_and_a_taken_port_asks_no_server_to_join(vllm_servers):
     """A learner that died left the servers in its group: the next one's push reaches them all the same. A learner
     whose port is taken fails before any server is asked to join it (a server joining a store that is not its
