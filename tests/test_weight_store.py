@@ -48,6 +48,7 @@ def start_receiver(port: int, secret: bytes | None) -> tuple[multiprocessing.Pro
     return process, results
 
 
+@pytest.mark.slow
 def test_a_receiver_with_the_groups_secret_joins_and_receives_the_broadcast():
     port, secret = free_port(), new_secret()
     group = BroadcastGroup("127.0.0.1", port, 2, "gloo", GROUP, secret)
@@ -63,6 +64,7 @@ def test_a_receiver_with_the_groups_secret_joins_and_receives_the_broadcast():
             process.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stranger", ["no secret", "another secret"])
 def test_a_process_without_the_groups_secret_cannot_join(stranger):
     port = free_port()
