@@ -321,7 +321,6 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
     endpoint = config.replay.endpoint
     service, stop = build_service(config), threading.Event()
     thread = threading.Thread(target=run_replay, args=(config, stop, service), daemon=True)
-    thread.start()
     context = zmq.Context()
     curve_dir = config.security.curve_dir
     rollout, learner = load_keys(curve_dir, "rollout-0"), load_keys(curve_dir, "learner")
@@ -335,6 +334,7 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
         "learner": connect_dealer(context, endpoint, "learner-0", learner),
     }
     monitors = {name: clients[name].get_monitor_socket() for name in ("plain", "wrong_key", "wrong_server", "rollout")}
+    thread.start()  # after the monitors: every handshake happens while they watch
     try:
         for name, client in clients.items():
             send(client, LeaseRequest(worker_id="rollout-0" if name == "rollout" else name, msg_id=1))
@@ -345,12 +345,13 @@ def test_a_curve_replay_refuses_clients_without_an_allowed_key(tmp_path, keys, o
                                               min_items=1, max_wait_s=0.0))
         error = _reply(clients["rollout"], 10.0)
         assert isinstance(error, Error) and error.detail.startswith("not_learner")
-        # each refused client saw its handshake fail: ZAP's refusal (status 400), a plain peer's mechanism mismatch,
-        # a server that cannot read a client of another server key and hangs up
+        # each refused client saw its handshake fail: ZAP's refusal (status 400); a plain peer's mechanism mismatch
+        # (or the server hanging up first, whichever side notices first); a server that cannot read a client of
+        # another server key hangs up
         assert _handshake(monitors["rollout"]) == "succeeded"
-        assert _handshake(monitors["plain"]) == "failed_protocol"
+        assert _handshake(monitors["plain"]) in ("failed_protocol", "failed")
         assert _handshake(monitors["wrong_key"]) == "refused_key"
-        assert _handshake(monitors["wrong_server"]) == "failed"
+        assert _handshake(monitors["wrong_server"]) in ("failed_protocol", "failed")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             rejected = service.stats_snapshot().rejected
@@ -419,12 +420,12 @@ def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
     endpoint = config.learner.publish_endpoint
     context = zmq.Context()
     curve_dir = config.security.curve_dir
-    publisher = WeightPublisher(context, endpoint, tmp_path / "weights", 2, load_keys(curve_dir, "learner"))
     subscribers = {
         "rollout": connect_subscriber(context, endpoint, load_keys(config.security.curve_dir, "rollout-0")),
         "plain": connect_subscriber(context, endpoint, insecure=True),
     }
-    plain_monitor = subscribers["plain"].get_monitor_socket()
+    plain_monitor = subscribers["plain"].get_monitor_socket()  # before the publisher binds: it sees the handshake
+    publisher = WeightPublisher(context, endpoint, tmp_path / "weights", 2, load_keys(curve_dir, "learner"))
     try:
         publisher.publish({"w": torch.zeros(2)}, 3)
         deadline = time.monotonic() + 10
@@ -434,7 +435,7 @@ def test_a_curve_publisher_reaches_only_the_rollout_key(tmp_path, keys):
             publisher.republish_if_due()
             got = got or _reply(subscribers["rollout"], 0.1)
         assert isinstance(got, WeightsPublished) and got.version == 3
-        assert _handshake(plain_monitor) == "failed_protocol"  # the plain subscriber saw itself kept out
+        assert _handshake(plain_monitor) in ("failed_protocol", "failed")  # the plain subscriber saw itself kept out
         assert publisher.refused_handshakes >= 1  # ... and the publisher counted it
     finally:
         subscribers["plain"].disable_monitor()
