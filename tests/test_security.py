@@ -203,12 +203,16 @@ def test_every_socket_refuses_tcp_without_keys_whoever_opens_it(tmp_path, caplog
                 open_socket()
             assert _port_is_free(endpoint), f"{name} bound the port before refusing"
         with caplog.at_level(logging.WARNING, logger="async_rl.security"):
-            for open_socket in openers.values():
-                open_socket(insecure=True).close(linger=0)
-        assert sum("UNAUTHENTICATED (security.insecure)" in r.getMessage() for r in caplog.records) == len(openers)
+            router = bind_router(context, "tcp://127.0.0.1:*", insecure=True)  # a port no other test can take
+            publisher = bind_publisher(context, "tcp://127.0.0.1:*", insecure=True)
+            dealer = connect_dealer(context, router.getsockopt_string(zmq.LAST_ENDPOINT), "rollout-0", insecure=True)
+            subscriber = connect_subscriber(context, publisher.getsockopt_string(zmq.LAST_ENDPOINT), insecure=True)
+        assert sum("UNAUTHENTICATED (security.insecure)" in r.getMessage() for r in caplog.records) == 4
+        for opened in (router, publisher, dealer, subscriber):
+            opened.close(linger=0)
         bind_router(context, f"ipc://{tmp_path}/replay.ipc").close(linger=0)  # a Unix socket: its permissions guard it
     finally:
-        context.term()
+        context.destroy(linger=0)  # also what a failed assertion left open
 
 
 def _learner_run(config: Config, stop: threading.Event) -> None:
