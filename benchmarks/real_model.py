@@ -129,7 +129,7 @@ def main() -> int:
     rank = args.lora_rank if args.lora_rank is not None else (8 if quick else 0)
     lr = args.lr if args.lr is not None else (1e-4 if rank else 1e-5)
     baseline_lrs = ([float(v) for v in args.baseline_lrs.split(",")] if args.baseline_lrs
-                    else [lr, 3 * lr])
+                    else [1e-4, 3e-4] if rank else [1e-5, 3e-5])
     side_by_side = args.side_by_side
     warm_settings = {"demos": args.demos or (4 if quick else 100), "lora_rank": rank,
                      "lr": args.sft_lr if args.sft_lr is not None else (1e-3 if rank else 1e-4),
