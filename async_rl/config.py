@@ -327,8 +327,9 @@ class LoraConfig(_Section):
 class LearnerConfig(_Section):
     publish_endpoint: Annotated[str, doc("PUB of new policy versions; the same forms as `replay.endpoint`")] = "auto"
     lr: Annotated[PosFloat, doc(
-        "learning rate: the tiny model's; unset with model.path, a pretrained model's (1e-5 full fine-tune, 1e-4 "
-        "with learner.lora.rank > 0; [models.md](models.md#defaults-that-follow-the-model))"
+        "learning rate: the tiny model's; unset with model.path, a pretrained model's (RL: 1e-5 full fine-tune, 1e-4 "
+        "with learner.lora.rank > 0; `async-rl sft`: ten times that; "
+        "[models.md](models.md#defaults-that-follow-the-model))"
     )] = 5e-4
     optimizer: Annotated[Literal["adamw", "sgd"], doc(
         "adamw: torch's AdamW (fused kernel); sgd: plain SGD, each step lr × the gradient, so that two steps on "

@@ -50,13 +50,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return load_config_explained(path, overrides)[0]
 
 
-def load_config_explained(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-                          ) -> tuple[Config, dict[str, str]]:
+def load_config_explained(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                          warm_start: bool = False) -> tuple[Config, dict[str, str]]:
     """`load_config`, and where each model-following key's value came from (async_rl/model_defaults.py): key ->
     a sentence the commands print. The layers, lowest first: the structs' defaults, the file, the overrides. A key
     counts as set when the command line sets it, or the file does; a packaged config (or a file identical to one,
     such as configs/local.yaml) writing out the built-in default does not set it: that is the default, written down,
-    so with model.path it follows the model like the default it is."""
+    so with model.path it follows the model like the default it is. `warm_start`: the config of `async-rl sft`, whose
+    rate for a pretrained model is the warm start's."""
     raw: Any = {}
     set_by: dict[str, str] = {}
     if path is not None:
@@ -78,7 +79,7 @@ def load_config_explained(path: str | Path | None = None, overrides: list[str] |
         for follows in FOLLOWS_MODEL:
             if follows == key or follows.startswith(key + "."):
                 set_by[follows] = "on the command line"
-    return _resolved(raw, set_by)
+    return _resolved(raw, set_by, warm_start)
 
 
 # Keys the code no longer has: (section, key) -> (the value it had by default, why it went). A run directory's
@@ -129,10 +130,11 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return _resolved(raw, given)[0]
 
 
-def _resolved(raw: dict[str, Any], set_by: dict[str, str]) -> tuple[Config, dict[str, str]]:
+def _resolved(raw: dict[str, Any], set_by: dict[str, str], warm_start: bool = False
+              ) -> tuple[Config, dict[str, str]]:
     if not isinstance(raw.get("model", {}), dict) or not isinstance(raw.get("learner", {}), dict):
         return _validated(raw), {}  # the mapping is refused by name there
-    notes = follow_model(raw, set_by)
+    notes = follow_model(raw, set_by, warm_start)
     return _validated(raw), notes
 
 

@@ -88,7 +88,7 @@ def sft_run_config(args: argparse.Namespace) -> tuple[Config, dict[str, str]]:
                f"run.threads_per_process={os.cpu_count() or 1}"]
     if args.lora_rank is not None:
         implied.append(f"learner.lora.rank={args.lora_rank}")
-    config, notes = load_config_explained(args.config, [*implied, *args.overrides])
+    config, notes = load_config_explained(args.config, [*implied, *args.overrides], warm_start=True)
     configured_model_path(config)
     if args.resume:
         if not (config.run_dir / "config.yaml").is_file():

@@ -13,7 +13,7 @@ from project_commands import docs_command, project_command
 
 from async_rl.config import Config
 from async_rl.config_load import config_from_dict, load_config, load_config_explained
-from async_rl.model_defaults import FULL_LR, LORA_LR, SEQ_LEN_CAP
+from async_rl.model_defaults import FULL_LR, LORA_LR, SEQ_LEN_CAP, SFT_FULL_LR, SFT_LORA_LR
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_the_documented_config_command_prints_the_models_defaults_and_where_they
     assert header == [
         "# model.max_seq_len = 2048, the model's context (max_position_embeddings 8192 in models/smollm2/config.json)"
         ", capped at 2048 for this machine's memory",
-        "# learner.lr = 1e-05, a pretrained model's rate for a full fine-tune"]
+        "# learner.lr = 1e-05, a pretrained model's RL rate for a full fine-tune"]
 
 
 def test_a_model_shorter_than_the_cap_gives_its_own_context_and_lora_its_rate(tmp_path):
@@ -92,3 +92,14 @@ def test_a_run_directorys_config_is_what_the_run_resolved(workdir, tmp_path):
     dump_config(config, tmp_path / "config.yaml")
     again, notes = load_config_explained(tmp_path / "config.yaml")
     assert again == config and notes["learner.lr"] == f"1e-05, set in {tmp_path / 'config.yaml'}"
+
+
+def test_a_warm_start_takes_the_warm_start_rate(workdir):
+    """`async-rl sft` (warm_start=True) on a pretrained model: ten times RL's rate, as the recipes' warm starts."""
+    model = workdir / "models" / "smollm2"
+    full, notes = load_config_explained(None, [f"model.path={model}"], warm_start=True)
+    lora, _ = load_config_explained(None, [f"model.path={model}", "learner.lora.rank=8"], warm_start=True)
+    assert (full.learner.lr, lora.learner.lr) == (SFT_FULL_LR, SFT_LORA_LR) == (1e-4, 1e-3)
+    assert notes["learner.lr"] == "0.0001, a pretrained model's warm-start rate for a full fine-tune"
+    chosen, _ = load_config_explained(None, [f"model.path={model}", "learner.lr=0.00002"], warm_start=True)
+    assert chosen.learner.lr == 2e-5

@@ -258,7 +258,8 @@ def test_the_readme_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_re
     assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))
 
 
-MUL_ENV = '''"""Multiply two digits with a `multiply` tool, then answer <answer>N</answer>; a demonstration per task."""
+MUL_ENV = '''"""a x b + 1 with a `multiply` tool (the +1 is the agent's to add, so a group's outcomes differ: RL has a
+signal), answered as <answer>N</answer> or the final turn's last number; a demonstration per task."""
 import json
 import random
 import re
@@ -278,14 +279,16 @@ class MulEnv:
     def reset(self, task):
         self.a, self.b = task.data["a"], task.data["b"]
         self.turns, self.answer, self.calls, self.malformed = 0, None, 0, 0
-        return f"What is {self.a} times {self.b}? Use the multiply tool, then answer with <answer>N</answer>."
+        return (f"What is {self.a} times {self.b}, plus one? Use the multiply tool, then answer with "
+                "<answer>N</answer>.")
 
     def step(self, action):
         self.turns += 1
         self.malformed += bool(action.parse_error)
         found = re.search(r"<answer>\\s*(-?\\d+)\\s*</answer>", action.text)
         if found or not (action.tool_calls or action.parse_error) or self.turns >= 3:
-            self.answer = int(found.group(1)) if found else None
+            numbers = re.findall(r"-?\\d+", re.sub(r"<tool_call>.*?</tool_call>", "", action.text, flags=re.S))
+            self.answer = int(found.group(1)) if found else int(numbers[-1]) if numbers else None
             return StepResult(observation=None, reward=0.0, done=True)
         results = []
         for call in action.tool_calls:
@@ -300,7 +303,7 @@ class MulEnv:
         return StepResult(observation=results, reward=0.0, done=False)
 
     def judge(self):
-        right = self.answer == self.a * self.b
+        right = self.answer == self.a * self.b + 1
         return Judgement(score=float(right), success=right,
                          info={"calls": float(self.calls), "called": float(self.calls > 0),
                                "malformed": float(self.malformed)})
@@ -324,7 +327,7 @@ class MulFactory:
         a, b = task.data["a"], task.data["b"]
         call = {"type": "function", "function": {"name": "multiply", "arguments": json.dumps({"a": a, "b": b})}}
         return [{"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "assistant", "content": f"<answer>{a * b}</answer>"}]
+                {"role": "assistant", "content": f"<answer>{a * b + 1}</answer>"}]
 
 
 def factory():
@@ -338,7 +341,8 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     `async-rl sft` without --config (LoRA), then `async-rl train --config configs/local.yaml model.path=...` (full
     fine-tune). Before, sft refused every conversation at the tiny model's 256 tokens and train's one update at
     local.yaml's 5e-4 left every call malformed. Now each command takes the model's context (SmolLM2's 8,192,
-    capped at 2,048) and a pretrained model's rate (1e-4 LoRA, 1e-5 full) and says so; a conversation past the
+    capped at 2,048) and a pretrained model's rate (the warm start's 1e-3 LoRA, RL's 1e-5 full) and says so; a
+    conversation past the
     context is still skipped and counted; after 3 learner versions the model still makes well-formed calls. Slow:
     SmolLM2-135M on the CPU (an SFT or learner step 10-300 s here), four SFT steps and three versions."""
     (workdir / "mul_env.py").write_text(MUL_ENV)
@@ -360,18 +364,18 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     sft = json.loads(done.stdout.splitlines()[-1])
     assert sft["conversations"] == 48 and sft["skipped_too_long"] == 1 and sft["steps"] >= 3, sft
     assert "async-rl sft: model.max_seq_len = 2048, the model's context (max_position_embeddings 8192" in done.stderr
-    assert "async-rl sft: learner.lr = 0.0001, a pretrained model's rate for LoRA" in done.stderr
+    assert "async-rl sft: learner.lr = 0.001, a pretrained model's warm-start rate for LoRA" in done.stderr
 
     budget = ["env.name=mul_env:factory", "run.max_versions=3", "run.target_success=null", "run.max_wall_s=1200",
-              "run.eval_samples_per_task=1", "run.eval_max_tasks=8", "rollout.group_size=2",
-              "rollout.max_inflight=2", "algo.groups_per_step=1", "learner.min_batch_items=2", "algo.max_staleness=0",
-              "run.metrics_every_s=5"]  # one group of 2 a version, none started past it: the learner has the cores
+              "run.eval_samples_per_task=1", "run.eval_max_tasks=8", "rollout.group_size=4",
+              "rollout.max_inflight=4", "algo.groups_per_step=1", "learner.min_batch_items=2", "algo.max_staleness=0",
+              "run.metrics_every_s=5"]  # one group of 4 a version, none started past it: the learner has the cores
     done = subprocess.run([ASYNC_RL, "train", "--config", "configs/local.yaml", "model.path=models/smollm2-mul",
                            *budget], cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
     run_dir = workdir / "runs" / "local"
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert done.returncode == 0, done.stderr[-3000:] + logs
-    assert "async-rl train: learner.lr = 1e-05, a pretrained model's rate for a full fine-tune" in done.stderr
+    assert "async-rl train: learner.lr = 1e-05, a pretrained model's RL rate for a full fine-tune" in done.stderr
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert (resolved["model"]["max_seq_len"], resolved["learner"]["lr"]) == (2048, 1e-5)
     result = json.loads(done.stdout.splitlines()[-1])
