@@ -47,12 +47,17 @@ def _put(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        found = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def model_context(model_dir: Path) -> int | None:
     """The model's own context (config.json's max_position_embeddings), or None when it states none."""
-    try:
-        found = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
+    found = _model_config(model_dir).get("max_position_embeddings")
     return found if isinstance(found, int) and found > 0 else None
 
 
@@ -73,6 +78,9 @@ def follow_model(raw: dict[str, Any], set_by: dict[str, str], warm_start: bool =
     if not (model_dir / "config.json").is_file():  # the command that needs the model refuses it by name
         return {key: notes.get(key, f"{_default(key)}, the built-in default ({model_dir} has no config.json to "
                                     "follow)") for key in FOLLOWS_MODEL}
+    if _model_config(model_dir).get("async_rl_tiny_model"):  # built by async_rl/model.py: random init, not pretrained
+        return {key: notes.get(key, f"{_default(key)}, the built-in default ({model_dir} is async-rl's tiny model)")
+                for key in FOLLOWS_MODEL}
     if "model.max_seq_len" not in set_by:
         context = model_context(model_dir)
         if context is None:

@@ -103,3 +103,13 @@ def test_a_warm_start_takes_the_warm_start_rate(workdir):
     assert notes["learner.lr"] == "0.0001, a pretrained model's warm-start rate for a full fine-tune"
     chosen, _ = load_config_explained(None, [f"model.path={model}", "learner.lr=0.00002"], warm_start=True)
     assert chosen.learner.lr == 2e-5
+
+
+def test_a_directory_of_the_built_in_tiny_model_keeps_the_tiny_defaults(tmp_path):
+    """The tiny model written out (a run's model/, the test servers' model) is random, not pretrained."""
+    from async_rl.model import ensure_model_dir
+
+    tiny = ensure_model_dir(Config().model, tmp_path, seed=0)
+    config, notes = load_config_explained(None, [f"model.path={tiny}"])
+    assert (config.model.max_seq_len, config.learner.lr) == (256, 5e-4)
+    assert notes["learner.lr"].endswith("is async-rl's tiny model)")

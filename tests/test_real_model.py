@@ -358,7 +358,7 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     demos.write_text(demos.read_text() + json.dumps(long) + "\n")  # past 2,048 tokens: skipped, counted
 
     done = subprocess.run([ASYNC_RL, "sft", "--model", "models/smollm2", "--data", "runs/mul-demos.jsonl", "--out",
-                           "models/smollm2-mul", "--lora-rank", "8"],
+                           "models/smollm2-mul", "--lora-rank", "8", "learner.micro_batch_tokens=1024"],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     sft = json.loads(done.stdout.splitlines()[-1])
@@ -369,7 +369,9 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     budget = ["env.name=mul_env:factory", "run.max_versions=3", "run.target_success=null", "run.max_wall_s=1200",
               "run.eval_samples_per_task=1", "run.eval_max_tasks=8", "rollout.group_size=4",
               "rollout.max_inflight=4", "algo.groups_per_step=1", "learner.min_batch_items=2", "algo.max_staleness=0",
-              "run.metrics_every_s=5"]  # one group of 4 a version, none started past it: the learner has the cores
+              "run.metrics_every_s=5", "learner.micro_batch_tokens=1024"]
+    # One group of 4 a version, none started past it: the learner has the cores. Micro-batches of 1,024 tokens (the
+    # default 4,096 held ~9 GB of activations and logits for this model on a machine the suite shares).
     done = subprocess.run([ASYNC_RL, "train", "--config", "configs/local.yaml", "model.path=models/smollm2-mul",
                            *budget], cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
     run_dir = workdir / "runs" / "local"
