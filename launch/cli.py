@@ -199,7 +199,8 @@ def _run(argv: list[str] | None) -> int:
         return 2
     if args.role == "config":
         return print_config(config, notes)
-    print_sources(args.role, config, notes)
+    if args.role in ("train", "evaluate"):  # a pod role reads what its launcher resolved: nothing to say
+        print_sources(args.role, config, notes)
     if args.role == "train":
         from launch.preflight import preflight
 
