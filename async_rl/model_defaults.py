@@ -105,3 +105,9 @@ def follow_model(raw: dict[str, Any], set_by: dict[str, str], warm_start: bool =
 def _default(dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(Config(), section), key)
+
+
+def said(command: str, model_path: str, notes: dict[str, str]) -> list[str]:
+    """The lines a command prints on stderr about where the model-following values came from: none for the tiny
+    model (its defaults are not news)."""
+    return [f"async-rl {command}: {key} = {note}" for key, note in notes.items()] if model_path else []

@@ -14,6 +14,7 @@ from pathlib import Path
 from async_rl.config import Config
 from async_rl.config_load import load_config_explained, load_run_config
 from async_rl.errors import AsyncRLError, ConfigError
+from async_rl.model_defaults import said
 from launch.warm_start import add_parsers as add_warm_start_parsers
 
 ROLES = {
@@ -129,14 +130,6 @@ def load_command_config(args: argparse.Namespace) -> tuple[Config, dict[str, str
     return config, notes
 
 
-def print_sources(command: str, config: Config, notes: dict[str, str]) -> None:
-    """On stderr, where each model-following key's value came from, when model.path names a model (the tiny
-    model's defaults are not news)."""
-    if config.model.path:
-        for key, note in notes.items():
-            print(f"async-rl {command}: {key} = {note}", file=sys.stderr)
-
-
 def print_config(config: Config, notes: dict[str, str]) -> int:
     """The resolved config as YAML, headed by a comment a key saying where the model-following keys' values came
     from."""
@@ -200,7 +193,8 @@ def _run(argv: list[str] | None) -> int:
     if args.role == "config":
         return print_config(config, notes)
     if args.role in ("train", "evaluate"):  # a pod role reads what its launcher resolved: nothing to say
-        print_sources(args.role, config, notes)
+        for line in said(args.role, config.model.path, notes):
+            print(line, file=sys.stderr)
     if args.role == "train":
         from launch.preflight import preflight
 

@@ -16,6 +16,7 @@ from async_rl.config import Config, configured_model_path
 from async_rl.config_load import dump_config, load_config_explained
 from async_rl.errors import AsyncRLError
 from async_rl.hf_io import refuse_non_empty
+from async_rl.model_defaults import said
 from launch.rundir import fresh_run_name
 
 DEMOS_HELP = ("Write solved episodes of the environment's train split (never its eval split) as OpenAI chat "
@@ -60,9 +61,8 @@ def run_demos(args: argparse.Namespace) -> int:
     except AsyncRLError as exc:
         print(f"async-rl demos: {exc}", file=sys.stderr)
         return 2
-    from launch.cli import print_sources  # cli imports this module for its parsers
-
-    print_sources("demos", config, notes)
+    for line in said("demos", config.model.path, notes):
+        print(line, file=sys.stderr)
 
     def entry() -> int:
         from rollout.demos import write_demonstrations
@@ -110,9 +110,8 @@ def run_sft(args: argparse.Namespace) -> int:
     except (AsyncRLError, OSError) as exc:
         print(f"async-rl sft: {exc}", file=sys.stderr)
         return 2
-    from launch.cli import print_sources  # cli imports this module for its parsers
-
-    print_sources("sft", config, notes)
+    for line in said("sft", config.model.path, notes):
+        print(line, file=sys.stderr)
 
     def entry() -> int:
         from learner.sft import SftPlan, run_sft
