@@ -344,7 +344,7 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     capped at 2,048) and a pretrained model's rate (the warm start's 1e-3 LoRA, RL's 1e-5 full) and says so; a
     conversation past the
     context is still skipped and counted; after 3 learner versions the model still makes well-formed calls. Slow:
-    SmolLM2-135M on the CPU (an SFT or learner step 10-600 s here), four SFT steps and three versions."""
+    SmolLM2-135M on the CPU (an SFT or learner step 10-600 s here), four SFT steps and four versions."""
     (workdir / "mul_env.py").write_text(MUL_ENV)
     env = dict(os.environ, OMP_NUM_THREADS="1",  # `PYTHONPATH=. async-rl ...`, as the user's env is found
                PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
@@ -367,8 +367,8 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     assert "async-rl sft: model.max_seq_len = 2048, the model's context (max_position_embeddings 8192" in done.stderr
     assert "async-rl sft: learner.lr = 0.001, a pretrained model's warm-start rate for LoRA" in done.stderr
 
-    budget = ["env.name=mul_env:factory", "run.max_versions=3", "run.target_success=null", "run.max_wall_s=1200",
-              "run.eval_samples_per_task=1", "run.eval_max_tasks=8", "rollout.group_size=4",
+    budget = ["env.name=mul_env:factory", "run.max_versions=4", "run.target_success=null", "run.max_wall_s=1200",
+              "run.eval_samples_per_task=0", "rollout.group_size=4",
               "rollout.max_inflight=4", "algo.groups_per_step=1", "learner.min_batch_items=2", "algo.max_staleness=0",
               "run.metrics_every_s=5", "learner.micro_batch_tokens=1024"]
     # One group of 4 a version, none started past it: the learner has the cores. Micro-batches of 1,024 tokens (the
@@ -381,10 +381,10 @@ def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_ke
     assert "async-rl train: learner.lr = 1e-05, a pretrained model's RL rate for a full fine-tune" in done.stderr
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert (resolved["model"]["max_seq_len"], resolved["learner"]["lr"]) == (2048, 1e-5)
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["versions"] >= 3 and result["eval_version"] >= 3, result  # the final weights, held out
+    assert json.loads(done.stdout.splitlines()[-1])["versions"] == 4
     # Well-formed calls after three updates (issue 72's run at 5e-4: 0 well-formed, 80 malformed after one): the
-    # version-3 weights call `multiply` on held-out tasks, more often well-formed than not.
-    assert result["eval_calls"] > 0 and result["eval_malformed"] < result["eval_calls"], result
-    rollout = lines(run_dir / "metrics" / "rollout-0.jsonl")
-    assert sum(line["tool_calls"] for line in rollout) > 0
+    # worker's episodes on the weights of version 3 or later (the last version's group was generated on them) call
+    # `multiply`, well-formed more often than not.
+    late = [line for line in lines(run_dir / "metrics" / "rollout-0.jsonl") if line["policy_version"] >= 3]
+    calls, malformed = sum(line["tool_calls"] for line in late), sum(line["tool_call_errors"] for line in late)
+    assert calls > 0 and malformed < calls, (calls, malformed)
