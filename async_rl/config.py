@@ -84,7 +84,9 @@ class ModelConfig(_Section):
     intermediate_size: Annotated[PosInt, doc("the tiny model's MLP width")] = 128
     max_seq_len: Annotated[PosInt, doc(
         "The tiny model's positions, and every trajectory's context limit (the runner ends a trajectory there; "
-        "the replay refuses longer ones): set it to the real model's context with model.path."
+        "the replay refuses longer ones, `async-rl sft` skips longer conversations). Unset with model.path: the "
+        "model's context (its config.json's max_position_embeddings), capped at 2048 for a 24 GiB CPU machine "
+        "([models.md](models.md#defaults-that-follow-the-model))."
     )] = 256
 
 
@@ -324,7 +326,11 @@ class LoraConfig(_Section):
 
 class LearnerConfig(_Section):
     publish_endpoint: Annotated[str, doc("PUB of new policy versions; the same forms as `replay.endpoint`")] = "auto"
-    lr: Annotated[PosFloat, doc("learning rate")] = 5e-4
+    lr: Annotated[PosFloat, doc(
+        "learning rate: the tiny model's; unset with model.path, a pretrained model's (RL: 1e-5 full fine-tune, 1e-4 "
+        "with learner.lora.rank > 0; `async-rl sft`: ten times that; "
+        "[models.md](models.md#defaults-that-follow-the-model))"
+    )] = 5e-4
     optimizer: Annotated[Literal["adamw", "sgd"], doc(
         "adamw: torch's AdamW (fused kernel); sgd: plain SGD, each step lr × the gradient, so that two steps on "
         "two halves of a loss move the weights as one step on their sum (what benchmarks/delay.py --optimizer sgd"

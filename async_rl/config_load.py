@@ -19,6 +19,7 @@ import yaml
 
 from async_rl.config import Config, EnvConfig
 from async_rl.errors import ConfigError
+from async_rl.model_defaults import FOLLOWS_MODEL, follow_model
 
 # The packaged configs (package data, async_rl/configs/<name>.yaml; configs/ in a checkout links to them): `local`
 # (the Structs' defaults as a commented file), `cluster` (deploy/k8s), `smollm2` (a real model with a tool).
@@ -46,18 +47,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """The config of `path` with `a.b=value` overrides applied, validated. `path`: None for the defaults (the structs
     above; nothing is read), a YAML file, or a packaged config by name (`cluster`; a file of that name is `./cluster`).
     A file that does not exist is an error that names it: nothing falls back to the defaults."""
+    return load_config_explained(path, overrides)[0]
+
+
+def load_config_explained(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                          warm_start: bool = False) -> tuple[Config, dict[str, str]]:
+    """`load_config`, and where each model-following key's value came from (async_rl/model_defaults.py): key ->
+    a sentence the commands print. The layers, lowest first: the structs' defaults, the file, the overrides. A key
+    counts as set when the command line sets it, or the file does; a packaged config (or a file identical to one,
+    such as configs/local.yaml) writing out the built-in default does not set it: that is the default, written down,
+    so with model.path it follows the model like the default it is. `warm_start`: the config of `async-rl sft`, whose
+    rate for a pretrained model is the warm start's."""
     raw: Any = {}
+    set_by: dict[str, str] = {}
     if path is not None:
-        source, text = _read_config(path)
+        source, text, packaged = _read_config(path)
         try:
             raw = _yaml(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+        defaults = config_to_dict(Config())
+        for key in FOLLOWS_MODEL:
+            value = _lookup(raw, key.split("."))
+            if value is not None and not (packaged and value == _lookup(defaults, key.split("."))):
+                set_by[key] = f"in {path}"
     for override in overrides:
         _apply_override(raw, override)
-    return config_from_dict(raw)
+        key = override.partition("=")[0]
+        for follows in FOLLOWS_MODEL:
+            if follows == key or follows.startswith(key + "."):
+                set_by[follows] = "on the command line"
+    return _resolved(raw, set_by, warm_start)
 
 
 # Keys the code no longer has: (section, key) -> (the value it had by default, why it went). A run directory's
@@ -82,23 +104,41 @@ def _drop_removed(raw: dict[str, Any]) -> None:
             del values[key]
 
 
-def _read_config(path: str | Path) -> tuple[str, str]:
-    """(what to call it in an error, its text): a packaged config when `path` is one's bare name, else a file."""
+def _read_config(path: str | Path) -> tuple[str, str, bool]:
+    """(what to call it in an error, its text, whether it is a packaged config): a packaged config when `path` is
+    one's bare name, else a file (packaged too when its text is one's: configs/ in a checkout links to them)."""
     if isinstance(path, str) and path in packaged_config_names():
         resource = PACKAGED / f"{path}.yaml"
-        return f"packaged config {path} ({resource})", resource.read_text()
+        return f"packaged config {path} ({resource})", resource.read_text(), True
     source = Path(path)
     try:
-        return str(source), source.read_text()
+        text = source.read_text()
     except FileNotFoundError:
         names = ", ".join(packaged_config_names())
         raise ConfigError(f"config file {source} does not exist (a packaged config is named without a path or "
                           f".yaml: {names})") from None
     except OSError as exc:  # a directory, no permission
         raise ConfigError(f"config file {source}: cannot read it: {exc}") from None
+    packaged = any(entry.name.endswith(".yaml") and entry.read_text() == text for entry in PACKAGED.iterdir())
+    return str(source), text, packaged
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
+    """The config of a mapping of sections (every key it holds counts as set), validated; the model-following keys
+    it leaves out follow model.path (async_rl/model_defaults.py)."""
+    given = {key: "in the config given" for key in FOLLOWS_MODEL if _lookup(raw, key.split(".")) is not None}
+    return _resolved(raw, given)[0]
+
+
+def _resolved(raw: dict[str, Any], set_by: dict[str, str], warm_start: bool = False
+              ) -> tuple[Config, dict[str, str]]:
+    if not isinstance(raw.get("model", {}), dict) or not isinstance(raw.get("learner", {}), dict):
+        return _validated(raw), {}  # the mapping is refused by name there
+    notes = follow_model(raw, set_by, warm_start)
+    return _validated(raw), notes
+
+
+def _validated(raw: dict[str, Any]) -> Config:
     _drop_removed(raw)
     _check_keys(raw, Config, "")
     try:

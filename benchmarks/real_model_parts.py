@@ -1,4 +1,5 @@
-"""real_model.py's steps that are not the comparison itself: import, warm start, held-out eval, memory, the plot.
+"""real_model.py's steps that are not the comparison itself: import, warm start, held-out eval and its statistics
+(Wilson interval, McNemar's paired test), memory (PSS), the plot.
 
 Each step is a real `python -m launch.cli` subprocess (`model import`, `demos`, `sft`, `evaluate`), its stderr in a
 log file of the out dir; a failure raises BenchmarkError naming that log.
@@ -113,39 +114,71 @@ def held_out(out_dir: Path, name: str, args: list[str], eval_args: list[str], re
         "dead_ends_per_episode": result.get("eval_dead_ends"),
         "chain_reached": result.get("eval_chain_reached"),
         "version": result.get("eval_version"),
+        "task_ids": result["eval_task_ids"],  # the episodes a paired test pairs, in order
+        "per_episode": result["eval_per_task"],  # each task's success (0 or 1 with one sample a task)
     }
     saved.parent.mkdir(exist_ok=True)
     saved.write_text(json.dumps(summary))
     return summary
 
 
-class PeakRss:
-    """The peak resident memory of the `async-rl train` child whose command line names `run.name=NAME`, its own
-    process tree summed, sampled every SAMPLE_EVERY_S seconds until stopped."""
+def binomial_two_sided(k: int, n: int) -> float:
+    """The exact two-sided p-value of k or fewer (or as many more) successes in n fair coin flips."""
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def mcnemar(first: list[float], second: list[float]) -> dict[str, Any]:
+    """McNemar's exact test of two policies on the same episodes (per-episode successes, 0 or 1): only the
+    discordant episodes count, and under no difference each is the first's win with probability 1/2. Episodes
+    with several samples (a fraction) are not paired; the test is then None."""
+    if len(first) != len(second):
+        raise ValueError(f"paired episodes differ in number: {len(first)} vs {len(second)}")
+    if any(v not in (0, 1) for v in (*first, *second)):
+        return {"only_first": None, "only_second": None, "p": None, "why": "not one sample a task"}
+    only_first = sum(a == 1 and b == 0 for a, b in zip(first, second, strict=True))
+    only_second = sum(a == 0 and b == 1 for a, b in zip(first, second, strict=True))
+    return {"only_first": only_first, "only_second": only_second,
+            "p": round(binomial_two_sided(only_first, only_first + only_second), 4)}
+
+
+class PeakPss:
+    """The peak proportional set size of the `async-rl train` child whose command line names `run.name=NAME`,
+    summed over its process tree, sampled every SAMPLE_EVERY_S seconds until stopped. PSS, not RSS: a page
+    shared by forked processes (the fork server's children share its imported modules) counts once in all, split
+    among them, where summed RSS counts it once per process."""
 
     def __init__(self, name: str) -> None:
         self.tag, self.peak, self.stop = f"run.name={name}", 0, threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
 
-    def tree_rss(self) -> int:
+    def tree_pss(self) -> int:
         for child in psutil.Process().children(recursive=True):
             try:
                 if self.tag in child.cmdline() and "train" in child.cmdline():
-                    tree = [child, *child.children(recursive=True)]
-                    return sum(p.memory_info().rss for p in tree if p.is_running())
+                    return sum(_pss(p) for p in [child, *child.children(recursive=True)])
             except psutil.Error:  # a process that ended while it was read
                 continue
         return 0
 
     def sample(self) -> None:
         while not self.stop.wait(SAMPLE_EVERY_S):
-            self.peak = max(self.peak, self.tree_rss())
+            self.peak = max(self.peak, self.tree_pss())
 
     def done(self) -> float:
         self.stop.set()
         self.thread.join()
         return round(self.peak / 2**20, 1)
+
+
+def _pss(process: psutil.Process) -> int:
+    try:
+        return process.memory_full_info().pss
+    except psutil.Error:  # ended while it was read
+        return 0
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], warm: dict[str, Any], target: float | None, title: str,
@@ -161,7 +194,7 @@ def plot(runs: dict[str, list[dict[str, Any]]], warm: dict[str, Any], target: fl
     ax.axhspan(*warm["ci95"], color="grey", alpha=0.15, label=f"warm start, held out: {warm['success']:.3f}")
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"training target {target:.2f}")
-    for colour, (arm, measured) in zip(("tab:blue", "tab:orange"), runs.items(), strict=False):
+    for colour, (arm, measured) in zip(("tab:blue", "tab:orange", "tab:green"), runs.items(), strict=False):
         for number, run in enumerate(measured):
             minutes = [wall / 60 for wall, _ in run["curve"]]
             ax.plot(minutes, [success for _, success in run["curve"]], color=colour, alpha=0.8, linewidth=1.2,

@@ -12,8 +12,9 @@ from functools import partial
 from pathlib import Path
 
 from async_rl.config import Config
-from async_rl.config_load import load_config, load_run_config
+from async_rl.config_load import load_config_explained, load_run_config
 from async_rl.errors import AsyncRLError, ConfigError
+from async_rl.model_defaults import said
 from launch.warm_start import add_parsers as add_warm_start_parsers
 
 ROLES = {
@@ -111,29 +112,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_command_config(args: argparse.Namespace) -> Config:
+def load_command_config(args: argparse.Namespace) -> tuple[Config, dict[str, str]]:
     """The command's config: --config FILE (default configs/local.yaml) or --resume RUN_DIR's own, the overrides on
-    top; a pod's endpoints must be explicit. Raises AsyncRLError naming the problem."""
+    top; a pod's endpoints must be explicit. With where each model-following key's value came from
+    (async_rl/model_defaults.py). Raises AsyncRLError naming the problem."""
     resume = getattr(args, "resume", None)
     if resume is not None and args.config is not None:
         raise AsyncRLError("--resume RUN_DIR takes the run's own config.yaml; leave out --config")
     if resume is not None and not (Path(resume) / "config.yaml").is_file():
         raise ConfigError(f"--resume: {resume} is not a run directory (no config.yaml)")
-    config = load_config(args.config, args.overrides) if resume is None else load_run_config(resume, args.overrides)
+    if resume is None:
+        config, notes = load_config_explained(args.config, args.overrides)
+    else:
+        config, notes = load_run_config(resume, args.overrides), {}
     if args.role in POD_ROLES:
         for key, value in (("replay.endpoint", config.replay.endpoint),
                            ("learner.publish_endpoint", config.learner.publish_endpoint)):
             if value == "auto":
                 raise ConfigError(f"{key}: 'auto' is for async-rl train; a pod needs tcp://HOST:PORT (see "
                                   "configs/cluster.yaml)")
-    return config
+    return config, notes
 
 
-def print_config(config: Config) -> int:
+def print_config(config: Config, notes: dict[str, str]) -> int:
+    """The resolved config as YAML, headed by a comment a key saying where the model-following keys' values came
+    from."""
     import yaml
 
     from async_rl.config_load import config_to_dict
 
+    print("".join(f"# {key} = {note}\n" for key, note in notes.items()), end="")
     print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
     return 0
 
@@ -201,12 +209,15 @@ def _run(argv: list[str] | None) -> int:
     if args.role == "config" and (args.explain is not None or args.schema):
         return explain_config(args)
     try:
-        config = load_command_config(args)
+        config, notes = load_command_config(args)
     except AsyncRLError as exc:
         print(f"async-rl: config error: {exc}", file=sys.stderr)
         return 2
     if args.role == "config":
-        return print_config(config)
+        return print_config(config, notes)
+    if args.role in ("train", "evaluate"):  # a pod role reads what its launcher resolved: nothing to say
+        for line in said(args.role, config.model.path, notes):
+            print(line, file=sys.stderr)
     if args.role == "train" and args.ray is not None:
         return run_train_on_ray(config, args)
     if args.role == "train":

@@ -13,9 +13,10 @@ from pathlib import Path
 import msgspec
 
 from async_rl.config import Config, configured_model_path
-from async_rl.config_load import dump_config, load_config
+from async_rl.config_load import dump_config, load_config_explained
 from async_rl.errors import AsyncRLError
 from async_rl.hf_io import refuse_non_empty
+from async_rl.model_defaults import said
 from launch.rundir import fresh_run_name
 
 DEMOS_HELP = ("Write solved episodes of the environment's train split (never its eval split) as OpenAI chat "
@@ -56,10 +57,12 @@ def run_demos(args: argparse.Namespace) -> int:
     try:
         if args.n < 1:
             raise AsyncRLError(f"--n: expected >= 1, got {args.n}")
-        config = load_config(args.config, args.overrides)
+        config, notes = load_config_explained(args.config, args.overrides)
     except AsyncRLError as exc:
         print(f"async-rl demos: {exc}", file=sys.stderr)
         return 2
+    for line in said("demos", config.model.path, notes):
+        print(line, file=sys.stderr)
 
     def entry() -> int:
         from rollout.demos import write_demonstrations
@@ -71,10 +74,11 @@ def run_demos(args: argparse.Namespace) -> int:
     return run_in_process("demos", "demos", config, entry)
 
 
-def sft_run_config(args: argparse.Namespace) -> Config:
+def sft_run_config(args: argparse.Namespace) -> tuple[Config, dict[str, str]]:
     """The command's config: --config (default: the built-in defaults) with model.path = --model, the LoRA rank,
     every core (unless run.threads_per_process is on the line), and the run directory <run.dir>/sft-<OUT_DIR's
-    name> (a fresh one unless --resume), then the overrides."""
+    name> (a fresh one unless --resume), then the overrides; with where the model-following keys' values came from
+    (a model's context and a pretrained model's lr unless set: async_rl/model_defaults.py)."""
     if args.epochs < 1:
         raise AsyncRLError(f"--epochs: expected >= 1, got {args.epochs}")
     if args.max_steps is not None and args.max_steps < 1:
@@ -84,20 +88,21 @@ def sft_run_config(args: argparse.Namespace) -> Config:
                f"run.threads_per_process={os.cpu_count() or 1}"]
     if args.lora_rank is not None:
         implied.append(f"learner.lora.rank={args.lora_rank}")
-    config = load_config(args.config, [*implied, *args.overrides])
+    config, notes = load_config_explained(args.config, [*implied, *args.overrides], warm_start=True)
     configured_model_path(config)
     if args.resume:
         if not (config.run_dir / "config.yaml").is_file():
             raise AsyncRLError(f"--resume: {config.run_dir} holds no earlier warm start (no config.yaml)")
-        return config
-    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, name=fresh_run_name(config)))
+        return config, notes
+    run = msgspec.structs.replace(config.run, name=fresh_run_name(config))
+    return msgspec.structs.replace(config, run=run), notes
 
 
 def run_sft(args: argparse.Namespace) -> int:
     from launch.roles import run_in_process
 
     try:
-        config = sft_run_config(args)
+        config, notes = sft_run_config(args)
         if not args.resume:
             refuse_non_empty(Path(args.out), args.force)  # before a run directory or minutes of training
         (config.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -105,6 +110,8 @@ def run_sft(args: argparse.Namespace) -> int:
     except (AsyncRLError, OSError) as exc:
         print(f"async-rl sft: {exc}", file=sys.stderr)
         return 2
+    for line in said("sft", config.model.path, notes):
+        print(line, file=sys.stderr)
 
     def entry() -> int:
         from learner.sft import SftPlan, run_sft

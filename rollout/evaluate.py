@@ -123,6 +123,7 @@ def summarize(sink: TallySink, tasks: list[Task], samples: int, version: int, bl
     if blind:
         result["eval_blind"] = True
     result["eval_per_task"] = [round(rate, 4) for rate in per_task]
+    result["eval_task_ids"] = [task.id for task in tasks]  # per_task's order: what a paired comparison pairs
     return result
 
 

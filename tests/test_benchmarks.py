@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from async_rl.config_load import load_config
 
@@ -84,37 +85,140 @@ def test_slow_judge_quick():
     assert result["immediate_before_outcome"]["outcome-only+step"] == [0]
 
 
+def benchmark_module(name: str):
+    """benchmarks/NAME.py as a module (a script, not a package member; its siblings importable)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+# 95% Wilson intervals worked by hand (z = 1.959964, z^2 = 3.841459): centre (p + z^2/2n) / (1 + z^2/n), half-width
+# z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n). 1 of 2: centre 0.5, half 1.184263 / 2.920730 = 0.405467. 0 of 2: centre
+# = half = 0.960365 / 2.920730 = 0.328810. 34 of 200: centre 0.179604 / 1.019207 = 0.176219, half 0.052938 /
+# 1.019207 = 0.051940.
+WILSON_BY_HAND = {(0, 2): (0.0, 0.6576), (1, 2): (0.0945, 0.9055), (2, 2): (0.3424, 1.0), (34, 200): (0.1243, 0.2282)}
+
+
+def test_real_model_wilson_interval_is_the_hand_computed_one():
+    parts = benchmark_module("real_model_parts")
+    for (successes, n), expected in WILSON_BY_HAND.items():
+        assert tuple(round(v, 4) for v in parts.wilson(successes, n)) == expected
+
+
+def test_real_model_mcnemar_counts_the_discordant_episodes_and_takes_the_exact_binomial_p():
+    parts = benchmark_module("real_model_parts")
+    first = [1] * 8 + [0] * 2 + [1] * 5 + [0] * 5  # 8 won by the first alone, 2 by the second alone, 10 alike
+    second = [0] * 8 + [1] * 2 + [1] * 5 + [0] * 5
+    # two-sided: 2 x P(X <= 2), X ~ Binomial(10, 1/2) = 2 (1 + 10 + 45) / 1024
+    assert parts.mcnemar(first, second) == {"only_first": 8, "only_second": 2, "p": round(112 / 1024, 4)}
+    assert parts.mcnemar(second, first)["p"] == round(112 / 1024, 4)
+    assert parts.mcnemar([1, 0], [1, 0]) == {"only_first": 0, "only_second": 0, "p": 1.0}
+    assert parts.mcnemar([0.5], [1])["p"] is None  # several samples a task: not paired episodes
+
+
+def test_real_model_seed_0_sweeps_the_baselines_rate_in_waves_of_an_immediate_arm_beside_a_baseline():
+    seeds = benchmark_module("real_model_seeds")
+    first = seeds.SeedPlan(0, 1e-5, [1e-5, 3e-5], None, at_once=True)
+    assert [(arm, lr) for _, arm, lr in first.runs] == [
+        (seeds.SHIPPED, 1e-5), (seeds.BASELINE, 1e-5), (seeds.AT_ONCE, 1e-5), (seeds.BASELINE, 3e-5)]
+    later = seeds.SeedPlan(1, 1e-5, [1e-5, 3e-5], 3e-5, at_once=False)
+    assert [(name, arm, lr) for name, arm, lr in later.runs] == [
+        ("immediate-correction-seed1", seeds.SHIPPED, 1e-5), ("outcome-only-step-seed1", seeds.BASELINE, 3e-5)]
+    held = {"0.001": {"held_out": {"success": 0.2}}, "0.003": {"held_out": {"success": 0.2}},
+            "0.01": {"held_out": {"success": 0.1}}}
+    assert seeds.choose_rate(held) == "0.001"  # a tie goes to the first listed
+    held["0.003"]["held_out"]["success"] = 0.25
+    assert seeds.choose_rate(held) == "0.003"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "kwargs":
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def run_config(run_dir: str) -> dict:
+    """A run's config.yaml, flat, its own directory's path (in its `auto` endpoints) written as RUN_DIR."""
+    text = (Path(run_dir) / "config.yaml").read_text().replace(str(Path(run_dir).resolve()), "RUN_DIR")
+    return _flat(yaml.safe_load(text.replace(str(run_dir), "RUN_DIR")))
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2-chain")
 def test_real_model_quick(smollm2, chain_warm_start):
     """SmolLM2-135M-Instruct through the whole claim's pipeline on the chain recipe, from the README's warm start
     (the `chain_warm_start` fixture: 100 demonstrations, 2 SFT steps, shared with the recipe's test; the script's
-    own warm start runs the same two commands): held-out evals of the base and warmed-up models, then both arms
-    side by side from the warmed-up model (1 version of one group of 2 each, no group started past it), each
-    evaluated held out on the same 2 episodes. Slow: a 135M-parameter model on the CPU (a learner step 10-30 s
-    here, an eval's episodes ~15 s) and six processes that each load it."""
+    own warm start runs the same two commands): held-out evals of the base and warmed-up models, then seed 0's four
+    runs, two side by side (the shipped immediate+correction beside the baseline at its first rate, then
+    immediate-at-once beside the baseline at its second), 1 version of one group of 2 each, each evaluated held out
+    on the same 2 episodes; the baseline's rate chosen on them; McNemar between the arms. Each check can fail: the
+    arms' configs differ only by what the arm is, the episodes are the same, the model called its tool, the
+    intervals are the ones the counts give. Slow: a 135M-parameter model on the CPU (a learner step 10-30 s here,
+    an eval's episodes ~15 s) and several processes that each load it."""
+    seeds = benchmark_module("real_model_seeds")
     warm_model = chain_warm_start / "models" / "smollm2-chain"
-    result = run_benchmark("real_model.py", 1500, "--model", str(smollm2), "--warm-model", str(warm_model))
+    result = run_benchmark("real_model.py", 2400, "--model", str(smollm2), "--warm-model", str(warm_model))
     assert result["vocab_size"] == 49152 and result["lora_rank"] == 8
     assert result["recipe"] == "configs/smollm2-chain.yaml"
     assert result["warm_start"] == {"given": str(warm_model.resolve())}
+    task_ids = result["warm"]["task_ids"]
+    assert len(task_ids) == 2 and result["base"]["task_ids"] == task_ids
+    helds = [result["base"], result["warm"]]
     for model in ("base", "warm"):
-        held = result[model]
-        assert held["episodes"] == 2 and held["version"] == 0 and 0.0 <= held["called_tool"] <= 1.0
-        assert held["ci95"][0] <= held["success"] <= held["ci95"][1]
-    assert list(result["seeds"]) == ["0"] and set(result["seeds"]["0"]) == {"immediate+correction", "outcome-only+step"}
-    for arm in result["seeds"]["0"].values():
+        assert result[model]["episodes"] == 2 and result[model]["version"] == 0
+    seed = result["seeds"]["0"]
+    arms = seed["arms"]
+    assert list(result["seeds"]) == ["0"] and set(arms) == set(seeds.ARMS)
+    # the baseline ran at both candidate rates; the chosen one is the best held out (the first on a tie)
+    sweep = seed["baseline_sweep"]
+    assert set(sweep) == {"0.0001", "0.0003"} and result["baseline_lrs"] == [1e-4, 3e-4]
+    best = max(m["held_out"]["success"] for m in sweep.values())
+    chosen = next(lr for lr, m in sweep.items() if m["held_out"]["success"] == best)
+    assert seed["baseline_lr"]["chosen"] == result["baseline_lr_chosen"] == float(chosen)
+    assert arms[seeds.BASELINE] == sweep[chosen]
+    shipped = run_config(arms[seeds.SHIPPED]["run_dir"])
+    assert shipped["algo.updates"] == "immediate+correction"
+    assert shipped["algo.immediate_hold"] == load_config().algo.immediate_hold  # the shipped hold, not set
+    runs = {**{f"{arm}": m for arm, m in arms.items()}, **{f"baseline lr {lr}": m for lr, m in sweep.items()}}
+    for name, arm in runs.items():
+        config = run_config(arm["run_dir"])
+        differ = {key for key in shipped.keys() | config.keys() if shipped.get(key) != config.get(key)}
+        defines = seeds.ARM_DEFINES[seeds.BASELINE if name.startswith("baseline") else name]
+        assert differ - {"run.name"} <= defines, (name, differ)
         assert arm["versions"] >= 1 and arm["env_steps"] > 0 and arm["stop_reason"] == "max_versions"
         assert arm["held_out"]["version"] >= 1 and arm["held_out"]["episodes"] == 2  # the trained weights, held out
+        assert arm["held_out"]["task_ids"] == task_ids  # the same held-out episodes as the warm start's
+        helds.append(arm["held_out"])
         assert arm["delta_points"] == round(100 * (arm["held_out"]["success"] - result["warm"]["success"]), 1)
-        assert arm["rollout_lines"] >= 1 and arm["tool_calls"] >= 0 and arm["tool_call_errors"] >= 0
+        assert arm["rollout_lines"] >= 1 and arm["tool_calls"] > 0  # the warmed-up model called its tool
         assert arm["ledger_residual_max"] < 1e-6 and len(arm["curve"]) >= 1
         # RL started from the warm start's model, and no record carried a token id outside SmolLM2's 49,152-token
         # vocabulary (replay.vocab_size)
         assert arm["model_path"] == str(warm_model.resolve()) and arm["records_rejected"] == 0
-        assert arm["peak_rss_mib"] > 0 and arm["rollout_tokens_per_s"] > 0
-    assert {"held_out_gain_ratio", "train_time_to_target_ratio"} <= result.keys()
-    assert result["arms"]["immediate+correction"]["held_out_success"]["seeds"] == 1
+        assert arm["peak_pss_mib"] > 0 and arm["rollout_tokens_per_s"] > 0
+        if name.startswith("baseline"):  # it trained on outcomes, so one was judged: D is measured
+            assert arm["d_versions"] is not None and arm["judge_latency_s"] > 1.9
+    assert arms[seeds.AT_ONCE]["immediate_hold"] == 0 and arms[seeds.SHIPPED]["immediate_hold"] > 0
+    assert arms[seeds.SHIPPED]["lr"] == arms[seeds.AT_ONCE]["lr"] == 1e-4
+    for held in helds:  # each interval is the one its counts give (the table above, worked by hand)
+        assert held["successes"] == round(held["success"] * held["episodes"]) == sum(held["per_episode"])
+        assert tuple(held["ci95"]) == WILSON_BY_HAND[(held["successes"], held["episodes"])]
+    for pair, test in seed["paired"].items():
+        first, second = (arms[name]["held_out"]["per_episode"] for name in pair.split(" vs "))
+        assert test["only_first"] == sum(a > b for a, b in zip(first, second, strict=True)), pair
+        assert test["only_second"] == sum(a < b for a, b in zip(first, second, strict=True)), pair
+    assert set(seed["paired"]) == {f"{a} vs {b}" for a, b in seeds.PAIRS}
+    assert {"held_out_gain_ratio", "train_time_to_target_ratio", "at_once_gain_ratio"} <= result.keys()
+    assert result["arms"][seeds.SHIPPED]["held_out_success"]["seeds"] == 1
     assert (REPO / "benchmarks" / "out" / "real_model-quick" / "real_model.png").stat().st_size > 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import yaml
 from project_commands import docs_command, project_command
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -256,3 +257,135 @@ def test_the_documented_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stag
     assert counts["agent_tool_calls"] > 0  # the warm start taught it the tool
     assert counts["agent_completions"] > 0 and counts["agent_rewards"] > 0 and counts["agent_errors"] == 0
     assert all(line["ledger_residual_max"] < 1e-6 for line in lines(run_dir / "metrics.jsonl"))
+
+
+MUL_ENV = '''"""a x b + 1 with a `multiply` tool (the +1 is the agent's to add, so a group's outcomes differ: RL has a
+signal), answered as <answer>N</answer> or the final turn's last number; a demonstration per task."""
+import json
+import random
+import re
+
+from async_rl import Action, Judgement, StepResult, Task, ToolResult
+
+MULTIPLY = {"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+class MulEnv:
+    def tools(self):
+        return [MULTIPLY]
+
+    def reset(self, task):
+        self.a, self.b = task.data["a"], task.data["b"]
+        self.turns, self.answer, self.calls, self.malformed = 0, None, 0, 0
+        return (f"What is {self.a} times {self.b}, plus one? Use the multiply tool, then answer with "
+                "<answer>N</answer>.")
+
+    def step(self, action):
+        self.turns += 1
+        self.malformed += bool(action.parse_error)
+        found = re.search(r"<answer>\\s*(-?\\d+)\\s*</answer>", action.text)
+        if found or not (action.tool_calls or action.parse_error) or self.turns >= 3:
+            numbers = re.findall(r"-?\\d+", re.sub(r"<tool_call>.*?</tool_call>", "", action.text, flags=re.S))
+            self.answer = int(found.group(1)) if found else int(numbers[-1]) if numbers else None
+            return StepResult(observation=None, reward=0.0, done=True)
+        results = []
+        for call in action.tool_calls:
+            self.calls += 1
+            try:
+                content = str(int(call.arguments["a"]) * int(call.arguments["b"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                content = f"error: {exc!r}"
+            results.append(ToolResult(content=content, name=call.name, call_id=call.id))
+        if action.parse_error:
+            results.append(ToolResult(content=f"error: {action.parse_error}"))
+        return StepResult(observation=results, reward=0.0, done=False)
+
+    def judge(self):
+        right = self.answer == self.a * self.b + 1
+        return Judgement(score=float(right), success=right,
+                         info={"calls": float(self.calls), "called": float(self.calls > 0),
+                               "malformed": float(self.malformed)})
+
+
+class MulFactory:
+    max_action_tokens = 48
+
+    def __init__(self):
+        pairs = [(a, b) for a in range(2, 10) for b in range(2, 10)]
+        random.Random(0).shuffle(pairs)
+        self.pairs = {"train": pairs[:48], "eval": pairs[48:]}
+
+    def tasks(self, split):
+        return [Task(id=f"{split}{i}", data={"a": a, "b": b}) for i, (a, b) in enumerate(self.pairs[split])]
+
+    def make(self):
+        return MulEnv()
+
+    def demonstration(self, task):
+        a, b = task.data["a"], task.data["b"]
+        call = {"type": "function", "function": {"name": "multiply", "arguments": json.dumps({"a": a, "b": b})}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "assistant", "content": f"<answer>{a * b + 1}</answer>"}]
+
+
+def factory():
+    return MulFactory()
+'''
+
+
+@pytest.mark.slow
+def test_a_new_users_sequence_on_a_real_model_runs_at_the_models_defaults_and_keeps_its_calls_well_formed(workdir):
+    """Issue 72's user, step by step: demonstrations of an env of their own (written here, outside the project),
+    `async-rl sft` without --config (LoRA), then `async-rl train --config configs/local.yaml model.path=...` (full
+    fine-tune). Before, sft refused every conversation at the tiny model's 256 tokens and train's one update at
+    local.yaml's 5e-4 left every call malformed. Now each command takes the model's context (SmolLM2's 8,192,
+    capped at 2,048) and a pretrained model's rate (the warm start's 1e-3 LoRA, RL's 1e-5 full) and says so; a
+    conversation past the
+    context is still skipped and counted; after 3 learner versions the model still makes well-formed calls. Slow:
+    SmolLM2-135M on the CPU (an SFT or learner step 10-600 s here), four SFT steps and four versions."""
+    (workdir / "mul_env.py").write_text(MUL_ENV)
+    env = dict(os.environ, OMP_NUM_THREADS="1",  # `PYTHONPATH=. async-rl ...`, as the user's env is found
+               PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([ASYNC_RL, "demos", "--out", "runs/mul-demos.jsonl", "--n", "24", "env.name=mul_env:factory"],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["written"] == 24
+    demos = workdir / "runs" / "mul-demos.jsonl"
+    long = {"messages": [{"role": "user", "content": "tell me a long story " * 700},
+                         {"role": "assistant", "content": "<answer>1</answer>"}], "tools": []}
+    demos.write_text(demos.read_text() + json.dumps(long) + "\n")  # past 2,048 tokens: skipped, counted
+
+    done = subprocess.run([ASYNC_RL, "sft", "--model", "models/smollm2", "--data", "runs/mul-demos.jsonl", "--out",
+                           "models/smollm2-mul", "--lora-rank", "8", "learner.batch_tokens=2048",
+                           "learner.micro_batch_tokens=1024"],  # the test's budget: 4 steps of 6 conversations
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=2400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sft = json.loads(done.stdout.splitlines()[-1])
+    assert sft["conversations"] == 24 and sft["skipped_too_long"] == 1 and sft["steps"] >= 3, sft
+    assert "async-rl sft: model.max_seq_len = 2048, the model's context (max_position_embeddings 8192" in done.stderr
+    assert "async-rl sft: learner.lr = 0.001, a pretrained model's warm-start rate for LoRA" in done.stderr
+
+    budget = ["env.name=mul_env:factory", "run.max_versions=4", "run.target_success=null", "run.max_wall_s=1200",
+              "run.eval_samples_per_task=0", "rollout.group_size=4",
+              "rollout.max_inflight=4", "algo.groups_per_step=1", "learner.min_batch_items=2", "algo.max_staleness=0",
+              "run.metrics_every_s=5", "learner.micro_batch_tokens=1024"]
+    # One group of 4 a version, none started past it: the learner has the cores. Micro-batches of 1,024 tokens (the
+    # default 4,096 held ~9 GB of activations and logits for this model on a machine the suite shares).
+    done = subprocess.run([ASYNC_RL, "train", "--config", "configs/local.yaml", "model.path=models/smollm2-mul",
+                           *budget], cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
+    run_dir = workdir / "runs" / "local"
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("*.log")))
+    assert done.returncode == 0, done.stderr[-3000:] + logs
+    assert "async-rl train: learner.lr = 1e-05, a pretrained model's RL rate for a full fine-tune" in done.stderr
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (resolved["model"]["max_seq_len"], resolved["learner"]["lr"]) == (2048, 1e-5)
+    assert json.loads(done.stdout.splitlines()[-1])["versions"] == 4
+    # Well-formed calls after three updates (issue 72's run at 5e-4: 0 well-formed, 80 malformed after one): the
+    # worker's episodes on the weights of version 3 or later (the last version's group was generated on them) call
+    # `multiply`, well-formed more often than not.
+    late = [line for line in lines(run_dir / "metrics" / "rollout-0.jsonl") if line["policy_version"] >= 3]
+    calls, malformed = sum(line["tool_calls"] for line in late), sum(line["tool_call_errors"] for line in late)
+    assert calls > 0 and malformed < calls, (calls, malformed)
