@@ -132,7 +132,7 @@ class ChatEndpoint:
         self._socket = socket.create_server((host, port), backlog=2048)
         self.host, self.port = self._socket.getsockname()[:2]
         self.server = uvicorn.Server(uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off", http="h11", ws="none", loop="asyncio",
+            app, log_config=None, access_log=False, lifespan="off", http="auto", ws="none", loop="auto",
             limit_concurrency=limits.max_connections, timeout_keep_alive=max(1, round(limits.idle_timeout_s)),
             timeout_graceful_shutdown=1))
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -179,7 +179,8 @@ class ChatEndpoint:
             finally:
                 sweeper.cancel()
 
-        asyncio.run(serve())
+        with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
+            runner.run(serve())
 
     async def _close_idle(self) -> None:
         """Close each connection that has had no request under way for `idle_timeout_s`: one that never sends a
