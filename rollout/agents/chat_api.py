@@ -43,6 +43,11 @@ class ChatError(Exception):
         return {"error": {"message": str(self), "type": self.code, "param": self.param, "code": self.code}}
 
 
+def error(status: int, message: str, code: str, kind: str | None = None) -> tuple[int, dict[str, Any]]:
+    """An HTTP status and OpenAI's error payload (`kind`: its type, `code` when not given)."""
+    return status, {"error": {"message": message, "type": kind or code, "param": None, "code": code}}
+
+
 @dataclass
 class ChatRequest:
     messages: list[dict[str, Any]]  # normalised: role, content (str), tool_calls / tool_call_id / name where given

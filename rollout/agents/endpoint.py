@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from rollout.agents.chat_api import ChatError, StreamedContent, final_chunks, sse
+from rollout.agents.chat_api import ChatError, StreamedContent, error, final_chunks, sse
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -89,10 +89,6 @@ class Trajectory(Protocol):
     def reward(self, body: Any) -> tuple[int, dict[str, Any]]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
-
-
-def error(status: int, message: str, code: str, kind: str | None = None) -> tuple[int, dict[str, Any]]:
-    return status, {"error": {"message": message, "type": kind or code, "param": None, "code": code}}
 
 
 def _json(status: int, payload: dict[str, Any], close: bool = False) -> Response:

@@ -38,16 +38,18 @@ import random
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from async_rl.env_types import Task
 from rollout.agents.chat_api import ChatTemplate
-from rollout.agents.endpoint import ChatEndpoint
 from rollout.agents.trajectory import ENV, AgentEnv
 from rollout.envs.base import EnvError, load_callable, settings_from_kwargs
 from rollout.envs.task_file import read_task_file
+
+if TYPE_CHECKING:
+    from rollout.agents.endpoint import ChatEndpoint
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
@@ -89,9 +91,9 @@ class AgentFactory:
 
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
-        if importlib.util.find_spec("openai") is None:
-            raise EnvError("env.name=agent: the agents' client is openai's, which is not installed "
-                           "(pip install 'async-rl[agent]')")
+        missing = [name for name in ("openai", "starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+        if missing:  # the agents' client, and the endpoint's web framework and server
+            raise EnvError(f"env.name=agent: {', '.join(missing)} not installed (pip install 'async-rl[agent]')")
         self.entry = load_callable(settings.entry, "env.kwargs.entry")
         self.judge_fn = load_callable(settings.judge, "env.kwargs.judge") if settings.judge else None
         self.step_timeout_s = settings.timeout_s  # the runner's step limit (rollout.step_timeout_s overrides it)
@@ -111,7 +113,7 @@ class AgentFactory:
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.abandoned_threads: list[threading.Thread] = []  # agents' threads still running after their trajectory
-        self.endpoint: ChatEndpoint | None = None
+        self.endpoint: Any = None  # the ChatEndpoint, started with the first trajectory
         self.template: ChatTemplate | None = None
         self.tokenizer: Any = None
         self.parse: Any = None
@@ -149,6 +151,8 @@ class AgentFactory:
             self.parse, self.stop, self.step_timeout_s = parse_tools, list(stop), step_timeout_s
 
     def endpoint_for_trajectories(self) -> ChatEndpoint:
+        from rollout.agents.endpoint import ChatEndpoint
+
         with self.lock:
             if self.endpoint is None:  # started with the first trajectory, so a config check starts no server
                 self.endpoint = ChatEndpoint(self.settings.model)

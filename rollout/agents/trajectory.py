@@ -23,7 +23,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from async_rl.env_types import Judgement, StepResult, Task
 from rollout.agents.chat_api import (
@@ -32,12 +32,15 @@ from rollout.agents.chat_api import (
     ChatTemplate,
     assistant_message,
     completion,
+    error,
     first_difference,
     normalise_messages,
     parse_request,
 )
-from rollout.agents.endpoint import ChatEndpoint, Reply, error
 from rollout.envs.base import EnvError, Prompt
+
+if TYPE_CHECKING:  # the endpoint needs the agent extra's server packages, checked when the env is made
+    from rollout.agents.endpoint import ChatEndpoint, Reply
 
 log = logging.getLogger("async_rl.rollout")
 
