@@ -5,11 +5,18 @@ to what still fits: trajectories with the same budget share one `generate` (the 
 batch; the SGLang engine sends concurrent requests), and one call runs those generates in turn on the engine's own
 thread (rollout/engines/thread.py), so the runner's owner keeps its sockets answered while a slow model
 generates; weights change only between calls, so every token's version tag is the version that produced it.
+
+A trajectory whose env asked to hear its action's tokens as they are sampled (`Prompt.on_token`, the `agent` env's
+streamed completions) hears each from the engine's thread at the step that sampled it, when the engine streams
+(`streams_tokens`: the built-in one, which samples a token of every row per forward pass); from an engine that does
+not (SGLang, vLLM: their HTTP and offline calls return whole generations), it hears them all when its generate
+returns.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -41,7 +48,9 @@ class EngineCalls:
         batches = []
         for room, episodes in sorted(by_room.items(), reverse=True):
             params = self.params if room == self.params.max_new_tokens else replace(self.params, max_new_tokens=room)
-            batches.append((episodes, [list(e.context) for e in episodes], params))
+            listeners = [e.on_token for e in episodes]
+            batches.append((episodes, [list(e.context) for e in episodes], params,
+                            listeners if any(listeners) else None))
         self.episodes = list(ready)
         self.call = self.thread.submit(self._generate, batches)
 
@@ -61,8 +70,24 @@ class EngineCalls:
     def _generate(self, batches: list) -> CallResult:
         """On the engine's thread: the generates of one call, each with its duration."""
         results = []
-        for episodes, prompts, params in batches:
+        streams = getattr(self.engine, "streams_tokens", False)
+        for episodes, prompts, params, listeners in batches:
             called = time.monotonic()
-            generations = self.engine.generate(prompts, params)
+            if listeners is not None and streams:
+                generations = self.engine.generate(prompts, params, on_token=_to_rows(listeners))
+            else:
+                generations = self.engine.generate(prompts, params)
+                for listener, generation in zip(listeners or (), generations, strict=False):
+                    for token in generation.token_ids if listener is not None else ():
+                        listener(token)
             results.append((episodes, generations, time.monotonic() - called))
         return results
+
+
+def _to_rows(listeners: list[Callable[[int], None] | None]) -> Callable[[int, int], None]:
+    def on_token(row: int, token: int) -> None:
+        listener = listeners[row]
+        if listener is not None:
+            listener(token)
+
+    return on_token

@@ -10,6 +10,7 @@ and hands every stage and every outcome to its Sink: the replay service's record
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -33,6 +34,7 @@ class Episode:
     since: float = 0.0  # when the current reset, step or judge began (its latency, for the metrics)
     tools: list[dict] | None = None  # the env's tool specs, asked after reset (None: an env without tools())
     max_new_tokens: int | None = None  # a token-level env's budget for the next action (None: the runner's)
+    on_token: Callable[[int], None] | None = None  # who hears the next action's tokens as they are sampled
 
     @property
     def trajectory_id(self) -> str:

@@ -285,6 +285,7 @@ class EpisodeRunner:
             if episode.phase == "reset" and isinstance(result, Prompt):  # a token-level env: tokens as they are
                 episode.observation_tokens = result.tokens
                 episode.max_new_tokens = result.max_new_tokens
+                episode.on_token = result.on_token
                 episode.context = list(episode.observation_tokens)
                 episode.phase = "act"
             elif episode.phase == "reset":
@@ -311,6 +312,7 @@ class EpisodeRunner:
         if isinstance(result.observation, Prompt):  # a token-level env's tokens, as they are
             episode.observation_tokens = result.observation.tokens
             episode.max_new_tokens = result.observation.max_new_tokens
+            episode.on_token = result.observation.on_token
         else:
             observation = blinded(result.observation, BLIND_OBSERVATION) if self.blind else (result.observation or "")
             episode.observation_tokens = self.prompter.next(observation)

@@ -44,6 +44,7 @@ async def two_turns(task: dict, client: openai.AsyncOpenAI, model: str) -> float
         seen["contents"].append(message.content)
         seen["prompt_tokens"].append(reply.usage.prompt_tokens)
         seen["ids"].append(reply.id)
+        seen["key"] = client.api_key
         if turn == 0:
             await async_rl.reward(client, 0.25)
         messages += [message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
@@ -162,3 +163,64 @@ async def agents_sdk(task: dict, client: openai.AsyncOpenAI, model: str) -> floa
         return 0.0
     _seen(task)["contents"].append(result.final_output)
     return float(str(result.final_output).strip().lower().rstrip(".") == task["answer"])
+
+
+async def slow_clients(task: dict, client: openai.AsyncOpenAI, model: str) -> float:
+    """Opens 200 connections to the endpoint that never send a body (half send nothing at all, half a request head
+    with this trajectory's key and a Content-Length), then asks for a completion as usual."""
+    host, port = client.base_url.host, client.base_url.port
+    path = client.base_url.raw_path.decode().rstrip("/") + "/chat/completions"
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+            "\r\n").encode()
+    held = []
+    try:
+        for i in range(200):
+            reader, writer = await asyncio.open_connection(host, port)
+            if i % 2:
+                writer.write(head)
+                await writer.drain()
+            held.append(writer)
+        reply = await _ask(client, model, [{"role": "user", "content": task["question"]}])
+        _seen(task)["contents"].append(reply.choices[0].message.content)
+        return 1.0
+    finally:
+        for writer in held:
+            writer.close()
+
+
+STREAM = {"first_piece": threading.Event()}  # set by `streamed` at its first content piece
+
+
+async def streamed(task: dict, client: openai.AsyncOpenAI, model: str) -> float:
+    """Two completions asked with stream=True (the second after the first's answer, as any streaming agent sends it
+    back): records each content piece as it arrives and what the pieces add up to."""
+    seen = _seen(task)
+    seen["pieces"] = []
+    messages = [{"role": "user", "content": task["question"]}]
+    for _ in range(2):
+        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=32, stream=True)
+        pieces, finish = [], None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None and delta.content:
+                pieces.append(delta.content)
+                STREAM["first_piece"].set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        assert finish in ("stop", "length"), finish
+        seen["pieces"].append(pieces)
+        seen["contents"].append("".join(pieces))
+        messages += [{"role": "assistant", "content": "".join(pieces)}, {"role": "user", "content": "again"}]
+    return 1.0
+
+
+HANG = {"release": threading.Event()}
+
+
+def sync_hangs(task: dict, client: openai.OpenAI, model: str) -> float:
+    """A synchronous agent that blocks its thread after one completion until the test releases it (a hung tool)."""
+    _seen(task)["timeout"] = client.timeout
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": task["question"]}],
+                                   max_tokens=8)
+    HANG["release"].wait(120)
+    return 1.0

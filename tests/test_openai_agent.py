@@ -200,9 +200,10 @@ def weather_example(tmp_path: Path) -> Iterator[tuple[Path, list[dict]]]:
 
 
 def run_agents(tmp_path, entry, records, *, group_size=1, max_inflight=16, max_new_tokens=8, seq_len=2048,
-               timeout_s=None, model_dir=None, deadline_s=120.0, **kwargs):
+               timeout_s=None, model_dir=None, deadline_s=120.0, engine=None, factory_out=None, **kwargs):
     """Every task of the file once (train and eval splits both), `group_size` trajectories each; returns the sink,
-    the runner's stats line and the env's counts."""
+    the runner's stats line and the env's counts (`factory_out`, a list, gets the env's factory; `engine` replaces
+    the torch engine on the model)."""
     import outside_agents
 
     outside_agents.SEEN.clear()
@@ -213,11 +214,13 @@ def run_agents(tmp_path, entry, records, *, group_size=1, max_inflight=16, max_n
     if timeout_s is not None:
         settings["timeout_s"] = timeout_s
     factory = load_factory("agent", settings)
+    if factory_out is not None:
+        factory_out.append(factory)
     model_dir = model_dir or _byte_model_dir()
     tokenizer = load_tokenizer(model_dir)
     sink = Records()
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
-    runner = EpisodeRunner("agent", factory, TorchEngine(model_dir, seed=0), tokenizer, params, seq_len, sink,
+    runner = EpisodeRunner("agent", factory, engine or TorchEngine(model_dir, seed=0), tokenizer, params, seq_len, sink,
                            max_inflight, step_timeout_s=timeout_s or 60.0, judge_timeout_s=60.0)
     tasks = factory.tasks("train") + factory.tasks("eval")
     pending = list(enumerate(tasks))

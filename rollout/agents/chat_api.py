@@ -43,6 +43,11 @@ class ChatError(Exception):
         return {"error": {"message": str(self), "type": self.code, "param": self.param, "code": self.code}}
 
 
+def error(status: int, message: str, code: str, kind: str | None = None) -> tuple[int, dict[str, Any]]:
+    """An HTTP status and OpenAI's error payload (`kind`: its type, `code` when not given)."""
+    return status, {"error": {"message": message, "type": kind or code, "param": None, "code": code}}
+
+
 @dataclass
 class ChatRequest:
     messages: list[dict[str, Any]]  # normalised: role, content (str), tool_calls / tool_call_id / name where given
@@ -268,19 +273,73 @@ def completion(message: dict[str, Any], finish_reason: str, model: str, completi
     }
 
 
+def sse(base: dict[str, Any], delta: dict[str, Any], finish: str | None = None) -> bytes:
+    """One server-sent event of a streamed completion: a chunk with `delta` (`base`: its id, created, model)."""
+    event = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+class StreamedContent:
+    """The content of a streamed completion, sent as the model's text grows, so that all its pieces add up to the
+    content of the assistant message the finished completion returns (which the agent sends back, and which must
+    extend the trajectory). Held back until the end: from a `<tool_call>` on (or what may begin one: the blocks that
+    parse leave the content), trailing whitespace (the content is stripped around parsed calls) and a trailing
+    incomplete character."""
+
+    OPEN = "<tool_call>"
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def feed(self, text: str) -> str:
+        """The next piece to send, given the whole text so far ("" when nothing new is safe to send)."""
+        cut = text.find(self.OPEN)
+        if cut >= 0:
+            text = text[:cut]
+        else:
+            for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+                if text.endswith(self.OPEN[:k]):
+                    text = text[:-k]
+                    break
+        text = text.rstrip("\ufffd").rstrip()
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def rest(self, content: str | None) -> str:
+        """What remains to send of the finished message's `content`."""
+        content = content or ""
+        for sent in (self.sent, self.sent.lstrip()):  # content around parsed calls is stripped
+            if content.startswith(sent):
+                return content[len(sent):]
+        raise ChatError(f"the streamed content {self.sent[:80]!r} is not the start of the answer's "
+                        f"{content[:80]!r}: the tokenizer decodes a prefix differently", code="internal_error",
+                        status=500)
+
+
+def final_chunks(base: dict[str, Any], payload: dict[str, Any], content: StreamedContent,
+                 usage: bool = False) -> list[bytes]:
+    """The events that end a streamed completion (`payload`, the finished one): the rest of its content, each tool
+    call, the finish reason, the usage when asked (`stream_options.include_usage`), then [DONE]."""
+    choice = payload["choices"][0]
+    message = choice["message"]
+    events = []
+    rest = content.rest(message.get("content"))
+    if rest:
+        events.append(sse(base, {"content": rest}))
+    for i, call in enumerate(message.get("tool_calls", [])):
+        events.append(sse(base, {"tool_calls": [{"index": i, **call}]}))
+    events.append(sse(base, {}, choice["finish_reason"]))
+    if usage:
+        events.append(b"data: " + json.dumps(base | {"choices": [], "usage": payload["usage"]}).encode() + b"\n\n")
+    return [*events, b"data: [DONE]\n\n"]
+
+
 def stream_events(payload: dict[str, Any]) -> bytes:
     """A finished completion as the server-sent events of a streamed one (`stream: true`): the role and content,
     each tool call, the finish reason, then [DONE]."""
-    choice = payload["choices"][0]
-    message = choice["message"]
     base = {k: payload[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        event = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-        return "data: " + json.dumps(event) + "\n\n"
-
-    events = [chunk({"role": "assistant", "content": message.get("content") or ""})]
-    for i, call in enumerate(message.get("tool_calls", [])):
-        events.append(chunk({"tool_calls": [{"index": i, **call}]}))
-    events.append(chunk({}, choice["finish_reason"]))
-    return ("".join(events) + "data: [DONE]\n\n").encode()
+    content = StreamedContent()
+    content.sent = payload["choices"][0]["message"].get("content") or ""
+    return b"".join([sse(base, {"role": "assistant", "content": content.sent}), *final_chunks(base, payload, content)])

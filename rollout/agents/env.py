@@ -38,18 +38,21 @@ import random
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from async_rl.env_types import Task
 from rollout.agents.chat_api import ChatTemplate
-from rollout.agents.endpoint import ChatEndpoint
 from rollout.agents.trajectory import ENV, AgentEnv
 from rollout.envs.base import EnvError, load_callable, settings_from_kwargs
 from rollout.envs.task_file import read_task_file
 
+if TYPE_CHECKING:
+    from rollout.agents.endpoint import ChatEndpoint
+
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 class AgentSettings(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,13 +63,17 @@ class AgentSettings(msgspec.Struct, forbid_unknown_fields=True):
     seed: int = 0  # the split's shuffle
     timeout_s: float = DEFAULT_TIMEOUT_S  # the longest an agent may work before its first model call, between two,
     #                                       and after its last until it returns (rollout.step_timeout_s when set)
-    model: str = "policy"  # the model name the agent is given and /v1/models lists (requests may name any)
+    model: str = "policy"  # the model name the agent is given and /v1/models lists (requests naming another: 404)
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # the agent's client's limit on one request (a completion
+    #                                                       waits for the engine, behind other trajectories' turns)
 
     def __post_init__(self) -> None:
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction: expected 0 < f < 1, got {self.eval_fraction}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected > 0, got {self.timeout_s}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s: expected > 0, got {self.request_timeout_s}")
 
 
 def _record_task(record: dict, number: int) -> Task:
@@ -80,15 +87,17 @@ class AgentFactory:
     """The tasks file's split, the user's agent and judge, the worker's endpoint and the counts of what agents did."""
 
     name = ENV  # the env.name its errors give
+    request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S  # the agents' clients' limit on one request
 
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
-        if importlib.util.find_spec("openai") is None:
-            raise EnvError("env.name=agent: the agents' client is openai's, which is not installed "
-                           "(pip install 'async-rl[agent]')")
+        missing = [name for name in ("openai", "starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+        if missing:  # the agents' client, and the endpoint's web framework and server
+            raise EnvError(f"env.name=agent: {', '.join(missing)} not installed (pip install 'async-rl[agent]')")
         self.entry = load_callable(settings.entry, "env.kwargs.entry")
         self.judge_fn = load_callable(settings.judge, "env.kwargs.judge") if settings.judge else None
         self.step_timeout_s = settings.timeout_s  # the runner's step limit (rollout.step_timeout_s overrides it)
+        self.request_timeout_s = settings.request_timeout_s
         words = getattr(inspect.getmodule(self.entry), "VOCABULARY", None)
         if words is not None:  # the tiny built-in model's words (ignored with model.path): one token each
             self.vocabulary = lambda: list(words)
@@ -103,7 +112,8 @@ class AgentFactory:
         self.splits = self._split(tasks, source)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
-        self.endpoint: ChatEndpoint | None = None
+        self.abandoned_threads: list[threading.Thread] = []  # agents' threads still running after their trajectory
+        self.endpoint: Any = None  # the ChatEndpoint, started with the first trajectory
         self.template: ChatTemplate | None = None
         self.tokenizer: Any = None
         self.parse: Any = None
@@ -141,6 +151,8 @@ class AgentFactory:
             self.parse, self.stop, self.step_timeout_s = parse_tools, list(stop), step_timeout_s
 
     def endpoint_for_trajectories(self) -> ChatEndpoint:
+        from rollout.agents.endpoint import ChatEndpoint
+
         with self.lock:
             if self.endpoint is None:  # started with the first trajectory, so a config check starts no server
                 self.endpoint = ChatEndpoint(self.settings.model)
@@ -159,12 +171,23 @@ class AgentFactory:
             with self.lock:
                 self.counts[what] += n
 
+    def abandoned(self, thread: threading.Thread) -> None:
+        """An agent's thread whose trajectory was closed under it: counted (`agent_threads_abandoned`) while it
+        runs. A thread cannot be stopped from outside; an async agent's task is cancelled, a blocked one ends when
+        its own code does (a daemon: it holds up no exit)."""
+        with self.lock:
+            self.abandoned_threads.append(thread)
+
     def metrics(self) -> dict[str, float]:
-        """Counts since the worker started, for its metrics line (docs/metrics.md)."""
+        """Counts since the worker started, and the abandoned agent threads still running, for its metrics line
+        (docs/metrics.md)."""
         keys = ("started", "returned", "completions", "tool_calls", "tool_call_errors", "rewards", "errors",
                 "timeouts", "cancelled", "no_model_call", "history_edits", "bad_requests")
         with self.lock:
-            return {f"agent_{key}": float(self.counts[key]) for key in keys}
+            self.abandoned_threads = [t for t in self.abandoned_threads if t.is_alive()]
+            line = {f"agent_{key}": float(self.counts[key]) for key in keys}
+            line["agent_threads_abandoned"] = float(len(self.abandoned_threads))
+            return line
 
     def close(self) -> None:
         with self.lock:

@@ -23,7 +23,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from async_rl.env_types import Judgement, StepResult, Task
 from rollout.agents.chat_api import (
@@ -32,13 +32,15 @@ from rollout.agents.chat_api import (
     ChatTemplate,
     assistant_message,
     completion,
+    error,
     first_difference,
     normalise_messages,
     parse_request,
-    stream_events,
 )
-from rollout.agents.endpoint import ChatEndpoint, error
 from rollout.envs.base import EnvError, Prompt
+
+if TYPE_CHECKING:  # the endpoint needs the agent extra's server packages, checked when the env is made
+    from rollout.agents.endpoint import ChatEndpoint, Reply
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -53,6 +55,7 @@ class AgentHost(Protocol):
     entry: Callable[..., Any]  # the user's agent
     judge_fn: Callable[..., Any] | None  # the user's slow judge, if any
     step_timeout_s: float  # the runner's step limit
+    request_timeout_s: float  # the agent's client's limit on one request
     template: ChatTemplate | None  # the tokenizer's chat template (bound by the runner)
     parse: Any  # the runner's tool-call parser
 
@@ -61,6 +64,8 @@ class AgentHost(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def count(self, what: str, n: int = 1) -> None: ...
+
+    def abandoned(self, thread: threading.Thread) -> None: ...
 
 
 def judgement_of(value: Any, what: str) -> Judgement:
@@ -85,12 +90,15 @@ def judgement_of(value: Any, what: str) -> Judgement:
 
 
 class _Call:
-    """One completion request, waiting for its answer."""
+    """One completion request, waiting for its answer (on the endpoint's loop)."""
 
-    def __init__(self, request: ChatRequest) -> None:
-        self.request = request
-        self.done = threading.Event()
-        self.reply: tuple[int, dict[str, Any] | bytes] = (500, {})
+    def __init__(self, request: ChatRequest, reply: Reply) -> None:
+        self.request, self.reply = request, reply
+
+    def prompt(self, tokens: list[int]) -> Prompt:
+        """Its tokens for the runner; a streamed request's sampled tokens go to the endpoint as the engine samples
+        them."""
+        return Prompt(tokens, self.request.max_new_tokens, self.reply.token if self.request.stream else None)
 
 
 class AgentEnv:
@@ -116,26 +124,30 @@ class AgentEnv:
         self.waiting_since = 0.0  # since when the agent, not the engine, has the turn
         self.loop: asyncio.AbstractEventLoop | None = None
         self.agent_task: asyncio.Task | None = None
+        self.thread: threading.Thread | None = None  # the agent's
 
     # --- the endpoint's side (HTTP threads) -------------------------------------------------------------------
 
-    def complete(self, body: Any) -> tuple[int, dict[str, Any] | bytes]:
+    def submit(self, body: Any, reply: Reply) -> tuple[int, dict[str, Any]] | None:
+        """A completion request: refused at once, or taken (its answer goes to `reply`)."""
         try:
             request = parse_request(body)
         except ChatError as exc:
             self.factory.count("bad_requests")
             return exc.status, exc.payload()
-        call = _Call(request)
         with self.cond:
             if self.refuse is not None:
                 return self.refuse
             if self.incoming is not None or self.serving is not None:
                 return error(409, "this trajectory has a completion under way: one request at a time",
                              "concurrent_request")
-            self.incoming = call
+            self.incoming = _Call(request, reply)
             self.cond.notify_all()
-        call.done.wait()
-        return call.reply
+        return None
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of sampled tokens, as the finished completion's (a streamed one's pieces so far)."""
+        return self.factory.decode(token_ids)
 
     def reward(self, body: Any) -> tuple[int, dict[str, Any]]:
         value = body.get("value") if isinstance(body, dict) else None
@@ -160,7 +172,8 @@ class AgentEnv:
         self.key, self.url = self.factory.endpoint_for_trajectories().add(self)
         self.waiting_since = time.monotonic()
         self.factory.count("started")
-        threading.Thread(target=self._run_agent, name=f"agent-{task.id}", daemon=True).start()
+        self.thread = threading.Thread(target=self._run_agent, name=f"agent-{task.id}", daemon=True)
+        self.thread.start()
         taken = self._next()
         if taken is None:
             if self.error is None:
@@ -168,7 +181,7 @@ class AgentEnv:
                 raise EnvError(f"env {ENV!r}: the agent returned {self.result!r:.80} without calling the model")
             raise self._agent_error()
         call, tokens = taken
-        return Prompt(tokens, call.request.max_new_tokens)
+        return call.prompt(tokens)
 
     def step_tokens(self, generation: Any) -> StepResult:
         call = self.serving
@@ -177,8 +190,8 @@ class AgentEnv:
         text = factory.decode(generation.token_ids)
         message, calls, errors = assistant_message(text, factory.parse, call.request.parse_names, self.answered)
         finish = "tool_calls" if calls else ("length" if generation.finish_reason == "length" else "stop")
-        payload = completion(message, finish, factory.settings.model, f"chatcmpl-{self.key[:10]}-{self.answered}",
-                             int(time.time()), self.context_len, len(generation.token_ids))
+        payload = completion(message, finish, factory.settings.model, call.reply.completion_id, call.reply.created,
+                             self.context_len, len(generation.token_ids))
         self.sent, self.tools = call.request.messages, call.request.tools
         self.returned = normalise_messages([message])[0]
         self.context_len += len(generation.token_ids)
@@ -190,7 +203,7 @@ class AgentEnv:
         factory.count("completions")
         factory.count("tool_calls", calls)
         factory.count("tool_call_errors", errors)
-        self._answer(call, 200, stream_events(payload) if call.request.stream else payload)
+        self._answer(call, 200, payload)
         taken = self._next()
         with self.cond:
             reward, self.rewards = self.rewards, 0.0
@@ -199,7 +212,7 @@ class AgentEnv:
                 raise self._agent_error()
             return StepResult(None, reward, True)
         call, tokens = taken
-        return StepResult(Prompt(tokens, call.request.max_new_tokens), reward, False)  # type: ignore[arg-type]
+        return StepResult(call.prompt(tokens), reward, False)  # type: ignore[arg-type]
 
     def judge(self) -> Judgement:
         overflow = error(400, "the trajectory's context reached model.max_seq_len", "context_length_exceeded")
@@ -250,6 +263,8 @@ class AgentEnv:
             if loop is not None and agent_task is not None:
                 with contextlib.suppress(RuntimeError):  # its loop already closed: it is ending anyway
                     loop.call_soon_threadsafe(agent_task.cancel)
+            if self.thread is not None:  # a blocked thread cannot be cancelled: counted until it ends
+                self.factory.abandoned(self.thread)
 
     # --- helpers ----------------------------------------------------------------------------------------------
 
@@ -291,9 +306,8 @@ class AgentEnv:
                             code="history_edited")
         return template.delta(request, len(self.sent) + 1)
 
-    def _answer(self, call: _Call, status: int, payload: dict[str, Any] | bytes) -> None:
-        call.reply = (status, payload)
-        call.done.set()
+    def _answer(self, call: _Call, status: int, payload: dict[str, Any]) -> None:
+        call.reply.answer(status, payload)
 
     def _agent_error(self) -> EnvError:
         exc = self.error
@@ -309,7 +323,8 @@ class AgentEnv:
             else:
                 import openai
 
-                with openai.OpenAI(base_url=self.url, api_key=self.key, max_retries=0, timeout=None,
+                with openai.OpenAI(base_url=self.url, api_key=self.key, max_retries=0,
+                                   timeout=self.factory.request_timeout_s,
                                    http_client=openai.DefaultHttpxClient(verify=_tls())) as client:
                     result = entry(dict(self.task.data), client, settings.model)
         except BaseException as exc:  # noqa: BLE001 - whatever the agent raised ends its trajectory only
@@ -333,7 +348,8 @@ class AgentEnv:
         if self.closed:
             raise asyncio.CancelledError
         assert self.task is not None
-        async with openai.AsyncOpenAI(base_url=self.url, api_key=self.key, max_retries=0, timeout=None,
+        async with openai.AsyncOpenAI(base_url=self.url, api_key=self.key, max_retries=0,
+                                      timeout=self.factory.request_timeout_s,
                                       http_client=openai.DefaultAsyncHttpxClient(verify=_tls())) as client:
             return await self.factory.entry(dict(self.task.data), client, self.factory.settings.model)
 

@@ -69,8 +69,13 @@ class TorchEngine:
         log.info("built-in engine on %s (%s parameters, fp32)", self.device,
                  f"{sum(p.numel() for p in self.model.parameters()):,}")
 
+    streams_tokens = True  # generate's `on_token` hears each row's token at the step that sampled it
+
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
+        """Each prompt's continuation; `on_token(row, token)` (when given) hears every sampled token as it is
+        sampled, before the next forward pass."""
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
@@ -92,6 +97,8 @@ class TorchEngine:
                 generation.token_ids.append(token)
                 generation.logprobs.append(logprob)
                 generation.versions.append(self.version)
+                if on_token is not None:
+                    on_token(row, token)
                 if token in stop_ids or (params.stop and self._ends_at_stop_string(generation.token_ids, params.stop)):
                     generation.finish_reason = "stop"
                     running[row] = False

@@ -276,11 +276,13 @@ def checked_make(env_name: str, factory: EnvFactory) -> Env:
 
 @dataclass
 class Prompt:
-    """What a token-level env shows the model next: tokens appended to the trajectory's context as they are, and the
-    most action tokens the next turn may take (None: the runner's own budget)."""
+    """What a token-level env shows the model next: tokens appended to the trajectory's context as they are, the
+    most action tokens the next turn may take (None: the runner's own budget), and who hears each action token as
+    the engine samples it (an engine that streams them: the built-in one; others hand all of them over at the end)."""
 
     tokens: list[int]
     max_new_tokens: int | None = None
+    on_token: Callable[[int], None] | None = None  # on the engine's thread: quick, and never raising
 
 
 def token_level(env: Any) -> bool:
@@ -294,7 +296,9 @@ def _checked_prompt(env_name: str, method: str, prompt: Any) -> Prompt:
         raise EnvError(f"env {env_name!r}: {method} returned a Prompt whose tokens are not token ids")
     if prompt.max_new_tokens is not None and (not isinstance(prompt.max_new_tokens, int) or prompt.max_new_tokens < 1):
         raise EnvError(f"env {env_name!r}: {method} returned a Prompt with max_new_tokens {prompt.max_new_tokens!r}")
-    return Prompt(list(prompt.tokens), prompt.max_new_tokens)
+    if prompt.on_token is not None and not callable(prompt.on_token):
+        raise EnvError(f"env {env_name!r}: {method} returned a Prompt whose on_token is not callable")
+    return Prompt(list(prompt.tokens), prompt.max_new_tokens, prompt.on_token)
 
 
 def checked_reset_tokens(env_name: str, env: Any, task: Task) -> Prompt:
