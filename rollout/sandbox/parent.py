@@ -163,11 +163,14 @@ class Sandbox:
         COUNTS.count(result.isolation, result.notes)
         if self.require_namespaces and not all(n in result.isolation for n in NAMESPACES):
             raise SandboxError(
-                "namespaces are required (require_namespaces) and this host gave the sandbox none ("
+                "namespaces are required and this host refused them: the sandbox needs new network and mount "
+                "namespaces (unshare CLONE_NEWNET|CLONE_NEWNS" + ("" if self.is_root else ", in a new user namespace: "
+                "CLONE_NEWUSER") + "), and got none ("
                 + ("; ".join(result.notes) or f"the agent's process ended: {result.status}, {result.stderr[-300:]}")
-                + "): run the worker as root, or where unprivileged user namespaces are allowed (sysctl "
-                "kernel.unprivileged_userns_clone / AppArmor, a seccomp profile that allows unshare), or turn "
-                "require_namespaces off to accept the audit-hook fallback, which is no security boundary"
+                + "). Run the worker as root, or where unprivileged user namespaces are allowed (sysctl "
+                "kernel.unprivileged_userns_clone / AppArmor, a seccomp profile that allows unshare); or set "
+                "require_namespaces: false, the explicit opt-out, to accept the audit-hook fallback, which is no "
+                "security boundary (unsafe)"
             )
         return result
 
