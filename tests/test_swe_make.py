@@ -82,6 +82,6 @@ def test_demos_on_the_shipped_tasks_as_printed(tmp_path):
     for demo in demos:
         calls = [m["tool_calls"][0]["function"]["name"] for m in demo["messages"] if m["role"] == "assistant"]
         assert calls[0] == "read_file" and "str_replace" in calls and calls[-2:] == ["run_tests", "submit"]
-        report = [m["content"] for m in demo["messages"] if m["role"] == "tool"][-2]
+        report = [m["content"] for m in demo["messages"] if m["role"] == "tool"][-1]  # submit ends it: no answer
         passed, total = report.split(" ")[0].split("/")
         assert passed == total, report  # the visible suite passes once the gold fix is in
