@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -195,7 +194,10 @@ class SweFactory:
         return turns
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """The worker's end: the unpacked bases and podman's settings go."""
+        if self._podman is not None:
+            self._podman.close()
+        remove_tree(self.root)
 
 
 def _turn(call_id: str, name: str, arguments: dict) -> dict:

@@ -50,6 +50,9 @@ class PodmanShell:
         Path(self.conf).write_text(CONTAINERS_CONF.format(runtime=runtime, nofile=max(1024, self.limits.open_files)))
         self.checked: set[str] = set()
 
+    def close(self) -> None:
+        shutil.rmtree(self.conf_dir, ignore_errors=True)
+
     def environ(self) -> dict[str, str]:
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CONTAINERS_CONF": self.conf,
                 "HOME": os.environ.get("HOME", "/root")}
