@@ -58,7 +58,7 @@ def task_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def swe(task_file):
-    f = load_factory("swe", {"tasks": str(task_file), "eval_fraction": 0.0, "max_turns": 8, "bash_timeout_s": 5})
+    f = load_factory("swe", {"tasks": str(task_file), "eval_fraction": 0.0, "max_turns": 12, "bash_timeout_s": 5})
     yield f
     f.close()
 
@@ -98,10 +98,13 @@ def test_tools_answer_mistakes_with_errors_not_exceptions(swe):
         ("read_file", {"path": "missing.py"}),
         ("bash", {"command": ""}),
         ("run_tests", {"tests": 3}),
+        ("write_file", {"path": "stats", "content": "x"}),
+        ("read_file", {"path": "a\x00b"}),
     ]]
     assert "old_str occurs 2 times" in replies[0] and "exactly once" in replies[0]
     assert "outside the repository" in replies[1] and "no such file" in replies[2]
     assert "non-empty" in replies[3] and "list of pytest node ids" in replies[4]
+    assert replies[5].startswith("error: [Errno 21] Is a directory") and replies[6].startswith("error: ")
     bad = checked_step("swe", env, Action("<tool_call>{", [], "tool call 1: malformed JSON"))
     assert "malformed JSON" in bad.observation[0].content
     assert "No tool call" in checked_step("swe", env, Action("I think it is fine.", [])).observation

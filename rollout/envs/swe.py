@@ -248,7 +248,7 @@ class SweEnv:
             self.counts["tool_calls"] += 1
             try:
                 content, fraction = self._call(call)
-            except ToolError as exc:
+            except (ToolError, OSError, ValueError) as exc:  # a directory written as a file, a NUL in a path, ...
                 self.counts["tool_errors"] += 1
                 content, fraction = f"error: {exc}", None
             if fraction is not None:
@@ -292,7 +292,8 @@ class SweEnv:
         if call.name == "read_file":
             if not path.is_file():
                 raise ToolError(f"no such file: {args['path']}")
-            return path.read_text(errors="replace")[:MAX_FILE_CHARS], None
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read(MAX_FILE_CHARS), None
         if call.name == "write_file":
             content = args.get("content")
             if not isinstance(content, str) or len(content) > MAX_FILE_CHARS:
