@@ -197,18 +197,25 @@ def apply_patch(root: Path, diff: str) -> str:
     """Apply a unified diff (paths a/... b/...) under `root`; "" or why it did not apply."""
     if not diff.strip():
         return ""
-    if shutil.which("patch") is None:
-        return "the `patch` program is not installed (apt-get install patch)"
-    done = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-s", "-d", str(root)],
-                          input=diff, capture_output=True, text=True, timeout=60)
-    return "" if done.returncode == 0 else (done.stdout + done.stderr).strip()[-500:] or "patch failed"
+    if shutil.which("patch") is not None:
+        argv = ["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-s", "-d", str(root)]
+        env = None
+    elif shutil.which("git") is not None:  # outside any repository: no ancestor's .git is looked for
+        argv = ["git", "-C", str(root), "apply", "-p1", "--whitespace=nowarn", "-"]
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(root).resolve().parent)}
+    else:
+        return "neither `patch` nor `git` is installed (apt-get install patch)"
+    done = subprocess.run(argv, input=diff, capture_output=True, text=True, timeout=60, env=env)
+    return "" if done.returncode == 0 else (done.stdout + done.stderr).strip()[-500:] or "the patch did not apply"
 
 
-def unified_diff(path: str, before: str, after: str) -> str:
-    """One file's unified diff with git's a/ b/ prefixes ("" when equal)."""
-    lines = difflib.unified_diff(before.splitlines(True), after.splitlines(True), f"a/{path}", f"b/{path}")
+def unified_diff(path: str, before: str | None, after: str) -> str:
+    """One file's unified diff with git's a/ b/ prefixes ("" when equal); `before` None: a new file."""
+    old = "/dev/null" if before is None else f"a/{path}"
+    lines = difflib.unified_diff((before or "").splitlines(True), after.splitlines(True), old, f"b/{path}")
     text = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
-    return f"diff --git a/{path} b/{path}\n{text}" if text else ""
+    created = "new file mode 100644\n" if before is None else ""
+    return f"diff --git a/{path} b/{path}\n{created}{text}" if text else ""
 
 
 def hunks(diff: str) -> list[tuple[str, str, str]]:
