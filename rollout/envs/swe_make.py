@@ -128,7 +128,8 @@ def _make(spec: str, pristine: Path, work: Path, out: Path, repos: Path, n: int,
         original = (pristine / mutation.path).read_text()
         (trial / mutation.path).write_text(mutation.apply(original))
         try:
-            run = run_pytest(shell, trial, DEFAULT_TEST_CMD, [], 3 * suite_s + 30)
+            # generous: a loaded machine slows a suite several times over; only a mutant that loops should time out
+            run = run_pytest(shell, trial, DEFAULT_TEST_CMD, [], max(10 * suite_s + 60, 120))
         finally:
             (trial / mutation.path).write_text(original)
         broken = sorted(node for node in passing if run.outcomes.get(node) != "passed")
