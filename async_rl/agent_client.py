@@ -1,5 +1,5 @@
 """What an agent trained as it is calls (`async_rl.reward`): a thin client of the rollout worker's OpenAI-compatible
-endpoint, made through the agent's own OpenAI client (rollout/openai_endpoint.py; docs/environments.md). The kernel
+endpoint, made through the agent's own OpenAI client (rollout/agents/endpoint.py; docs/environments.md). The kernel
 imports no role and not `openai`: the client is used through its `post` method."""
 
 from __future__ import annotations

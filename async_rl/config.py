@@ -214,7 +214,7 @@ class RolloutConfig(_Section):
     )] = 32
     engine_batch_wait_s: Annotated[NonNegFloat, doc(
         "An engine call starts once 3/4 of the trajectories in flight wait for it, or the first of them has "
-        "waited this long (rollout/agent.py): more rows share a call's fixed cost. 0: a call takes whoever waits "
+        "waited this long (rollout/runner.py): more rows share a call's fixed cost. 0: a call takes whoever waits "
         "at once."
     )] = 0.002
     device: Annotated[Literal["auto", "cpu", "cuda"], doc(
@@ -495,6 +495,39 @@ class SecurityConfig(_Section):
     )] = False
 
 
+class RayConfig(_Section):
+    """`async-rl train --ray ADDRESS`: how the roles are placed on a Ray cluster (launch/ray_run.py)."""
+
+    learner_ranks: Annotated[PosInt, doc(
+        "the learner's ranks, one placement-group bundle each; torch.distributed (gloo on CPU, NCCL on GPUs) runs "
+        "over the ranks' own node addresses"
+    )] = 1
+    learner_cpus: Annotated[NonNegFloat, doc("CPUs of each learner rank's bundle")] = 1.0
+    learner_gpus: Annotated[NonNegFloat, doc("GPUs of each learner rank's bundle (0 with `learner.device: cpu`)")] = 0.0
+    learner_placement: Annotated[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], doc(
+        "the placement group's strategy: `PACK` (as few nodes as fit), `STRICT_PACK` (one node), `SPREAD` (as many "
+        "nodes as fit), `STRICT_SPREAD` (one node per rank)"
+    )] = "PACK"
+    rollout_cpus: Annotated[NonNegFloat, doc("CPUs of each rollout worker's actor (spread over the nodes)")] = 1.0
+    rollout_gpus: Annotated[NonNegFloat, doc(
+        "GPUs of each rollout worker's actor (its torch engine, or SGLang/vLLM servers it starts beside it)"
+    )] = 0.0
+    replay_cpus: Annotated[NonNegFloat, doc(
+        "CPUs of the replay's actor (placed on the driver's node if it fits)"
+    )] = 1.0
+    connect_timeout_s: Annotated[PosFloat, doc(
+        "how long the driver tries to reach the cluster at `--ray ADDRESS` before it gives up with an error"
+    )] = 15.0
+    placement_timeout_s: Annotated[PosFloat, doc(
+        "how long the driver waits for the learner's placement group (an autoscaler may be adding nodes) before it "
+        "gives up naming what it asked and what the cluster has"
+    )] = 120.0
+    runtime_env: Annotated[dict[str, Any], doc(
+        "Ray's `runtime_env` for every role's actor, e.g. `{pip: [...], env_vars: {...}}` (`{}`: the nodes' own "
+        "Python environment, which must have async-rl installed)"
+    )] = {}
+
+
 class Config(_Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -505,6 +538,7 @@ class Config(_Section):
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
     @property
     def run_dir(self) -> Path:

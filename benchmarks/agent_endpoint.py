@@ -39,12 +39,12 @@ from common import OUT_DIR, emit, machine, markdown_table, print_table  # noqa: 
 from async_rl.config_load import load_config  # noqa: E402
 from async_rl.env_types import Judgement, StepResult, Task  # noqa: E402
 from async_rl.model import load_tokenizer  # noqa: E402
-from rollout.agent import EpisodeRunner  # noqa: E402
-from rollout.chat_api import ChatTemplate, parse_request  # noqa: E402
+from rollout.agents.chat_api import ChatTemplate, parse_request  # noqa: E402
 from rollout.engines import SamplingParams  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.envs.base import load_factory  # noqa: E402
 from rollout.prepare import prepare_model_dir  # noqa: E402
+from rollout.runner import EpisodeRunner  # noqa: E402
 from rollout.settings import RolloutSettings  # noqa: E402
 
 BATCH_WAIT_S = load_config().rollout.engine_batch_wait_s  # the shipped config's

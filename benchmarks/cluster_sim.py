@@ -6,7 +6,7 @@ built from `configs/cluster.yaml` plus overrides, fed real protocol messages thr
 and `tick(now)`; its replies (LeaseGrant / LeaseDenied / Batch) drive the simulated workers and learner.
 
   engines   N rollout engines (one worker each), each keeping up to K trajectories going (judging ones excluded,
-            as rollout/agent.py does). Continuous batching: one decode step of the engine's current batch takes
+            as rollout/runner.py does). Continuous batching: one decode step of the engine's current batch takes
             a + b·batch seconds; every decoding trajectory gains one token per step. Prefill of a turn's new
             observation is a delay of tokens / prefill rate that does not load the engine.
   turns     per trajectory T ~ lognormal; per turn an action (lognormal tokens), a tool call (lognormal seconds),

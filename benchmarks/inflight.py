@@ -1,6 +1,6 @@
 """Trajectories in flight vs rollout throughput at a fixed tool latency (rollout.max_inflight).
 
-One rollout worker's episode runner (rollout/agent.py) with the built-in torch engine on the tiny model plays the
+One rollout worker's episode runner (rollout/runner.py) with the built-in torch engine on the tiny model plays the
 trap environment, every step sleeping `--latency` seconds (a tool call), for `--seconds` per variant. The only
 difference between variants is `max_inflight`, the number of trajectories the runner keeps going at once
 (group size 16, so 16 is one group at a time, like the worker before this knob existed). The variants run
@@ -30,9 +30,9 @@ from common import OUT_DIR, emit, machine, markdown_table, print_table  # noqa: 
 
 from async_rl.config_load import load_config  # noqa: E402
 from async_rl.model import load_tokenizer  # noqa: E402
-from rollout.agent import EpisodeRunner  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from rollout.prepare import load_env, prepare_model_dir  # noqa: E402
+from rollout.runner import EpisodeRunner  # noqa: E402
 from rollout.settings import RolloutSettings  # noqa: E402
 
 

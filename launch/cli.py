@@ -19,7 +19,7 @@ from launch.warm_start import add_parsers as add_warm_start_parsers
 
 ROLES = {
     "train": "Run every role on this machine (replay, learner, rollout workers as separate processes), then "
-    "evaluate the final weights. The local default.",
+    "evaluate the final weights. The local default; with --ray ADDRESS, every role as a Ray actor on a Ray cluster.",
     "replay": "Run the replay service (one pod): leases, the credit ledger, training items, batches.",
     "learner": "Run the DeepSpeed learner (one pod, or every rank under torchrun).",
     "rollout": "Run one rollout worker (one pod each): environments, the inference engine, stage records.",
@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--resume", default=None, metavar="RUN_DIR",
                              help="continue the run in RUN_DIR (its config.yaml; overrides apply on top): the learner "
                                   "resumes from its latest checkpoint, logs and metrics.jsonl continue")
+            sub.add_argument("--ray", default=None, metavar="ADDRESS",
+                             help="run every role as a Ray actor on the Ray cluster at ADDRESS (HOST:PORT of its "
+                                  "head, or auto inside the cluster, as under `ray job submit`); run.dir must be an "
+                                  "absolute path every node sees (docs/deploy.md#ray; pip install -e '.[ray]')")
         if role == "rollout":
             sub.add_argument("--index", type=int, default=0, help="this worker's index N (its id is rollout-N)")
         if role == "evaluate":
@@ -197,6 +201,25 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
 
 
+def run_train_on_ray(config: Config, args: argparse.Namespace) -> int:
+    """`train --ray ADDRESS`: the driver in this process (launch/ray_run.py); a refusal is one line, exit 2."""
+    try:
+        from launch.ray_run import train_on_ray
+    except ImportError as exc:
+        print(f"async-rl train: --ray needs Ray ({exc}); pip install -e '.[ray]'", file=sys.stderr)
+        return 2
+    from launch.roles import configure_logging
+
+    configure_logging("train", config)
+    try:
+        return train_on_ray(config, args.ray, resume=args.resume is not None)
+    except AsyncRLError as exc:
+        print(f"async-rl train: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def _run(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.role in ("demos", "sft"):  # their own configs: launch/warm_start.py
@@ -218,6 +241,8 @@ def _run(argv: list[str] | None) -> int:
         return 2
     if args.role == "config":
         return print_config(config)
+    if args.role == "train" and args.ray is not None:
+        return run_train_on_ray(config, args)
     if args.role == "train":
         from launch.preflight import preflight
 

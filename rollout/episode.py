@@ -1,6 +1,6 @@
 """A trajectory in flight (`Episode`) and where an episode runner's results go (`Sink`): the runner's contract.
 
-rollout/agent.py moves each Episode through its phases
+rollout/runner.py moves each Episode through its phases
 
     reset  →  act  →  generate  →  step  →  act  → … → judge → done        (or abandoned, from any phase)
 

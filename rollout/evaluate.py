@@ -3,7 +3,7 @@
 The training metric `success_rate` covers the last 64 finished trajectories, i.e. a handful of groups of a handful
 of tasks, so it is noisy and can touch the target on a lucky window. This measures a policy on every eval task,
 `samples_per_task` trajectories each, sampled exactly as in training and by the same episode runner
-(rollout/agent.py). `blind=True` replaces every tool answer with a fixed string: how much the policy needs its
+(rollout/runner.py). `blind=True` replaces every tool answer with a fixed string: how much the policy needs its
 observations.
 """
 
@@ -20,13 +20,13 @@ import torch
 from async_rl.config import Config
 from async_rl.errors import AsyncRLError
 from async_rl.model import load_tokenizer
-from rollout.agent import EpisodeRunner
 from rollout.engines import Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import EnvFactory, Judgement, Task, checked_tasks, close_factory
 from rollout.episode import Episode
 from rollout.prepare import load_env, prepare_model_dir
+from rollout.runner import EpisodeRunner
 from rollout.settings import EvalSettings, RolloutSettings
 
 log = logging.getLogger("async_rl.rollout")

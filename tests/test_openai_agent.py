@@ -1,5 +1,5 @@
 """An agent you already have, trained as it is (issue 54): the OpenAI-compatible endpoint of a rollout worker and the
-`agent` env. The chat shapes alone (rollout/chat_api.py); then agents written against the `openai` client only
+`agent` env. The chat shapes alone (rollout/agents/chat_api.py); then agents written against the `openai` client only
 (tests/outside_agents.py, examples/weather_agent.py) driving the real episode runner, the real torch engine on the
 tiny model and the real HTTP endpoint over loopback sockets: token in and token out, stage rewards, history edits,
 failures contained and counted, 64 agents at once; and README's command, run as printed through real processes."""
@@ -21,8 +21,7 @@ import pytest
 import async_rl
 from async_rl.config_load import load_config
 from async_rl.model import ensure_model_dir, load_tokenizer
-from rollout.agent import EpisodeRunner
-from rollout.chat_api import (
+from rollout.agents.chat_api import (
     ChatError,
     ChatTemplate,
     assistant_message,
@@ -34,6 +33,7 @@ from rollout.chat_api import (
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.envs.base import EnvError, load_factory, vocabulary_of
+from rollout.runner import EpisodeRunner
 from rollout.tool_parser import parse_hermes
 
 REPO = Path(__file__).resolve().parent.parent

@@ -222,14 +222,14 @@ def test_the_warm_start_recipe_runs_as_printed_and_the_warmed_up_model_calls_its
 
 
 @pytest.mark.slow
-def test_the_readme_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_rewards(workdir):
-    """README "Your agent as it is" on a real model: examples/weather_agent.py (written only against the `openai`
-    client), its demonstrations written and fine-tuned on by the printed commands (LoRA), then trained by the
+def test_the_documented_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_rewards(workdir):
+    """docs/environments.md's agent warm start on a real model: examples/weather_agent.py (written only against the
+    `openai` client), its demonstrations written and fine-tuned on by the printed commands (LoRA), then trained by the
     printed `env.name=agent` command from the warmed-up SmolLM2: its completions arrive as stages rendered with the
     agent's tool, the model calls the tool, the agent's `async_rl.reward` calls arrive as stage rewards, a version
     is trained and the ledger holds."""
     (workdir / "examples").symlink_to(REPO / "examples")
-    warm = docs_command("README.md", "python examples/weather_demos.py && async-rl sft")
+    warm = docs_command("docs/environments.md", "python examples/weather_demos.py && async-rl sft")
     assert warm[:3] == ["python", "examples/weather_demos.py", "&&"]
     done = subprocess.run([sys.executable, *warm[1:2]], cwd=workdir, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -240,7 +240,8 @@ def test_the_readme_agent_warmed_up_on_smollm2_calls_its_tool_and_earns_stage_re
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1])["steps"] == 3  # 3 epochs of one batch
     run_dir = workdir / "runs" / "smollm2"
-    command = docs_command("README.md", "PYTHONPATH=examples async-rl train --config configs/smollm2.yaml")
+    command = docs_command("docs/environments.md",
+                           "PYTHONPATH=examples async-rl train --config configs/smollm2.yaml env.name=agent")
     result = train(workdir, command, run_dir, "algo.groups_per_step=1", "learner.min_batch_items=4",
                    "algo.max_staleness=0")
     assert result["versions"] >= 1, result

@@ -354,7 +354,7 @@ def test_a_context_too_short_for_any_first_observation_stops_the_worker_naming_t
     NO_ROOM_STREAK_LIMIT in a row the worker stops with a ConfigError naming the key (before, the run went on
     abandoning until run.max_wall_s and exited 0 with 0 env steps); each abandoned trajectory's Outcome was sent."""
     from async_rl.errors import ConfigError
-    from rollout.agent import NO_ROOM_STREAK_LIMIT
+    from rollout.runner import NO_ROOM_STREAK_LIMIT
 
     groups = NO_ROOM_STREAK_LIMIT // 2 + 4
     replay = ReplayDouble(zmq_context, [f"g{i}" for i in range(groups)], group_size=2)

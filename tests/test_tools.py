@@ -12,11 +12,11 @@ from async_rl import Action, Judgement, StepResult, Task, ToolCall, ToolResult
 from async_rl.config_load import load_config
 from async_rl.hf_io import TOOLS_TEMPLATE
 from async_rl.model import byte_tokenizer, ensure_model_dir, load_tokenizer
-from rollout.agent import EpisodeRunner, Prompter
 from rollout.engines import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.envs.base import EnvError, checked_step, tools_of
 from rollout.prompting import blinded, tools_text
+from rollout.runner import EpisodeRunner, Prompter
 from rollout.tool_parser import get_parser, parse_hermes, parse_none
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {

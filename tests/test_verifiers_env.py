@@ -1,4 +1,4 @@
-"""`env.name=verifiers` (rollout/envs/verifiers_env.py): a verifiers (v1) taskset, its harness and its rewards
+"""`env.name=verifiers` (rollout/agents/verifiers_env.py): a verifiers (v1) taskset, its harness and its rewards
 trained through the agent env. The adapter's settings, split, outcome mapping and errors; then the no-network
 taskset of tests/vf_tiny_taskset.py driving the real episode runner, torch engine and endpoint (each completion a
 stage, the `@reward` the outcome, a harness that raises losing only its trajectory); and `async-rl train` on it
@@ -21,11 +21,11 @@ pytest.importorskip("verifiers.v1")
 
 from async_rl.config_load import load_config  # noqa: E402
 from async_rl.model import ensure_model_dir, load_tokenizer  # noqa: E402
-from rollout.agent import EpisodeRunner  # noqa: E402
+from rollout.agents import verifiers_env  # noqa: E402
 from rollout.engines import SamplingParams  # noqa: E402
 from rollout.engines.torch_engine import TorchEngine  # noqa: E402
-from rollout.envs import verifiers_env  # noqa: E402
 from rollout.envs.base import EnvError, load_factory, vocabulary_of  # noqa: E402
+from rollout.runner import EpisodeRunner  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {"id": "vf-tiny-taskset", "env": {"agent": {"runtime": {"type": "subprocess"}}}}

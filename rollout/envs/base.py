@@ -64,8 +64,8 @@ BUILTIN = {
     "coding": "rollout.envs.coding:factory",
     "tasks": "rollout.envs.tasks:factory",
     "chain": "rollout.envs.chain:factory",
-    "agent": "rollout.envs.agent:factory",
-    "verifiers": "rollout.envs.verifiers_env:factory",
+    "agent": "rollout.agents.env:factory",
+    "verifiers": "rollout.agents.verifiers_env:factory",
     "swe": "rollout.envs.swe:factory",
 }
 
@@ -271,7 +271,7 @@ def checked_make(env_name: str, factory: EnvFactory) -> Env:
 # --- token-level environments ------------------------------------------------------------------------------------
 # An env whose `reset_tokens(task) -> Prompt` and `step_tokens(generation) -> StepResult` (observation a Prompt or
 # None) replace `reset` and `step` hands the runner tokens, not text: it renders its own observations and sees the
-# model's sampled tokens as they are (the `agent` env's trajectory, rollout/envs/agent_trajectory.py, which serves
+# model's sampled tokens as they are (the `agent` env's trajectory, rollout/agents/trajectory.py, which serves
 # them to an outside agent over an OpenAI-compatible endpoint). An internal seam, not the public one: its Prompt
 # tokens are appended to the trajectory's context unchanged.
 

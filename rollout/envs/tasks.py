@@ -4,7 +4,7 @@ the data's verifier (docs/environments.md, "tasks").
 `env.name=tasks`. The first observation is the question and how to answer; the env's `tools()` are the ones
 `env.kwargs.tools` names (`calculator`: safe arithmetic through `ast`, rollout/envs/calculator.py; `python`: the
 code runs in the sandbox, rollout/sandbox/, and its stdout comes back), plus an MCP server's tools when
-`env.kwargs.mcp` names one (rollout/mcp_tools.py). A turn with tool calls (or a call
+`env.kwargs.mcp` names one (rollout/agents/mcp_tools.py). A turn with tool calls (or a call
 that did not parse) gets the tools' answers as `tool` messages and the episode goes on; a turn with
 `<answer>...</answer>`, or without a tool call, is the final answer and ends it; so does the `max_turns`-th turn.
 Stage reward: `tool_reward` on the final turn when the answer uses the result of a well-formed tool call (the
@@ -27,10 +27,10 @@ from typing import Any, Literal
 import msgspec
 
 from async_rl.env_types import Action, Judgement, StepResult, Task, ToolCall, ToolResult
+from rollout.agents.mcp_tools import McpSettings, McpTools
 from rollout.envs.base import EnvError, settings_from_kwargs
 from rollout.envs.calculator import CALC_SPEC, CalcError, calculate, format_number
 from rollout.envs.task_file import SETTING, read_task_file
-from rollout.mcp_tools import McpSettings, McpTools
 from rollout.tool_parser import CLOSE, OPEN
 
 DEFAULT_DATASET = "basic_arithmetic"
@@ -72,7 +72,7 @@ class TasksSettings(msgspec.Struct, forbid_unknown_fields=True):
     untagged: Literal["text", "last-number"] = "text"
     python_timeout_s: float = 5.0  # the wall-clock limit of one `python` call
     # An MCP server whose tools the env adds to `tools` ({"command": [...], "env": {...}, ...}: McpSettings,
-    # rollout/mcp_tools.py); started with the first trajectory, stopped with the worker.
+    # rollout/agents/mcp_tools.py); started with the first trajectory, stopped with the worker.
     mcp: McpSettings | None = None
 
     def __post_init__(self) -> None:

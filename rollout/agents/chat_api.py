@@ -1,8 +1,8 @@
-"""The OpenAI chat-completions shapes, token in and token out (`rollout.chat_api`): a request's messages checked and
-rendered with the model's chat template, a trajectory's next request checked against what it sent before, and the
+"""The OpenAI chat-completions shapes, token in and token out (`rollout.agents.chat_api`): a request's messages checked
+and rendered with the model's chat template, a trajectory's next request checked against what it sent before, and the
 model's sampled tokens turned into the assistant message an OpenAI client expects (tool calls parsed by
-rollout/tool_parser.py). The HTTP side is rollout/openai_endpoint.py; the trajectory that uses these is
-rollout/envs/agent_trajectory.py.
+rollout/tool_parser.py). The HTTP side is rollout/agents/endpoint.py; the trajectory that uses these is
+rollout/agents/trajectory.py.
 
 Token in, token out. The first request of a trajectory is rendered whole (`ChatTemplate.render`, the template's
 own tools section) and tokenized. A later request must extend the one before: the same tools, the same messages,

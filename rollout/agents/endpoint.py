@@ -1,5 +1,5 @@
-"""An OpenAI-compatible HTTP endpoint inside a rollout worker (`rollout.openai_endpoint`), serving the worker's engine
-to the agents of the `agent` env (rollout/envs/agent.py).
+"""An OpenAI-compatible HTTP endpoint inside a rollout worker (`rollout.agents.endpoint`), serving the worker's engine
+to the agents of the `agent` env (rollout/agents/env.py).
 
     GET  /v1/models                                     the one model (its name: env.kwargs.model)
     GET  /t/<key>/v1/models                             the same, under a trajectory's base URL

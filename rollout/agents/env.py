@@ -5,15 +5,16 @@
 
     async def FUNCTION(task: dict, client: openai.AsyncOpenAI, model: str) -> float | dict
 
-Each trajectory runs FUNCTION once, on a thread of its own, with one line of the tasks file (a JSON object, given
-as it is) and a client whose base URL is the trajectory's own on the worker's OpenAI-compatible endpoint
-(rollout/openai_endpoint.py). Every chat completion the agent asks for is one stage: the episode runner generates
-it with the worker's engine like any env's action (rollout/agent.py, a token-level env: rollout/envs/base.py), the
-endpoint returns it with its tool calls parsed (rollout/chat_api.py), and its tokens, log-probs and policy versions
-go to the replay when the agent's next request (or its return) ends the stage. `await async_rl.reward(client, x)`
-adds x to the stage reward of the latest completion. What FUNCTION returns is the outcome: a number (success when
->= 1) or {"reward": r, "success": bool, <other numbers>: averaged by evaluation}; with `env.kwargs.judge` the slow
-judge `JUDGE(task, returned)` (sync or async) makes the outcome of whatever the agent returned.
+Each trajectory runs FUNCTION once, on a thread of its own, with one line of the tasks file (a JSON object, given as
+it is) and a client whose base URL is the trajectory's own on the worker's OpenAI-compatible endpoint
+(rollout/agents/endpoint.py). Every chat completion the agent asks for is one stage: the episode runner generates it
+with the worker's engine like any env's action (rollout/runner.py, a token-level env: rollout/envs/base.py), the
+endpoint returns it with its tool calls parsed (rollout/agents/chat_api.py), and its tokens, log-probs and policy
+versions go to the replay when the agent's next request (or its return) ends the stage. `await
+async_rl.reward(client, x)` adds x to the stage reward of the latest completion. What FUNCTION returns is the
+outcome: a number (success when >= 1) or {"reward": r, "success": bool, <other numbers>: averaged by evaluation};
+with `env.kwargs.judge` the slow judge `JUDGE(task, returned)` (sync or async) makes the outcome of whatever the
+agent returned.
 
 A synchronous FUNCTION (smolagents, a plain loop) gets an `openai.OpenAI` client instead and runs as it is.
 
@@ -26,7 +27,7 @@ and the agent may go on. A trajectory whose context reaches model.max_seq_len ha
 
 This file is the factory side: the settings, the tasks file and its train/eval split, the user's agent and judge
 loaded, and what the trajectories share (the endpoint, the runner's tokenizer and limits, the counts). Each
-trajectory, the bridge between its agent's thread and the runner, is an AgentEnv (rollout/envs/agent_trajectory.py).
+trajectory, the bridge between its agent's thread and the runner, is an AgentEnv (rollout/agents/trajectory.py).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ from typing import Any
 import msgspec
 
 from async_rl.env_types import Task
-from rollout.chat_api import ChatTemplate
-from rollout.envs.agent_trajectory import ENV, AgentEnv
+from rollout.agents.chat_api import ChatTemplate
+from rollout.agents.endpoint import ChatEndpoint
+from rollout.agents.trajectory import ENV, AgentEnv
 from rollout.envs.base import EnvError, load_callable, settings_from_kwargs
 from rollout.envs.task_file import read_task_file
-from rollout.openai_endpoint import ChatEndpoint
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -98,7 +99,7 @@ class AgentFactory:
 
     def serve(self, tasks: list[Task], source: str) -> None:
         """The tasks' train/eval split (`source` names them in an error) and the state the trajectories share: the
-        end of __init__, and of a subclass's that has its tasks and agent from elsewhere (envs/verifiers_env.py)."""
+        end of __init__, and of a subclass's that has its tasks and agent from elsewhere (agents/verifiers_env.py)."""
         self.splits = self._split(tasks, source)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
@@ -133,7 +134,7 @@ class AgentFactory:
         return AgentEnv(self)
 
     def bind(self, tokenizer: Any, parse_tools: Any, stop: list[str], step_timeout_s: float) -> None:
-        """The episode runner's tokenizer, tool parser, stop strings and step limit (rollout/agent.py)."""
+        """The episode runner's tokenizer, tool parser, stop strings and step limit (rollout/runner.py)."""
         with self.lock:
             if self.template is None or self.tokenizer is not tokenizer:
                 self.tokenizer, self.template = tokenizer, ChatTemplate(tokenizer)

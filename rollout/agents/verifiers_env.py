@@ -5,7 +5,7 @@
 verifiers (PyPI `verifiers`, its `verifiers.v1` stack; `pip install 'async-rl[verifiers]'`) builds an environment
 from a taskset id: `vf.load_environment(vf.resolve_env_config({"taskset": {"id": TASKSET, **args}, **env}))`, the
 same config `vf-eval` builds from `--env.taskset.*` and `--env.*`. This env is a thin adapter on `env.name=agent`
-(rollout/envs/agent.py, whose factory it extends): the tasks are the taskset's (a held-out share of them for
+(rollout/agents/env.py, whose factory it extends): the tasks are the taskset's (a held-out share of them for
 evaluation), and each trajectory's agent is verifiers' own `Env.run_episode(task, ModelContext)` for one task,
 its model client the trajectory's base URL on the worker's OpenAI-compatible endpoint. The harness's every chat
 completion is thus one stage (through verifiers' interception server, which relays each request as it is), and
@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from async_rl.env_types import Task
-from rollout.envs.agent import DEFAULT_TIMEOUT_S, AgentFactory
+from rollout.agents.env import DEFAULT_TIMEOUT_S, AgentFactory
 from rollout.envs.base import EnvError, settings_from_kwargs
 
 log = logging.getLogger("async_rl.rollout")

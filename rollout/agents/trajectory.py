@@ -1,15 +1,15 @@
 """One trajectory of the `agent` env: the user's agent on a thread of its own, its requests as the runner's turns.
 
 AgentEnv is the bridge between two sides that meet under one condition variable. The endpoint's HTTP threads
-(rollout/openai_endpoint.py) hand over each chat-completion request (`complete`) or stage reward (`reward`) and
-wait for the answer; the episode runner's env threads (rollout/agent.py) take each request that extends the
+(rollout/agents/endpoint.py) hand over each chat-completion request (`complete`) or stage reward (`reward`) and
+wait for the answer; the episode runner's env threads (rollout/runner.py) take each request that extends the
 trajectory as the tokens it adds (`reset_tokens`, `step_tokens`), answer it with the engine's generation as a
-completion (rollout/chat_api.py), and make the outcome of what the agent returned (`judge`, `judgement_of`). The
+completion (rollout/agents/chat_api.py), and make the outcome of what the agent returned (`judge`, `judgement_of`). The
 agent's function runs to its return or its exception on its own thread (`_run_agent`: an async one on an event
 loop of its own); the runner's step time limit measures the agent's time between two model calls
 (`waiting_since`), and a trajectory closed while its agent works counts a timeout or a cancellation and cancels the
 agent's task on that loop. The factory the trajectories share (settings, tasks, the user's agent and judge, the
-endpoint, the counts) is rollout/envs/agent.py's AgentFactory.
+endpoint, the counts) is rollout/agents/env.py's AgentFactory.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from async_rl.env_types import Judgement, StepResult, Task
-from rollout.chat_api import (
+from rollout.agents.chat_api import (
     ChatError,
     ChatRequest,
     ChatTemplate,
@@ -37,8 +37,8 @@ from rollout.chat_api import (
     parse_request,
     stream_events,
 )
+from rollout.agents.endpoint import ChatEndpoint, error
 from rollout.envs.base import EnvError, Prompt
-from rollout.openai_endpoint import ChatEndpoint, error
 
 log = logging.getLogger("async_rl.rollout")
 
@@ -46,7 +46,7 @@ ENV = "agent"
 
 
 class AgentHost(Protocol):
-    """What a trajectory asks of its factory (AgentFactory, rollout/envs/agent.py, and its subclasses)."""
+    """What a trajectory asks of its factory (AgentFactory, rollout/agents/env.py, and its subclasses)."""
 
     name: str  # the env.name the agent's errors give
     settings: Any  # its `entry`, `judge` and `model` (AgentSettings)
