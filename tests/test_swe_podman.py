@@ -39,8 +39,8 @@ def image_task_file(task_file, tmp_path_factory):  # noqa: F811
 
 
 def test_a_task_with_an_image_runs_the_scripted_episode_in_podman(image_task_file):
-    from rollout.agent import EpisodeRunner
     from rollout.engines import SamplingParams
+    from rollout.runner import EpisodeRunner
 
     factory = load_factory("swe", {"tasks": str(image_task_file), "eval_fraction": 0.0, "max_turns": 6})
     tokenizer = byte_tokenizer()

@@ -1,4 +1,4 @@
-"""env.name=swe through the rollout worker's episode runner (rollout/agent.py) with a scripted policy standing in for
+"""env.name=swe through the rollout worker's episode runner (rollout/runner.py) with a scripted policy standing in for
 the model (named as such: it writes the tool calls a model would), the byte tokenizer and the ChatML tools template:
 stage rewards come from run_tests, the outcome from the judge. And `async-rl demos` on swe: the gold fix played
 through the env's own tools."""
@@ -62,8 +62,8 @@ class Sink:
 
 
 def test_a_scripted_episode_through_the_runner_pays_stage_rewards_and_the_judges_outcome(task_file):  # noqa: F811
-    from rollout.agent import EpisodeRunner
     from rollout.engines import SamplingParams
+    from rollout.runner import EpisodeRunner
 
     factory = load_factory("swe", {"tasks": str(task_file), "eval_fraction": 0.0, "max_turns": 6})
     tokenizer = byte_tokenizer()
