@@ -157,6 +157,7 @@ def judged(swe, *actions) -> tuple:
 def test_hack_submitting_nothing_fails(swe):
     env, judgement = judged(swe, call("submit"))
     assert not judgement.success and judgement.info["fail_to_pass"] == 0.0 and judgement.info["files_changed"] == 0
+    assert judgement.score == 0.0 and judgement.info["pass_to_pass"] == 1.0  # the untouched tests do not pay
     env.close()
 
 

@@ -8,7 +8,7 @@ expected failure) and neither its setup nor its teardown failed; a test with no 
 
 `judge` is SWE-bench's rule, in a fresh copy of the base outside every process the agent touched: the agent's
 changes to non-test files only (rollout/envs/swe_tasks.py `is_protected`), then `test_patch`, then FAIL_TO_PASS
-and PASS_TO_PASS; success only when all pass, score the fraction passing.
+and PASS_TO_PASS; success only when all pass; score: FAIL_TO_PASS's fraction passing times PASS_TO_PASS's.
 """
 
 from __future__ import annotations
@@ -141,8 +141,10 @@ def judge(task: SweTask, base: Path, agent_copy: Path | None, runtime: Runtime, 
                     pass_to_pass=len(p2p) / len(task.pass_to_pass) if task.pass_to_pass else 1.0,
                     judge_timeout=float(run.shell.timed_out), test_patch_failed=0.0,
                     judge_s=time.monotonic() - started)
-        passed = len(f2p) + len(p2p)
-        return Judgement(passed / len(ids), passed == len(ids), info)
+        # SWE-bench's success; the score is FAIL_TO_PASS's fraction scaled by PASS_TO_PASS's: the plain fraction of
+        # both lists gave an unchanged base 0.98 on a made inflection task (449 PASS_TO_PASS, 6 FAIL_TO_PASS)
+        score = info["fail_to_pass"] * info["pass_to_pass"]
+        return Judgement(score, len(f2p) + len(p2p) == len(ids), info)
     finally:
         remove_tree(fresh)
 
