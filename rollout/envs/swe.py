@@ -103,7 +103,7 @@ class SweFactory:
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(settings.max_concurrent)
         self.splits: dict[str, list[Task]] | None = None
-        self.root = Path(tempfile.mkdtemp(prefix="async-rl-swe-", dir=settings.work_dir))
+        self._root: Path | None = None  # made on first use: a factory only checked or asked for tasks leaves nothing
         self.bases: dict[str, Path] = {}
         limits = ShellLimits(wall_s=settings.bash_timeout_s, cpu_s=int(max(settings.judge_timeout_s,
                              settings.tests_timeout_s)) + 1, memory_mb=settings.memory_mb, nproc=settings.nproc,
@@ -115,6 +115,14 @@ class SweFactory:
                 self.shell.check()
             except SandboxError as exc:
                 raise EnvError(f"env.kwargs.require_namespaces: {exc}") from None
+
+    @property
+    def root(self) -> Path:
+        """Where this factory's unpacked bases and trajectories' copies live."""
+        with self.lock:
+            if self._root is None:
+                self._root = Path(tempfile.mkdtemp(prefix="async-rl-swe-", dir=self.settings.work_dir))
+            return self._root
 
     @property
     def step_timeout_s(self) -> float:
@@ -144,13 +152,14 @@ class SweFactory:
 
     def base(self, task: SweTask) -> Path:
         """The task's repository at its base, unpacked once per factory."""
+        root = self.root
         with self.lock:
             if task.instance_id not in self.bases:
                 source = Path(task.repo_dir)
                 if source.is_dir():
                     self.bases[task.instance_id] = source
                 else:
-                    into = self.root / "bases" / _safe(task.instance_id)
+                    into = root / "bases" / _safe(task.instance_id)
                     self.bases[task.instance_id] = unpack(str(source), into)
             return self.bases[task.instance_id]
 
@@ -197,7 +206,8 @@ class SweFactory:
         """The worker's end: the unpacked bases and podman's settings go."""
         if self._podman is not None:
             self._podman.close()
-        remove_tree(self.root)
+        if self._root is not None:
+            remove_tree(self._root)
 
 
 def _turn(call_id: str, name: str, arguments: dict) -> dict:
