@@ -92,8 +92,8 @@ class ModelConfig(_Section):
 
 class EnvConfig(_Section):
     name: Annotated[str, doc(
-        "A built-in environment (`trap`, `hunt`, `chain`, `tasks`, `coding`, `agent`, `verifiers`) or an import "
-        "path `package.module:callable` returning an EnvFactory (rollout/envs/base.py; docs/environments.md). "
+        "A built-in environment (`trap`, `hunt`, `chain`, `tasks`, `coding`, `agent`, `verifiers`, `swe`) or an "
+        "import path `package.module:callable` returning an EnvFactory (rollout/envs/base.py; docs/environments.md). "
         "Checked when a run starts, not here: the kernel knows no environment."
     )] = "trap"
     kwargs: Annotated[dict[str, Any], doc(

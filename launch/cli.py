@@ -1,7 +1,8 @@
 """The `async-rl` command's arguments and which command runs: `train` runs every role on this machine
 (launch/train.py); `replay|learner|rollout|evaluate` run one role in this process, as a pod does (launch/roles.py);
 `keys DIR`, `model import` and `export` write files (launch/tools.py); `demos` and `sft` warm a model up
-(launch/warm_start.py); `config` prints the resolved config."""
+(launch/warm_start.py); `swe make` writes tasks for the swe env (rollout/envs/swe_make.py); `config` prints the
+resolved config."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ MODEL_IMPORT_HELP = ("Write a GGUF model as a Hugging Face directory that model.
                      "(a ChatML one with a tools section where the model's own renders none; docs/models.md).")
 EXPORT_HELP = ("Write a run's latest (or --version N) published policy as a Hugging Face directory with its tokenizer "
                "and chat template, for transformers or SGLang (docs/models.md).")
+SWE_MAKE_HELP = ("Write SWE-bench tasks from a PyPI package's sdist: bugs injected into functions its tests cover, "
+                 "kept when they break 1 to 10 tests, part of those hidden behind test_patch, each validated by the "
+                 "judge (the base fails, the gold patch passes). Prints a JSON summary.")
 POD_ROLES = ("replay", "learner", "rollout")
 KEYS_WORKERS = 4  # `keys` without --workers: the rollout StatefulSet's replicas in deploy/k8s
 CONFIG_HELP = ("a YAML config file, or a packaged config by name: local, cluster, smollm2 (default: the built-in "
@@ -97,6 +101,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="weights' dtype (default fp32, as the run trains)")
     export.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     add_warm_start_parsers(roles, CONFIG_HELP, OVERRIDES_HELP)
+    swe = roles.add_parser("swe", help="Make tasks for env.name=swe (swe make --help)",
+                           description="Tasks for the swe env (docs/environments.md, 'swe').")
+    swe_actions = swe.add_subparsers(dest="action", required=True, metavar="ACTION")
+    make = swe_actions.add_parser("make", help=SWE_MAKE_HELP.split(": ")[0], description=SWE_MAKE_HELP)
+    make.add_argument("--package", required=True, metavar="NAME==VERSION", help="a pinned PyPI release with its "
+                      "tests in its sdist")
+    make.add_argument("--out", required=True, metavar="FILE.jsonl", help="the task file to write (the repositories "
+                      "go to FILE.repos/ beside it)")
+    make.add_argument("--n", type=int, default=5, metavar="N", help="tasks to keep (default 5)")
+    make.add_argument("--seed", type=int, default=0, help="the seed of the mutants' order and of what is hidden")
+    make.add_argument("--max-tries", type=int, default=60, metavar="M", help="mutants tried at most (default 60)")
     return parser
 
 
@@ -164,6 +179,23 @@ def explain_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_swe_make(args: argparse.Namespace) -> int:
+    """`swe make`: the tasks written, the summary printed as one JSON line; 1 when no mutant was kept."""
+    import json
+    import logging
+
+    from rollout.envs.swe_make import make_tasks
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    try:
+        summary = make_tasks(args.package, Path(args.out), args.n, args.seed, args.max_tries)
+    except AsyncRLError as exc:
+        print(f"async-rl swe make: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0 if summary["kept"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, load the config, refuse what can be refused before anything starts, then run the command; returns
     the exit code."""
@@ -202,6 +234,8 @@ def _run(argv: list[str] | None) -> int:
         from launch.warm_start import run_demos, run_sft
 
         return run_demos(args) if args.role == "demos" else run_sft(args)
+    if args.role == "swe":
+        return run_swe_make(args)
     if args.role in ("keys", "model", "export"):  # no config: they write files and exit
         from launch.tools import run_tool
 

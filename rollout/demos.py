@@ -27,6 +27,7 @@ from rollout.envs.base import (
     checked_reset,
     checked_step,
     checked_tasks,
+    close_factory,
     env_call,
     has_own,
     load_factory,
@@ -95,6 +96,13 @@ def write_demonstrations(config: Config, out: Path, n: int) -> dict[str, int]:
     if not has_own(factory, "demonstration"):
         raise EnvError(f"env {config.env.name!r} has no demonstration(task) member: it cannot write its own "
                        "demonstrations (write them as OpenAI chat JSONL yourself: docs/models.md, 'Warm start')")
+    try:
+        return _write(config, factory, out, n)
+    finally:
+        close_factory(config.env.name, factory)  # a factory's temporary files or servers (the swe env's copies)
+
+
+def _write(config: Config, factory: EnvFactory, out: Path, n: int) -> dict[str, int]:
     tasks = checked_tasks(config.env.name, factory, "train")
     random.Random(config.run.seed).shuffle(tasks)
     written = skipped = 0

@@ -14,11 +14,12 @@ These names and signatures are the public API: code outside the project is writt
 re-exported here. The optional members a factory or an env may add are declared, with their defaults, on
 `EnvFactoryDefaults` and `EnvDefaults` (read through `optional`).
 
-`env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`, `tasks`, `chain`, `agent`) or an
-import path `package.module:callable`; the callable is called with `env.kwargs` as keyword arguments and returns the
-factory (`load_factory`). Everything a plugin does is checked: a wrong path, a missing attribute, an object without the
-methods, an exception inside `reset`/`step`/`judge`, a reward that is not a finite number: each raises `EnvError`
-naming the env and the method. Inside a trajectory that abandons the trajectory (counted), never the worker.
+`env.name` in the config is a built-in short name (`trap`, `hunt`, `coding`, `tasks`, `chain`, `agent`, `verifiers`,
+`swe`) or an import path `package.module:callable`; the callable is called with `env.kwargs` as keyword arguments
+and returns the factory (`load_factory`). Everything a plugin does is checked: a wrong path, a missing attribute, an
+object without the methods, an exception inside `reset`/`step`/`judge`, a reward that is not a finite number: each
+raises `EnvError` naming the env and the method. Inside a trajectory that abandons the trajectory (counted), never
+the worker.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ BUILTIN = {
     "chain": "rollout.envs.chain:factory",
     "agent": "rollout.agents.env:factory",
     "verifiers": "rollout.agents.verifiers_env:factory",
+    "swe": "rollout.envs.swe:factory",
 }
 
 

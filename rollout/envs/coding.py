@@ -50,7 +50,7 @@ def factory(
     test_timeout_s: float = 3.0,
     memory_mb: int = 512,
     isolation: str = "auto",
-    require_namespaces: bool = False,
+    require_namespaces: bool = True,
     score: str = "fraction",
 ) -> CodingFactory:
     """The coding environment's factory; cheap: tasks load on the first `tasks()`, the sandbox on the first `make()`."""
@@ -69,8 +69,9 @@ def factory(
     if not isinstance(require_namespaces, bool):
         raise EnvError(f"env.kwargs.require_namespaces: expected true or false, got {require_namespaces!r}")
     if require_namespaces and isolation == "basic":
-        raise EnvError("env.kwargs.require_namespaces: true needs env.kwargs.isolation: auto ('basic' never uses "
-                       "namespaces)")
+        raise EnvError("env.kwargs.require_namespaces: true (the default) needs env.kwargs.isolation: auto ('basic' "
+                       "never uses namespaces); to run without them, set require_namespaces: false as well (unsafe: "
+                       "the audit-hook fallback is no security boundary)")
     if max_concurrent_executions < 1:
         raise EnvError(f"env.kwargs.max_concurrent_executions: expected >= 1, got {max_concurrent_executions}")
     if tasks_file is not None and not Path(tasks_file).is_file():

@@ -165,6 +165,9 @@ def private_mounts(spec: dict, owner: int, pidns: bool, report: Report) -> None:
     hide = spec["hide"]
     expose = [p for p in spec["expose"] if any(p == h or p.startswith(h + "/") for h in hide)]
     handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in expose if os.path.isdir(p)}
+    # `binds` (the shell sandbox, rollout/sandbox/shell.py): host directories that stay visible at their own path,
+    # writable or not, even under a private tmpfs; one of them is then the working directory (no tmpfs over it)
+    binds = [(p, bool(w), os.open(p, os.O_PATH | os.O_DIRECTORY)) for p, w in spec.get("binds", [])]
     for d in hide:
         if os.path.isdir(d) and not os.path.islink(d):
             mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -176,11 +179,17 @@ def private_mounts(spec: dict, owner: int, pidns: bool, report: Report) -> None:
     for d in spec["private_dirs"]:
         if os.path.isdir(d) and not os.path.islink(d):
             mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,mode=1777")
+    for p, writable, fd in binds:
+        os.makedirs(p, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC, None)
+        mount(None, p, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY), None)
+        os.close(fd)
     work = spec["workdir"]
-    os.makedirs(work, exist_ok=True)
-    gid = owner if spec["uid"] is not None else os.getgid()
-    options = f"size={spec['limits']['disk_mb']}m,mode=0700,uid={owner},gid={gid}"
-    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    if not binds:
+        os.makedirs(work, exist_ok=True)
+        gid = owner if spec["uid"] is not None else os.getgid()
+        options = f"size={spec['limits']['disk_mb']}m,mode=0700,uid={owner},gid={gid}"
+        mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, options)
     report.isolation.append("private-tmp")
     if pidns:
         try:
@@ -315,6 +324,6 @@ def isolate(spec: dict, report: Report) -> bool:
     os.chdir(spec["workdir"])
     with contextlib.suppress(OSError):
         os.nice(limits["nice"])
-    if not namespaces:
+    if not namespaces and spec.get("audit", True):  # a shell (no Python of the agent's here) has no audit hook
         install_audit_hook(spec["workdir"], report)
     return True

@@ -22,7 +22,6 @@ world-readable files, and can use the CPU and memory its limits allow. See docs/
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -32,14 +31,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from async_rl.errors import AsyncRLError
-from rollout.sandbox.processes import force_rmtree, kill_uid, make_workdir, tasks_of_uid
+from rollout.sandbox.processes import UidSlots, force_rmtree, kill_uid, make_workdir, tasks_of_uid
 from rollout.sandbox.results import ExecutionResult, Limits, Test, assemble, parse_event
 
 log = logging.getLogger("rollout.sandbox")
@@ -122,16 +120,7 @@ class Sandbox:
         self.python = python or sys.executable
         self.is_root = os.geteuid() == 0
         self._slots = threading.BoundedSemaphore(max_concurrent)
-        self._uid_lock = threading.Lock()
-        self._uids_here: set[int] = set()
-        self._uid_range = range(uid_base, uid_base + uid_count)
-        self._lock_dir = ""
-        if self.is_root:
-            self._lock_dir = os.path.join(tempfile.gettempdir(), "async-rl-sandbox-uids")
-            os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
-            st = os.lstat(self._lock_dir)
-            if not os.path.isdir(self._lock_dir) or os.path.islink(self._lock_dir) or st.st_uid != 0:
-                raise RuntimeError(f"sandbox: {self._lock_dir} is not a root-owned directory; refusing to use it")
+        self._uids = UidSlots(uid_base, uid_count) if self.is_root else None
         # The interpreter's directories: bind-mounted back (read-only) when /root or /home is hidden.
         paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
         paths.add(os.path.dirname(os.path.realpath(self.python)))
@@ -154,50 +143,25 @@ class Sandbox:
         required and not given). `explain`: on a failed `assert a == b`, evaluate `a` and report what it gave."""
         names = None if entry_points is None else [str(n) for n in entry_points]
         with self._slots:
-            uid = self._claim_uid() if self.is_root else None
+            uid = self._uids.claim() if self._uids is not None else None
             try:
                 result = self._run(code, list(tests), setup, explain, names, uid)
             finally:
                 if uid is not None:
-                    self._release_uid(uid)
+                    self._uids.release(uid)
         COUNTS.count(result.isolation, result.notes)
         if self.require_namespaces and not all(n in result.isolation for n in NAMESPACES):
             raise SandboxError(
-                "namespaces are required (require_namespaces) and this host gave the sandbox none ("
+                "namespaces are required and this host refused them: the sandbox needs new network and mount "
+                "namespaces (unshare CLONE_NEWNET|CLONE_NEWNS" + ("" if self.is_root else ", in a new user namespace: "
+                "CLONE_NEWUSER") + "), and got none ("
                 + ("; ".join(result.notes) or f"the agent's process ended: {result.status}, {result.stderr[-300:]}")
-                + "): run the worker as root, or where unprivileged user namespaces are allowed (sysctl "
-                "kernel.unprivileged_userns_clone / AppArmor, a seccomp profile that allows unshare), or turn "
-                "require_namespaces off to accept the audit-hook fallback, which is no security boundary"
+                + "). Run the worker as root, or where unprivileged user namespaces are allowed (sysctl "
+                "kernel.unprivileged_userns_clone / AppArmor, a seccomp profile that allows unshare); or set "
+                "require_namespaces: false, the explicit opt-out, to accept the audit-hook fallback, which is no "
+                "security boundary (unsafe)"
             )
         return result
-
-    # -- uid slots: one uid per concurrent execution, machine-wide (a flock per uid), so a sweep kills only ours
-
-    def _claim_uid(self) -> tuple[int, int]:
-        start = secrets.randbelow(len(self._uid_range))
-        for i in range(len(self._uid_range)):
-            uid = self._uid_range[(start + i) % len(self._uid_range)]
-            with self._uid_lock:
-                if uid in self._uids_here:
-                    continue
-                self._uids_here.add(uid)
-            fd = os.open(os.path.join(self._lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                with self._uid_lock:
-                    self._uids_here.discard(uid)
-                continue
-            kill_uid(uid)  # leftovers of an owner that died
-            return uid, fd
-        raise RuntimeError(f"sandbox: all {len(self._uid_range)} sandbox uids are in use")
-
-    def _release_uid(self, claimed: tuple[int, int]) -> None:
-        uid, fd = claimed
-        os.close(fd)  # releases the flock
-        with self._uid_lock:
-            self._uids_here.discard(uid)
 
     # -- one execution
 

@@ -1,12 +1,16 @@
-"""The host side of an execution's processes: its working directory, and every process of a sandbox uid found and
-killed (in /proc), so that nothing an execution started outlives it (rollout/sandbox/parent.py uses these)."""
+"""The host side of an execution's processes: its working directory, its uid slot (claimed machine-wide), and every
+process of a sandbox uid found and killed (in /proc), so that nothing an execution started outlives it
+(rollout/sandbox/parent.py and shell.py use these)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import secrets
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 
@@ -76,3 +80,44 @@ def force_rmtree(path: str) -> None:
             pass
 
     shutil.rmtree(path, onerror=onerror)
+
+
+class UidSlots:
+    """Sandbox uids for a root parent: one per concurrent execution, machine-wide (a flock per uid in a root-owned
+    directory), so that a sweep of a uid's processes kills only that execution's."""
+
+    def __init__(self, uid_base: int, uid_count: int) -> None:
+        self._uid_lock = threading.Lock()
+        self._uids_here: set[int] = set()
+        self._uid_range = range(uid_base, uid_base + uid_count)
+        self._lock_dir = os.path.join(tempfile.gettempdir(), "async-rl-sandbox-uids")
+        os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
+        st = os.lstat(self._lock_dir)
+        if not os.path.isdir(self._lock_dir) or os.path.islink(self._lock_dir) or st.st_uid != 0:
+            raise RuntimeError(f"sandbox: {self._lock_dir} is not a root-owned directory; refusing to use it")
+
+    def claim(self) -> tuple[int, int]:
+        start = secrets.randbelow(len(self._uid_range))
+        for i in range(len(self._uid_range)):
+            uid = self._uid_range[(start + i) % len(self._uid_range)]
+            with self._uid_lock:
+                if uid in self._uids_here:
+                    continue
+                self._uids_here.add(uid)
+            fd = os.open(os.path.join(self._lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                with self._uid_lock:
+                    self._uids_here.discard(uid)
+                continue
+            kill_uid(uid)  # leftovers of an owner that died
+            return uid, fd
+        raise RuntimeError(f"sandbox: all {len(self._uid_range)} sandbox uids are in use")
+
+    def release(self, claimed: tuple[int, int]) -> None:
+        uid, fd = claimed
+        os.close(fd)  # releases the flock
+        with self._uid_lock:
+            self._uids_here.discard(uid)
