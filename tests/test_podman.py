@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import build_pod_image  # noqa: E402
 import podman_kube  # noqa: E402
+from podman_tools import ensure_podman_tools  # noqa: E402
 
 pytestmark = pytest.mark.slow
 VERSIONS = 12  # the learner's budget (run.max_versions)
@@ -49,20 +50,7 @@ CURVE = {  # the files each pod's key volume holds (docs/deploy.md, "Secrets")
 @pytest.fixture(scope="module")
 def image() -> str:
     """The roles' image, built (or found in the cache); the tools installed with apt under CI=true."""
-    if os.geteuid() != 0:
-        reason = "needs root (rootful podman, debootstrap)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    if build_pod_image.tools_missing():
-        if os.environ.get("CI") != "true":
-            pytest.skip(f"{', '.join(build_pod_image.tools_missing())} not installed: apt-get install "
-                        f"{' '.join(build_pod_image.APT_PACKAGES)} (CI=true installs them)")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *build_pod_image.APT_PACKAGES]):
-            out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    os.environ.setdefault("CONTAINERS_CONF", build_pod_image.engine_env()["CONTAINERS_CONF"])  # runc, its limits
+    ensure_podman_tools()
     start = time.monotonic()
     assert build_pod_image.main([]) == 0, (build_pod_image.CACHE / "build.log").read_text()[-4000:]
     print(f"image ready in {time.monotonic() - start:.0f} s")

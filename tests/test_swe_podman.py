@@ -1,15 +1,16 @@
 """env.name=swe with a task that names an `image`: the scripted episode of tests/test_swe_worker.py, run by podman
 (runc) in a container of a local image built by scripts/build_swe_image.sh (debootstrap + podman import: no
-registry). Needs root, podman and runc; the image is built on first use (~2 min)."""
+registry). Needs root, podman and runc (tests/podman_tools.py: installed under CI=true); the image is built on first
+use (~2 min)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 
 import pytest
+from podman_tools import ensure_podman_tools
 from project_commands import REPO
 from test_swe_env import call, task_file  # noqa: F401 - the hand-written SWE-bench task file, a fixture
 from test_swe_worker import ScriptedPolicy, Sink
@@ -20,13 +21,12 @@ from rollout.envs.base import Task, checked_judge, checked_reset, checked_step, 
 
 IMAGE = "localhost/async-rl-swe:bookworm"
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("podman") is None or shutil.which("runc") is None,
-                                                   reason="podman and runc are not installed (apt-get install "
-                                                          "podman runc)")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def image_task_file(task_file, tmp_path_factory):  # noqa: F811
+    ensure_podman_tools()  # skipped without them, installed with apt under CI=true
     if subprocess.run(["podman", "image", "exists", IMAGE]).returncode != 0:
         built = subprocess.run([str(REPO / "scripts" / "build_swe_image.sh"), IMAGE], capture_output=True, text=True,
                                timeout=1200)
