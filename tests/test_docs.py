@@ -112,15 +112,18 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+FENCED = r"^\s*```.*?^\s*```"  # a fenced block: fences open a line (inline ```` ```bash ```` is text)
+
+
 def anchors(path: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a `# comment` in a code block is no heading
+    text = re.sub(FENCED, "", path.read_text(), flags=re.S | re.M)  # a `# comment` in a code block is no heading
     return {slug(match) for match in re.findall(r"^#+ (.+)$", text, re.M)}
 
 
 def test_every_relative_link_in_the_docs_resolves():
     broken = []
     for doc in DOCS:
-        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        text = re.sub(FENCED, "", doc.read_text(), flags=re.S | re.M)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):  # https:, mailto:
                 continue
