@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import pytest
 from podman_tools import ensure_podman_tools
 from project_commands import REPO
 from test_swe_env import call, task_file  # noqa: F401 - the hand-written SWE-bench task file, a fixture
-from test_swe_worker import ScriptedPolicy, Sink
+from test_swe_worker import run_scripted_group
 
-from async_rl.hf_io import TOOLS_TEMPLATE
-from async_rl.model import byte_tokenizer
-from rollout.envs.base import Task, checked_judge, checked_reset, checked_step, load_factory
+from rollout.envs.base import checked_judge, checked_reset, checked_step, load_factory
 
 IMAGE = "localhost/async-rl-swe:bookworm"
 
@@ -39,28 +36,12 @@ def image_task_file(task_file, tmp_path_factory):  # noqa: F811
 
 
 def test_a_task_with_an_image_runs_the_scripted_episode_in_podman(image_task_file):
-    from rollout.engines import SamplingParams
-    from rollout.runner import EpisodeRunner
-
-    factory = load_factory("swe", {"tasks": str(image_task_file), "eval_fraction": 0.0, "max_turns": 6})
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = '{%- set default_system = "" %}\n' + TOOLS_TEMPLATE.read_text()
-    params = SamplingParams(max_new_tokens=512, stop_token_ids=[tokenizer.eos_token_id])
-    sink = Sink()
-    runner = EpisodeRunner("swe", factory, ScriptedPolicy(tokenizer), tokenizer, params, 32768, sink, 4)
-    try:
-        (task,) = factory.tasks("train")
-        runner.start_group("g0", Task(task.id, task.data), 1)
-        deadline = time.monotonic() + 300
-        while not runner.idle():
-            assert time.monotonic() < deadline, "the episode did not finish"
-            runner.pump(0.05)
-    finally:
-        runner.close()
+    sink = run_scripted_group(image_task_file, 1, 300)
     ((trajectory, judgement, reason),) = sink.outcomes
     assert [reward for _, reward, _ in sink.stages] == [pytest.approx(0.5), 0.0, 1.0, 0.0]
     assert reason == "" and judgement.success and judgement.info["fail_to_pass"] == 1.0
     # the commands ran in the image (Debian's python), not on this host
+    factory = load_factory("swe", {"tasks": str(image_task_file), "eval_fraction": 0.0, "max_turns": 6})
     env = factory.make()
     checked_reset("swe", env, factory.tasks("train")[0])
     shown = checked_step("swe", env, call("bash", command="cat /etc/debian_version; python -c 'import sys; "

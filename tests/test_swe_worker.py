@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from test_swe_env import task_file  # noqa: F401 - the hand-written SWE-bench task file, a fixture
@@ -61,11 +62,13 @@ class Sink:
         self.outcomes.append((episode.trajectory_id, judgement, reason))
 
 
-def test_a_scripted_episode_through_the_runner_pays_stage_rewards_and_the_judges_outcome(task_file):  # noqa: F811
+def run_scripted_group(tasks: Path, members: int, seconds: float) -> Sink:
+    """The scripted policy's group of `members` episodes on the file's one train task, through the episode runner
+    on the byte tokenizer with the shipped tools template; returns what reached the sink."""
     from rollout.engines import SamplingParams
     from rollout.runner import EpisodeRunner
 
-    factory = load_factory("swe", {"tasks": str(task_file), "eval_fraction": 0.0, "max_turns": 6})
+    factory = load_factory("swe", {"tasks": str(tasks), "eval_fraction": 0.0, "max_turns": 6})
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = '{%- set default_system = "" %}\n' + TOOLS_TEMPLATE.read_text()
     params = SamplingParams(max_new_tokens=512, stop_token_ids=[tokenizer.eos_token_id])
@@ -73,8 +76,8 @@ def test_a_scripted_episode_through_the_runner_pays_stage_rewards_and_the_judges
     runner = EpisodeRunner("swe", factory, ScriptedPolicy(tokenizer), tokenizer, params, 32768, sink, 4)
     try:
         (task,) = factory.tasks("train")
-        runner.start_group("g0", Task(task.id, task.data), 2)
-        deadline = time.monotonic() + 240
+        runner.start_group("g0", Task(task.id, task.data), members)
+        deadline = time.monotonic() + seconds
         while not runner.idle():
             assert time.monotonic() < deadline, "the episodes did not finish"
             runner.pump(0.05)
@@ -82,6 +85,11 @@ def test_a_scripted_episode_through_the_runner_pays_stage_rewards_and_the_judges
     finally:
         runner.close()
         factory.close()
+    return sink
+
+
+def test_a_scripted_episode_through_the_runner_pays_stage_rewards_and_the_judges_outcome(task_file):  # noqa: F811
+    sink = run_scripted_group(task_file, 2, 240)
     assert len(sink.outcomes) == 2
     for trajectory, judgement, reason in sink.outcomes:
         rewards = [reward for t, reward, _ in sink.stages if t == trajectory]
