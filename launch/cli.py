@@ -249,19 +249,19 @@ def _run(argv: list[str] | None) -> int:
         return 2
     if args.role == "config":
         return print_config(config, notes)
+    if args.role == "train" and args.ray is None:
+        from launch.preflight import preflight
+
+        try:  # before torch is imported: a wrong model.path or run.dir is reported at once, alone
+            preflight(config, args.resume is not None)
+        except AsyncRLError as exc:
+            print(f"async-rl train: {exc}", file=sys.stderr)
+            return 2
     if args.role in ("train", "evaluate"):  # a pod role reads what its launcher resolved: nothing to say
         for line in said(args.role, config.model.path, notes):
             print(line, file=sys.stderr)
     if args.role == "train" and args.ray is not None:
         return run_train_on_ray(config, args)
-    if args.role == "train":
-        from launch.preflight import preflight
-
-        try:  # before torch is imported: a wrong model.path or run.dir is reported at once
-            preflight(config, args.resume is not None)
-        except AsyncRLError as exc:
-            print(f"async-rl train: {exc}", file=sys.stderr)
-            return 2
     from launch.roles import ENTRY_POINTS, run_in_process
 
     name = f"rollout-{args.index}" if args.role == "rollout" else args.role

@@ -97,21 +97,21 @@ def write_demonstrations(config: Config, out: Path, n: int) -> dict[str, int]:
         raise EnvError(f"env {config.env.name!r} has no demonstration(task) member: it cannot write its own "
                        "demonstrations (write them as OpenAI chat JSONL yourself: docs/models.md, 'Warm start')")
     try:
-        return _write(config, factory, out, n)
+        return _write(config.env.name, config.run.seed, factory, out, n)
     finally:
         close_factory(config.env.name, factory)  # a factory's temporary files or servers (the swe env's copies)
 
 
-def _write(config: Config, factory: EnvFactory, out: Path, n: int) -> dict[str, int]:
-    tasks = checked_tasks(config.env.name, factory, "train")
-    random.Random(config.run.seed).shuffle(tasks)
+def _write(env_name: str, seed: int, factory: EnvFactory, out: Path, n: int) -> dict[str, int]:
+    tasks = checked_tasks(env_name, factory, "train")
+    random.Random(seed).shuffle(tasks)
     written = skipped = 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for index in range(len(tasks) * max(1, -(-n // len(tasks)))):
             if written >= n:
                 break
-            conversation = play(config.env.name, factory, tasks[index % len(tasks)])
+            conversation = play(env_name, factory, tasks[index % len(tasks)])
             if conversation is None:
                 skipped += 1
                 continue

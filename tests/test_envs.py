@@ -86,7 +86,8 @@ def test_builtins_load_by_short_name_and_by_import_path():
     [
         ("no_such_module_xyz:f", {}, "env 'no_such_module_xyz:f': cannot import module 'no_such_module_xyz'"),
         ("PLUGIN:missing", {}, "module 'my_plugin_env' has no attribute 'missing'"),
-        ("PLUGIN", {}, "expected a built-in (trap, hunt, coding, tasks, chain, agent, verifiers) or an import path"),
+        ("PLUGIN", {}, "expected a built-in (trap, hunt, coding, tasks, chain, agent, verifiers, swe) or an "
+                       "import path"),
         ("PLUGIN:not_callable", {}, "my_plugin_env:not_callable is not callable"),
         ("PLUGIN:returns_nothing_useful", {}, "which has no tasks() or make()"),
         ("PLUGIN:raises", {}, "my_plugin_env:raises(**env.kwargs) raised RuntimeError: no database"),
