@@ -79,9 +79,10 @@ def build_tiny_model(model: ModelConfig, seed: int, vocab_size: int, pad_id: int
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=eos_id,
-        # a directory of it that model.path names keeps the tiny model's defaults (async_rl/model_defaults.py)
-        async_rl_tiny_model=True,
     )
+    # a directory of it that model.path names keeps the tiny model's defaults (async_rl/model_defaults.py); an extra
+    # attribute is saved into config.json like the declared ones
+    llama.async_rl_tiny_model = True
     torch.manual_seed(seed)
     return LlamaForCausalLM(llama).float()
 

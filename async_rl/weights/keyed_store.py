@@ -16,6 +16,7 @@ import datetime
 import hashlib
 import hmac
 import secrets
+from typing import cast
 
 import torch.distributed as dist
 
@@ -42,7 +43,8 @@ class KeyedStore(dist.Store):
 
     def set(self, key: str, value: bytes | str) -> None:
         value = value.encode() if isinstance(value, str) else bytes(value)
-        self.inner.set(key, value + self._tag(key, value))
+        # torch's stub says str; the binding takes bytes as they are (a str would be UTF-8 encoded)
+        self.inner.set(key, cast(str, value + self._tag(key, value)))
 
     def get(self, key: str) -> bytes:
         signed = self.inner.get(key)
