@@ -81,6 +81,8 @@ def test_the_wheel_installed_outside_the_checkout_runs_the_readme_default(tmp_pa
     (wheel,) = (tmp_path / "wheels").glob("async_rl-*.whl")
     with zipfile.ZipFile(wheel) as archive:  # PEP 561: the package says it is typed
         assert "async_rl/py.typed" in archive.namelist()
+        # the swe judge's pytest plugin is loaded by path, not imported: package data, not a package
+        assert "rollout/sandbox/pytest_plugin/async_rl_outcomes.py" in archive.namelist()
     venv = tmp_path / "venv"
     python, cli = venv_with_the_dependencies_only(venv), venv / "bin" / "async-rl"
     installed = _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
