@@ -55,9 +55,9 @@ def _model_config(model_dir: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def model_context(model_dir: Path) -> int | None:
+def _context(model_config: dict[str, Any]) -> int | None:
     """The model's own context (config.json's max_position_embeddings), or None when it states none."""
-    found = _model_config(model_dir).get("max_position_embeddings")
+    found = model_config.get("max_position_embeddings")
     return found if isinstance(found, int) and found > 0 else None
 
 
@@ -78,11 +78,12 @@ def follow_model(raw: dict[str, Any], set_by: dict[str, str], warm_start: bool =
     if not (model_dir / "config.json").is_file():  # the command that needs the model refuses it by name
         return {key: notes.get(key, f"{_default(key)}, the built-in default ({model_dir} has no config.json to "
                                     "follow)") for key in FOLLOWS_MODEL}
-    if _model_config(model_dir).get("async_rl_tiny_model"):  # built by async_rl/model.py: random init, not pretrained
+    model_config = _model_config(model_dir)  # read once for both keys
+    if model_config.get("async_rl_tiny_model"):  # built by async_rl/model.py: random init, not pretrained
         return {key: notes.get(key, f"{_default(key)}, the built-in default ({model_dir} is async-rl's tiny model)")
                 for key in FOLLOWS_MODEL}
     if "model.max_seq_len" not in set_by:
-        context = model_context(model_dir)
+        context = _context(model_config)
         if context is None:
             notes["model.max_seq_len"] = (f"{_default('model.max_seq_len')}, the built-in default "
                                           f"({model_dir}/config.json states no max_position_embeddings)")
