@@ -221,6 +221,15 @@ def test_podman_pods_train_from_the_image_and_a_killed_rollout_pod_rejoins(image
                 podman("unpause", "async-rl-rollout-0-rollout")
                 frozen_until = None
             time.sleep(1)
+        learner_done = time.monotonic()
+        if frozen_until:
+            podman("unpause", "async-rl-rollout-0-rollout")
+        # The learner can reach its budget on what the replay already held before the restarted worker's first
+        # record (a loaded machine starts rollout-1 late, and its first ack comes near the end): the replay stays
+        # up (a Deployment), so the rejoined worker's records are still acked after the learner is done.
+        while killed_at_acks is not None and _acks(run_dir, "rollout-1") <= killed_at_acks and (
+                time.monotonic() < learner_done + 180):
+            time.sleep(1)
         learner = state("async-rl-learner-0-learner")
         rollout_1 = logs("async-rl-rollout-1-rollout")
         assert learner["State"]["ExitCode"] == 0, logs("async-rl-learner-0-learner")[-3000:]
@@ -235,7 +244,8 @@ def test_podman_pods_train_from_the_image_and_a_killed_rollout_pod_rejoins(image
         rollout = state("async-rl-rollout-1-rollout")
         assert rollout["RestartCount"] >= 1 and rollout["State"]["Status"] == "running", rollout_1[-3000:]
         # The restarted worker's records were acked: it rejoined.
-        assert _acks(run_dir, "rollout-1") > killed_at_acks, logs("async-rl-rollout-1-rollout")[-5000:]
+        assert _acks(run_dir, "rollout-1") > killed_at_acks, (
+            rollout_1[-5000:] + "\n--- replay ---\n" + logs("async-rl-replay-replay")[-5000:])
 
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["versions"] == VERSIONS and summary["stop_reason"] == "max_versions"

@@ -228,13 +228,15 @@ def test_the_runner_renders_tools_and_tool_results_through_the_template(byte_mod
     assert "<tools>" in first and '"name": "add"' in first
     tool_turn = ("<|im_start|>user\n<tool_response>\nseen {}\n</tool_response>\n<tool_response>\nsecond\n"
                  "</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    for env, stages in zip(factory.envs, sink.stages.values(), strict=True):
+    for stages in sink.stages.values():
         assert len(stages) == 3
         assert tokenizer.decode(stages[0][0]) == first
         assert [tokenizer.decode(obs) for obs, _ in stages[1:]] == [tool_turn.format(1), tool_turn.format(2)]
-        # the env got an Action holding the decoded text of the model's own tokens (never re-tokenized)
-        assert all(isinstance(a, Action) for a in env.seen)
-        assert [a.text for a in env.seen] == [tokenizer.decode(act, skip_special_tokens=True) for _, act in stages]
+    # each env got Actions holding the decoded text of the model's own tokens (never re-tokenized); the envs are
+    # made in one order and their trajectories reach the sink in another, so they are matched as a multiset
+    assert all(isinstance(a, Action) for env in factory.envs for a in env.seen)
+    assert sorted([a.text for a in env.seen] for env in factory.envs) == sorted(
+        [tokenizer.decode(act, skip_special_tokens=True) for _, act in stages] for stages in sink.stages.values())
     assert stats["tool_calls"] == 0 and stats["tool_call_errors"] == 0  # random bytes call nothing
 
 
