@@ -219,6 +219,13 @@ class RolloutConfig(_Section):
         "waited this long (rollout/runner.py): more rows share a call's fixed cost. 0: a call takes whoever waits "
         "at once."
     )] = 0.002
+    inline_budget_s: Annotated[NonNegFloat, doc(
+        "A worker runs its env's resets, steps and judges on its own loop thread while each returns within this "
+        "many seconds (rollout/inline_calls.py): an instant env then costs no thread hand-off per call. A call "
+        "still running past it moves the loop to a new thread, and that kind of call runs on a pool until 64 in a "
+        "row return within a quarter of it. "
+        "0: every call on a pool."
+    )] = 0.02
     device: Annotated[Literal["auto", "cpu", "cuda"], doc(
         "Where the built-in torch engine runs (the sglang engine ignores it: its servers have their own GPUs). "
         "cpu: the default, so the workers leave a local GPU to the learner; cuda: each worker loads the model "

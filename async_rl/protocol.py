@@ -7,7 +7,7 @@ malformed or of another protocol version into `ProtocolError` and never raises a
 
 Sockets (endpoints come from the config):
   rollout worker  DEALER -> replay ROUTER   LeaseRequest, StageRecord, Outcome, Heartbeat, EvalReport
-                                            (replies: Ack, LeaseGrant, LeaseDenied)
+                                            (replies: Ack or Acks, LeaseGrant, LeaseDenied)
   learner         DEALER -> replay ROUTER   BatchRequest, BatchAck                         (replies: Batch, Ack)
   learner         PUB    -> rollout SUB     WeightsPublished
 Any peer may receive `Error` in reply to a message the replay service could not accept.
@@ -33,7 +33,8 @@ from async_rl.errors import ProtocolError
 # 4: resume after a crash: BatchRequest.session/checkpoint, LeaseRequest/Heartbeat.session, ReplayStats.rollbacks
 # 5: TrainItem.first_trained (algo.entropy_per=first-train)
 # 6: TrainItem.first_trained removed (with the first-train rule)
-PROTOCOL_VERSION = 6
+# 7: Acks (a round's acks to one peer in one message)
+PROTOCOL_VERSION = 7
 
 TOKEN = np.dtype("<i4")  # token ids and policy versions
 LOGPROB = np.dtype("<f4")  # behaviour log-probabilities
@@ -167,6 +168,15 @@ class Heartbeat(Message, tag="heartbeat"):
 class Ack(Message, tag="ack"):
     msg_id: int
     duplicate: bool = False  # the record was already stored (a resend): acknowledged, not counted twice
+
+
+class Acks(Message, tag="acks"):
+    """Two or more Acks to one peer from one replay round, in one message: a worker that streams a stage record and
+    an outcome per trajectory gets one reply a round instead of one per record (a send, a receive and a decode
+    each, on both sides)."""
+
+    msg_ids: list[int]
+    duplicates: list[int] = []  # those of msg_ids already stored (resends): acknowledged, not counted twice
 
 
 # --- learner <-> replay --------------------------------------------------------------------------
@@ -330,6 +340,7 @@ AnyMessage = (
     | Heartbeat
     | EvalReport
     | Ack
+    | Acks
     | BatchRequest
     | Batch
     | BatchAck

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import zmq
 
 from async_rl.errors import AsyncRLError
-from async_rl.protocol import Ack, Batch, BatchAck, BatchRequest, Error
+from async_rl.protocol import Ack, Acks, Batch, BatchAck, BatchRequest, Error
 from async_rl.ratelimit import RateLimitedLog
 from async_rl.security import CurveKeys
 from async_rl.transport import Inbox, connect_dealer, send
@@ -125,6 +125,8 @@ class ReplayClient:
         while time.monotonic() < deadline and not give_up():
             reply = self._receive(POLL_SLICE_S)
             if isinstance(reply, Ack) and reply.msg_id in sent:
+                return True
+            if isinstance(reply, Acks) and sent.intersection(reply.msg_ids):  # copies acked in one replay round
                 return True
             if isinstance(reply, Error) and reply.msg_id in sent:
                 log.warning("replay rejected ack of batch %d (%s): %s", batch.batch_id, reply.code, reply.detail)

@@ -15,7 +15,7 @@ import zmq
 
 from async_rl.config import Config
 from async_rl.config_load import config_to_dict
-from async_rl.protocol import AnyMessage, Error, decode, encode
+from async_rl.protocol import Ack, Acks, AnyMessage, Error, decode, encode
 from async_rl.security import check_transport, load_keys
 from async_rl.signals import stop_on_signals
 from async_rl.telemetry import MetricsSettings, RoleMetrics
@@ -105,7 +105,7 @@ def _serve(config: Config, service: ReplayService, socket: zmq.Socket, clock: Ca
                 wal.append(Ticked(now))
             if not hold_until_written(wal.commit, stop, clock):
                 return  # stopped while the disk refused the round: its replies were never durable, never sent
-        for identity, reply in replies:
+        for identity, reply in coalesce_acks(replies):
             send(socket, reply, identity)
         if wal is not None and wal.due():
             compact(wal, service, clock())
@@ -214,6 +214,31 @@ def apply_entry(service: ReplayService, entry: Entry) -> None:
             service.tick(entry.now)
         case Started():
             service.start_epoch(entry.epoch, entry.now)
+
+
+def coalesce_acks(replies: list[Reply]) -> list[Reply]:
+    """A round's replies, with the Acks to a peer that gets two or more of them sent as one `Acks` (where its first
+    Ack was); every other reply as it is, in its order."""
+    counts: dict[bytes, int] = {}
+    for identity, reply in replies:
+        if type(reply) is Ack:
+            counts[identity] = counts.get(identity, 0) + 1
+    if all(n < 2 for n in counts.values()):
+        return replies
+    merged: dict[bytes, Acks] = {}
+    out: list[Reply] = []
+    for identity, reply in replies:
+        if type(reply) is not Ack or counts[identity] < 2:
+            out.append((identity, reply))
+            continue
+        acks = merged.get(identity)
+        if acks is None:
+            acks = merged[identity] = Acks(msg_ids=[], duplicates=[])
+            out.append((identity, acks))
+        acks.msg_ids.append(reply.msg_id)
+        if reply.duplicate:
+            acks.duplicates.append(reply.msg_id)
+    return out
 
 
 def _receive_one(

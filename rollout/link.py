@@ -21,6 +21,7 @@ import zmq
 
 from async_rl.protocol import (
     Ack,
+    Acks,
     Error,
     Heartbeat,
     LeaseDenied,
@@ -102,10 +103,12 @@ class ReplayLink:
         self._advance_read_clock(reading=False)
         for reply in self.inbox.messages(timeout_s):
             if isinstance(reply, Ack):
-                acked = self.unacked.pop(reply.msg_id, None)
-                if acked is not None and self.journal is not None:
-                    self.journal.acked(acked.message)
+                self._acked(reply.msg_id)
                 self.duplicate_acks += reply.duplicate
+            elif isinstance(reply, Acks):  # a round's acks in one message
+                for msg_id in reply.msg_ids:
+                    self._acked(msg_id)
+                self.duplicate_acks += len(reply.duplicates)
             elif isinstance(reply, LeaseGrant | LeaseDenied):
                 if self.lease_request is not None and reply.msg_id == self.lease_request.msg_id:
                     self.lease_request = None
@@ -121,6 +124,11 @@ class ReplayLink:
                 self.inbox.unexpected(reply)
         self._advance_read_clock(reading=True)
         return replies
+
+    def _acked(self, msg_id: int) -> None:
+        acked = self.unacked.pop(msg_id, None)
+        if acked is not None and self.journal is not None:
+            self.journal.acked(acked.message)
 
     def tick(self, group_ids: list[str]) -> None:
         """Resend what is overdue for an ack (or a lease reply) on the read clock; send a heartbeat when due."""

@@ -10,7 +10,9 @@ looked).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import queue
 import threading
 import time
@@ -156,6 +158,34 @@ class ElasticPool:
         submits again at once finds it)."""
         with self._lock:
             self._idle += 1
+
+
+class Waker:
+    """A pipe that a finished call writes a byte to (`wake`, as a Future's done callback), so that one poll waits
+    for the calls and the owner's sockets together (rollout/runner.py `pump`)."""
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self, *_: Any) -> None:
+        try:  # noqa: SIM105 - called once per finished call: no context manager on this path
+            os.write(self._write_fd, b"x")
+        except OSError:  # full (a wake-up is pending anyway) or closed
+            pass
+
+    def clear(self) -> None:
+        """Take the bytes waiting (called when a poll found some: more than 4096 only make the next poll return)."""
+        try:  # noqa: SIM105 - on every wake-up: no context manager on this path
+            os.read(self.fd, 4096)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def start_daemon_call(fn: Callable[..., Any], *args: Any, name: str) -> Future:

@@ -11,7 +11,9 @@ answered while a slow model generates. A call starts once 3/4 of the trajectorie
 first of them has waited `rollout.engine_batch_wait_s` (a call's fixed cost is shared by more rows: docs/results.md,
 "The quick start"). A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the
 action's text is with the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory,
-and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). When the
+and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). A worker
+runs them on its loop thread instead while they return within `rollout.inline_budget_s`; a call past it moves the
+loop to a new thread and that kind of call to the pools for a while (rollout/inline_calls.py). When the
 step returns, the stage (observation tokens, action tokens, behaviour log-probs, versions, stage reward) goes to the
 sink at once, long before the trajectory ends. `judge`: the finished trajectory's outcome is computed on its own
 thread (a slow judge holds up nothing). What the runner did goes to its metrics line (rollout/runner_stats.py).
@@ -36,14 +38,15 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import zmq
 from transformers import PreTrainedTokenizerBase
 
 from async_rl.errors import ConfigError
 from rollout.engine_calls import EngineCalls
 from rollout.engines import EngineStopped, EngineUnavailable, Generation, InferenceEngine, SamplingParams
 from rollout.engines.thread import EngineThread
+from rollout.env_calls import EnvCalls, Returned
 from rollout.envs.base import (
     Action,
     EnvError,
@@ -62,11 +65,11 @@ from rollout.envs.base import (
     tools_of,
 )
 from rollout.episode import Episode, Sink
+from rollout.inline_calls import InlineCalls
 from rollout.plugin_calls import (
     DEFAULT_JUDGE_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
-    ElasticPool,
-    PluginPool,
+    Waker,
     call_limits,
     start_daemon_call,
 )
@@ -116,6 +119,7 @@ class EpisodeRunner:
         judge_timeout_s: float = DEFAULT_JUDGE_TIMEOUT_S,
         tool_parser: str = "hermes",
         batch_wait_s: float = 0.0,
+        inline: InlineCalls | None = None,
     ) -> None:
         self.env_name = env_name
         self.factory = factory
@@ -132,14 +136,14 @@ class EpisodeRunner:
         self.judge_timeout_s = judge_timeout_s
         self.batch_wait_s = batch_wait_s
         self.ready_since: float | None = None  # when the first trajectory now waiting for the engine began to wait
-        self.pool = PluginPool(max_inflight, name="env-step")
-        self.judge_pool = ElasticPool(name="env-judge")
+        # a finished call (engine or pool) wakes `pump`'s one poll, as do the owner's sockets (`watch`)
+        self.waker = Waker()
+        self.poller = zmq.Poller()
+        self.poller.register(self.waker.fd, zmq.POLLIN)
+        self.calls = EnvCalls(env_name, max_inflight, step_timeout_s, judge_timeout_s, inline,  # rollout/env_calls.py
+                              wake=self.waker.wake)
         self.episodes: list[Episode] = []  # every episode not yet done
-        self.steps: dict[Future, Episode] = {}  # reset and step calls under way
-        self.judges: dict[Future, Episode] = {}
         self.engine_calls = 0  # generates done
-        self.plugin_timeouts = 0  # env calls abandoned past their time limit
-        self.written_off: list[Future] = []  # those calls, until they return
         self.env_errors = 0
         self.stats = RunnerStats()
         self.no_room_streak = 0  # trajectories in a row abandoned for their first observation's length
@@ -161,11 +165,12 @@ class EpisodeRunner:
         params: SamplingParams | None = None,
         max_inflight: int | None = None,
         blind: bool = False,
+        inline: InlineCalls | None = None,
     ) -> EpisodeRunner:
         """The runner `settings` (`model.max_seq_len` and `rollout.*`) describe for the env `env_name` (env.name),
         for a worker's training and an evaluation alike: sampling as `sampling_params` says (unless `params` is
         given), the env call limits of `call_limits`, `rollout.tool_parser`, and `rollout.max_inflight` trajectories
-        (unless `max_inflight`)."""
+        (unless `max_inflight`); `inline`: env calls on the owner's thread (a worker's)."""
         step_timeout_s, judge_timeout_s = call_limits(settings, factory)
         return cls(
             env_name,
@@ -181,6 +186,7 @@ class EpisodeRunner:
             judge_timeout_s=judge_timeout_s,
             tool_parser=settings.tool_parser,
             batch_wait_s=settings.engine_batch_wait_s,
+            inline=inline,
         )
 
     # --- what the owner asks --------------------------------------------------------------------------
@@ -207,9 +213,8 @@ class EpisodeRunner:
             except EnvError as exc:
                 self._abandon(episode, f"env_error: {exc}")
                 continue
-            episode.since = time.monotonic()
             reset = checked_reset_tokens if token_level(episode.env) else checked_reset
-            self.steps[self.pool.submit(reset, self.env_name, episode.env, task)] = episode
+            self.calls.submit("reset", episode, reset, self.env_name, episode.env, task)
 
     def pump(self, wait_s: float, generate: bool = True) -> None:
         """One round, never blocking longer than `wait_s`: hand finished resets/steps/judges and a finished engine
@@ -218,6 +223,7 @@ class EpisodeRunner:
         its training episodes moving this way while an evaluation has the engine)."""
         self._collect()
         self._collect_generation()
+        self.calls.run_queued(generate, self._returned)
         now = time.monotonic()
         self._expire(now)
         if generate and self.engine.call is None:
@@ -230,14 +236,18 @@ class EpisodeRunner:
                 self._generate(ready)
             else:  # gathering: wait no longer than the first one's deadline
                 wait_s = min(wait_s, max(0.0, self.ready_since + self.batch_wait_s - now))
-        pending = [*self.steps, *self.judges, *([self.engine.call] if self.engine.call is not None else [])]
-        if pending and wait_s > 0:
-            wait(pending, timeout=wait_s, return_when=FIRST_COMPLETED)
-        elif wait_s > 0:
-            time.sleep(wait_s)
+        if wait_s > 0:  # until a call finishes (the Waker's byte) or a watched socket has a message
+            for ready, _ in self.poller.poll(wait_s * 1000):
+                if ready == self.waker.fd:  # before collecting: a call finishing after this leaves its own byte
+                    self.waker.clear()
         self._collect()
         self._collect_generation()
         self._collect_judges()
+        self.calls.run_queued(generate, self._returned)
+
+    def watch(self, socket: zmq.Socket) -> None:
+        """`pump`'s wait also ends when `socket` has a message (a worker's replay and weights sockets)."""
+        self.poller.register(socket, zmq.POLLIN)
 
     def abandon_all(self, reason: str) -> None:
         for episode in list(self.episodes):
@@ -249,56 +259,68 @@ class EpisodeRunner:
         now = time.monotonic()
         line = self.stats.line(now)
         line["in_flight"] = self.acting()
-        line["judging"] = len(self.judges)
+        line["judging"] = self.calls.judging()
         self.stats = RunnerStats(started=now)
         return line
 
     def close(self) -> None:
         """Stop without waiting for slow environments, judges or an engine call (their leases time out at the
         replay service)."""
-        self.pool.close()
+        self.calls.close()
         self.engine.close()
+        self.waker.close()
 
     def hung_calls(self) -> int:
         """Env calls written off past their time limit that have still not returned (each holds a thread)."""
-        self.written_off = [f for f in self.written_off if not f.done()]
-        return len(self.written_off)
+        return self.calls.hung()
+
+    @property
+    def plugin_timeouts(self) -> int:
+        """Env calls abandoned past their time limit."""
+        return self.calls.timeouts
 
     # --- the phases -----------------------------------------------------------------------------------
 
     def _collect(self) -> None:
-        for future in [f for f in self.steps if f.done()]:
-            episode = self.steps.pop(future)
-            if episode.phase == "done":
-                continue
+        for returned in self.calls.returned(("reset", "step")):
+            self._returned(returned)
+
+    def _returned(self, returned: Returned) -> None:
+        """An env call came back, from the pool or inline."""
+        if returned.episode.phase == "done":  # abandoned meanwhile
+            return
+        if returned.kind == "judge":
+            self._judged(returned.episode, returned.result, returned.error, returned.elapsed_s)
+        else:
+            self._env_returned(returned.episode, returned.result, returned.error, returned.elapsed_s)
+
+    def _env_returned(self, episode: Episode, result: object, error: BaseException | None, elapsed: float) -> None:
+        """A reset or step came back (`error`: what it raised)."""
+        if isinstance(error, EnvError):
+            self._abandon(episode, f"env_error: {error}")
+            return
+        if error is not None:  # a bug of ours around the env call: still only this trajectory
+            log.error("trajectory %s: internal error", episode.trajectory_id, exc_info=error)
+            self._abandon(episode, f"internal_error: {type(error).__name__}: {error}")
+            return
+        (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(elapsed)
+        if episode.phase == "reset" and isinstance(result, Prompt):  # a token-level env: tokens as they are
+            episode.observation_tokens = result.tokens
+            episode.max_new_tokens = result.max_new_tokens
+            episode.on_token = result.on_token
+            episode.context = list(episode.observation_tokens)
+            episode.phase = "act"
+        elif episode.phase == "reset":
             try:
-                result = future.result()
+                episode.tools = tools_of(self.env_name, episode.env)
             except EnvError as exc:
                 self._abandon(episode, f"env_error: {exc}")
-                continue
-            except Exception as exc:  # a bug of ours around the env call: still only this trajectory
-                log.exception("trajectory %s: internal error", episode.trajectory_id)
-                self._abandon(episode, f"internal_error: {type(exc).__name__}: {exc}")
-                continue
-            (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(
-                getattr(future, "elapsed_s", time.monotonic() - episode.since))
-            if episode.phase == "reset" and isinstance(result, Prompt):  # a token-level env: tokens as they are
-                episode.observation_tokens = result.tokens
-                episode.max_new_tokens = result.max_new_tokens
-                episode.on_token = result.on_token
-                episode.context = list(episode.observation_tokens)
-                episode.phase = "act"
-            elif episode.phase == "reset":
-                try:
-                    episode.tools = tools_of(self.env_name, episode.env)
-                except EnvError as exc:
-                    self._abandon(episode, f"env_error: {exc}")
-                    continue
-                episode.observation_tokens = self.prompter.first(result, episode.tools)
-                episode.context = list(episode.observation_tokens)
-                episode.phase = "act"
-            else:
-                self._stepped(episode, result)
+                return
+            episode.observation_tokens = self.prompter.first(result, episode.tools)  # type: ignore[arg-type]
+            episode.context = list(episode.observation_tokens)
+            episode.phase = "act"
+        else:
+            self._stepped(episode, result)  # type: ignore[arg-type]
 
     def _stepped(self, episode: Episode, result: StepResult) -> None:
         generation = episode.generation
@@ -356,6 +378,8 @@ class EpisodeRunner:
         for episode in ready:
             episode.phase = "generate"
         self.engine.start(ready, [self._room(e) for e in ready])
+        assert self.engine.call is not None
+        self.engine.call.add_done_callback(self.waker.wake)
 
     def _collect_generation(self) -> None:
         """The engine call is done: each trajectory's action goes to its env (a step on the pool)."""
@@ -388,29 +412,18 @@ class EpisodeRunner:
                     continue
                 episode.generation = generation
                 episode.phase = "step"
-                episode.since = time.monotonic()
                 assert episode.env is not None
                 if token_level(episode.env):  # the tokens themselves: the env decodes and parses them
-                    self.steps[self.pool.submit(checked_step_tokens, self.env_name, episode.env, generation)] = episode
+                    self.calls.submit("step", episode, checked_step_tokens, self.env_name, episode.env, generation)
                     continue
                 action = self._action(episode, generation)
-                self.steps[self.pool.submit(checked_step, self.env_name, episode.env, action)] = episode
+                self.calls.submit("step", episode, checked_step, self.env_name, episode.env, action)
 
     def _expire(self, now: float) -> None:
         """Abandon each trajectory whose reset, step or judge is past its time limit; its thread is written off."""
-        for calls, limit, what in ((self.steps, self.step_timeout_s, "step"),
-                                   (self.judges, self.judge_timeout_s, "judge")):
-            for future, episode in list(calls.items()):
-                if future.done() or now - episode.since < limit:
-                    continue
-                del calls[future]
-                self.written_off.append(future)
-                self.plugin_timeouts += 1
-                if calls is self.steps:
-                    self.pool.write_off()
-                method = "reset" if episode.phase == "reset" else what
-                self._abandon(episode, f"timeout: env {self.env_name!r} {method} did not return within {limit:g} s",
-                              hung=True)
+        for kind, episode, limit in self.calls.expired(now):
+            self._abandon(episode, f"timeout: env {self.env_name!r} {kind} did not return within {limit:g} s",
+                          hung=True)
 
     def _action(self, episode: Episode, generation: Generation) -> str | Action:
         """What `step` gets: the text, or for an env with tools an `Action` with its parsed calls (counted)."""
@@ -431,28 +444,26 @@ class EpisodeRunner:
         return text
 
     def _judge(self, episode: Episode) -> None:
-        """The judge on a daemon thread of the judge pool: a slow one holds up nothing, a hung one keeps its thread
-        (the pool starts another) and holds up neither the worker nor its exit."""
+        """The judge inline, or on a daemon thread of the judge pool: a slow one holds up nothing, a hung one keeps
+        its thread (the pool starts another) and holds up neither the worker nor its exit."""
         episode.phase = "judge"
-        episode.since = time.monotonic()
         assert episode.env is not None
-        self.judges[self.judge_pool.submit(checked_judge, self.env_name, episode.env)] = episode
+        self.calls.submit("judge", episode, checked_judge, self.env_name, episode.env)
 
     def _collect_judges(self) -> None:
-        for future in [f for f in self.judges if f.done()]:
-            episode = self.judges.pop(future)
-            if episode.phase == "done":
-                continue
-            try:
-                judgement = future.result()
-            except EnvError as exc:
-                self._abandon(episode, f"env_error: {exc}")
-                continue
-            self.stats.judge_s.append(future.elapsed_s)  # the judge's own time, not when we looked
-            self.stats.trajectories_finished += 1
-            self.stats.turns += episode.stages
-            self._finish(episode)
-            self.sink.outcome(episode, judgement, "")
+        for returned in self.calls.returned(("judge",)):
+            self._returned(returned)  # with the judge's own time, not when we looked
+
+    def _judged(self, episode: Episode, judgement: object, error: BaseException | None, elapsed: float) -> None:
+        if error is not None:  # checked_judge raises EnvError for whatever the env did wrong
+            reason = f"env_error: {error}" if isinstance(error, EnvError) else f"internal_error: {error!r}"
+            self._abandon(episode, reason)
+            return
+        self.stats.judge_s.append(elapsed)
+        self.stats.trajectories_finished += 1
+        self.stats.turns += episode.stages
+        self._finish(episode)
+        self.sink.outcome(episode, judgement, "")  # type: ignore[arg-type]
 
     def _abandon(self, episode: Episode, reason: str, hung: bool = False) -> None:
         log.warning("trajectory %s abandoned: %s", episode.trajectory_id, reason)

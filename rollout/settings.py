@@ -83,6 +83,7 @@ class RunnerSettings(msgspec.Struct, frozen=True, kw_only=True):
     tool_parser: Literal["hermes", "none"]  # rollout.tool_parser
     max_inflight: int  # rollout.max_inflight
     engine_batch_wait_s: float  # rollout.engine_batch_wait_s
+    inline_budget_s: float  # rollout.inline_budget_s (a worker's runner only: rollout/worker.py)
     step_timeout_s: float | None  # rollout.step_timeout_s
     judge_timeout_s: float | None  # rollout.judge_timeout_s
 
@@ -134,6 +135,7 @@ class RolloutSettings(msgspec.Struct, frozen=True, kw_only=True):
             max_seq_len=config.model.max_seq_len, temperature=rollout.temperature, top_p=rollout.top_p,
             max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), tool_parser=rollout.tool_parser,
             max_inflight=rollout.max_inflight, engine_batch_wait_s=rollout.engine_batch_wait_s,
+            inline_budget_s=rollout.inline_budget_s,
             step_timeout_s=rollout.step_timeout_s, judge_timeout_s=rollout.judge_timeout_s,
         )
         return cls(

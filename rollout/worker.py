@@ -57,6 +57,7 @@ from rollout.engines.torch_engine import TorchEngine, configured_device
 from rollout.envs.base import Judgement, Task, checked_tasks, close_factory, env_metrics
 from rollout.episode import Episode
 from rollout.evaluate import evaluate_policy
+from rollout.inline_calls import InlineCalls, LoopMoved
 from rollout.link import ReplayLink
 from rollout.prepare import load_env, prepare_model_dir
 from rollout.runner import EpisodeRunner
@@ -248,7 +249,7 @@ def _run_until_stopped(settings: RolloutSettings, worker_index: int, stop: threa
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     worker = _Worker(settings, worker_index, stop)
     try:
-        worker.loop()
+        worker.run_loop()
     except EngineUnavailable as exc:  # e.g. every SGLang server gone: deliver the abandoned outcomes, then stop
         log.error("%s stops: %s", worker.worker_id, exc)
         _deliver_unacked(worker.link, settings.worker.ack_timeout_s)
@@ -283,12 +284,43 @@ class _Worker:
         self.link = ReplayLink(self.dealer, worker_id, worker.ack_timeout_s, worker.heartbeat_s, self.journal)
         self.weights = WeightsFollower(self.subscriber, self.engine, worker.run_dir)
         sink = ReplaySink(worker_id, self.link.send_reliably, self.link.next_msg_id)
+        budget = settings.runner.inline_budget_s
+        self.inline = InlineCalls(budget, self._start_loop_thread) if budget > 0 else None
         self.runner = EpisodeRunner.from_settings(settings.runner, self.env_name, self.factory, self.engine,
-                                                  self.tokenizer, sink)
+                                                  self.tokenizer, sink, inline=self.inline)
+        self.runner.watch(self.dealer)  # the runner's wait ends at a reply or a weights notice, not only a call
+        self.runner.watch(self.subscriber)
+        self._loop_threads = 0
+        self._loop_done = threading.Event()
+        self._loop_error: BaseException | None = None
         self.eval_every = settings.eval.eval_every if worker_index == 0 else 0
         self.metrics = RoleMetrics(settings.metrics, worker_id)
         log.info("%s up: env %s, engine %s at version %d, %d in flight at most, replay %s", worker_id, self.env_name,
                  settings.engine.engine, self.engine.version, worker.max_inflight, worker.endpoint)
+
+    def run_loop(self) -> None:
+        """`loop` on a thread of its own, which an env call that overran rollout.inline_budget_s replaces
+        (rollout/inline_calls.py); this thread waits for the loop to end (signals still reach it) and raises what
+        the loop raised."""
+        self._start_loop_thread()
+        while not self._loop_done.wait(0.5):
+            pass
+        if self._loop_error is not None:
+            raise self._loop_error
+
+    def _start_loop_thread(self) -> None:
+        self._loop_threads += 1
+        threading.Thread(target=self._loop_thread, name=f"{self.worker_id}-loop-{self._loop_threads}",
+                         daemon=True).start()
+
+    def _loop_thread(self) -> None:
+        try:
+            self.loop()
+        except LoopMoved:  # an env call held this thread past its budget: the loop goes on on another one
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to run_loop, which raises it
+            self._loop_error = exc
+        self._loop_done.set()
 
     def loop(self) -> None:
         worker, link, runner, engine = self.settings.worker, self.link, self.runner, self.engine
@@ -332,7 +364,7 @@ class _Worker:
         line = runner.take_stats()
         line.update(policy_version=self.engine.version, resends=link.resends, unacked=len(link.unacked),
                     env_errors=runner.env_errors, plugin_timeouts=runner.plugin_timeouts,
-                    hung_calls=runner.hung_calls(),
+                    hung_calls=runner.hung_calls(), loop_moves=self.inline.moved if self.inline else 0,
                     weights_refused=getattr(self.engine.engine, "weights_refused", 0),  # failed their checksum
                     duplicate_acks=link.duplicate_acks, acks_journalled=self.journal.written,
                     bad_messages=link.inbox.bad + self.weights.inbox.bad,  # malformed or unexpected, not acted on
@@ -343,6 +375,8 @@ class _Worker:
         self.metrics.write(line)
 
     def close(self) -> None:
+        if self.inline is not None:
+            self.inline.close()
         self.write_metrics()
         self.metrics.close()
         self.journal.close()

@@ -125,7 +125,8 @@ class TrapEnv:
     def judge(self) -> Judgement:
         """The final reward, known only after a slow judge (`outcome_delay_s`): 1 for the exact code, else 0.
         A trajectory cut short (context limit) is judged as it stands: not solved."""
-        time.sleep(self.settings.outcome_delay_s)
+        if self.settings.outcome_delay_s > 0:  # sleep(0) would hand the GIL away: a judge run inline waits for it
+            time.sleep(self.settings.outcome_delay_s)
         solved = self.done and not (self.trapped or self.failed)
         return Judgement(score=1.0 if solved else 0.0, success=solved, info={"trap_rate": float(self.trapped)})
 

@@ -1,0 +1,181 @@
+"""Env calls inline on the owner's loop thread (rollout/inline_calls.py, rollout/env_calls.py), with a real runner,
+engine and tiny model: instant calls never leave the loop's thread; a call past the budget moves the loop to a new
+thread while it runs, finishes as a pool call (or is abandoned at its time limit), and sends its kind to the pools."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from async_rl import Judgement, StepResult, Task
+from async_rl.config_load import load_config
+from async_rl.model import ensure_model_dir, load_tokenizer
+from rollout.engines import SamplingParams
+from rollout.engines.torch_engine import TorchEngine
+from rollout.inline_calls import InlineCalls, LoopMoved
+from rollout.runner import EpisodeRunner
+
+WORDS = ["a", "b"]
+
+
+class RecordingEnv:
+    """Two steps; records the thread of each call; the step of a trajectory in `block` waits for `release`."""
+
+    def __init__(self, owner: Factory):
+        self.owner, self.steps = owner, 0
+
+    def reset(self, task):
+        self.owner.threads.append(("reset", threading.current_thread().name))
+        return "go"
+
+    def step(self, action):
+        self.owner.threads.append(("step", threading.current_thread().name))
+        self.steps += 1
+        if self.steps == 1 and self.owner.block_next.is_set():
+            self.owner.block_next.clear()
+            self.owner.blocked.set()
+            self.owner.release.wait(60)  # in C (a lock): nothing can interrupt it
+        return StepResult("again", 0.5, self.steps >= 2)
+
+    def judge(self):
+        self.owner.threads.append(("judge", threading.current_thread().name))
+        return Judgement(1.0, True)
+
+
+class Factory:
+    def __init__(self):
+        self.threads: list[tuple[str, str]] = []
+        self.block_next, self.blocked, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def tasks(self, split):
+        return [Task("t", {})]
+
+    def make(self):
+        return RecordingEnv(self)
+
+
+class Sink:
+    def __init__(self):
+        self.outcomes: list[tuple[str, str]] = []
+        self.stages = 0
+
+    def stage(self, episode, generation, reward, terminal):
+        self.stages += 1
+
+    def outcome(self, episode, judgement, reason):
+        self.outcomes.append((episode.trajectory_id, reason))
+
+
+class Owner:
+    """A worker's loop in miniature: pump until told to stop, restarted on a new thread when a call is moved."""
+
+    def __init__(self, runner_args, budget_s=0.05, step_timeout_s=30.0):
+        self.threads_started, self.moved_threads_ended = 0, 0
+        self.stop = threading.Event()
+        self.inline = InlineCalls(budget_s, self.start)
+        self.runner = EpisodeRunner(*runner_args, step_timeout_s=step_timeout_s, inline=self.inline)
+
+    def start(self):
+        self.threads_started += 1
+        threading.Thread(target=self.loop, name=f"loop-{self.threads_started}", daemon=True).start()
+
+    def loop(self):
+        try:
+            while not self.stop.is_set():
+                self.runner.pump(0.01)
+        except LoopMoved:
+            self.moved_threads_ended += 1
+
+    def close(self):
+        self.stop.set()
+        self.inline.close()
+        self.runner.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    config = load_config(None, [f"run.dir={tmp_path_factory.mktemp('runs')}", "run.seed=3"])
+    return ensure_model_dir(config.model, config.run_dir, config.run.seed, WORDS)
+
+
+def runner_args(factory, sink, model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    params = SamplingParams(max_new_tokens=1, stop_token_ids=[tokenizer.eos_token_id])
+    return ("inline-test", factory, TorchEngine(model_dir, seed=0), tokenizer, params, 256, sink, 8)
+
+
+def wait_for(condition, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_instant_calls_run_on_the_loops_own_thread(model_dir):
+    factory, sink = Factory(), Sink()
+    owner = Owner(runner_args(factory, sink, model_dir), budget_s=1.0)  # no move however busy the machine
+    try:
+        owner.runner.start_group("g", Task("t", {}), 4)
+        owner.start()
+        wait_for(lambda: len(sink.outcomes) == 4)
+    finally:
+        owner.close()
+    assert sorted(sink.outcomes) == [(f"g/{i}", "") for i in range(4)] and sink.stages == 8
+    assert {name for _, name in factory.threads} == {"loop-1"}  # reset, both steps and the judge: no hand-off
+    assert [kind for kind, _ in factory.threads].count("judge") == 4
+    assert owner.inline.moved == 0 and owner.threads_started == 1 and owner.runner.calls.pooled_kinds == set()
+
+
+def test_a_call_past_the_budget_moves_the_loop_and_finishes_as_a_pool_call(model_dir):
+    """One step blocks in a lock: within the budget the loop goes on on a new thread, the other trajectories finish
+    while it is still blocked, and when it returns its trajectory finishes too; steps then run on the pool, until
+    64 of them in a row were quick: then inline again."""
+    factory, sink = Factory(), Sink()
+    owner = Owner(runner_args(factory, sink, model_dir), budget_s=0.3)
+    factory.block_next.set()
+    try:
+        owner.runner.start_group("g", Task("t", {}), 4)
+        owner.start()
+        assert factory.blocked.wait(60)
+        wait_for(lambda: len(sink.outcomes) == 3)  # the others, while the blocked step still holds loop-1
+        assert owner.threads_started == 2 and owner.moved_threads_ended == 0 and owner.inline.moved == 1
+        assert owner.runner.calls.pooled_kinds == {"step"}
+        owner.runner.start_group("h", Task("t", {}), 2)  # a later group: its steps on the pool
+        wait_for(lambda: len(sink.outcomes) == 5)
+        factory.release.set()
+        wait_for(lambda: len(sink.outcomes) == 6)
+        wait_for(lambda: owner.moved_threads_ended == 1)  # the written-off thread left by LoopMoved
+        steps_of_h = [name for kind, name in factory.threads[-10:] if kind == "step"]
+        assert steps_of_h and all(name.startswith("env-step-") for name in steps_of_h)
+        for n in range(20):  # 4 quick pool steps a group: inline again after 64
+            if "step" not in owner.runner.calls.pooled_kinds:
+                break
+            owner.runner.start_group(f"q{n}", Task("t", {}), 2)
+            wait_for(lambda n=n: len(sink.outcomes) == 6 + 2 * (n + 1))
+        assert "step" not in owner.runner.calls.pooled_kinds
+        mark = len(factory.threads)
+        owner.runner.start_group("back", Task("t", {}), 2)
+        wait_for(lambda: sum(t.startswith("back/") for t, _ in sink.outcomes) == 2)
+    finally:
+        owner.close()
+    assert all(reason == "" for _, reason in sink.outcomes)  # within step_timeout_s: nothing abandoned
+    assert [name for kind, name in factory.threads[mark:] if kind == "step"] == ["loop-2"] * 4
+    assert owner.runner.plugin_timeouts == 0 and owner.inline.moved == 1
+
+
+def test_a_moved_call_that_never_returns_is_abandoned_at_its_limit(model_dir):
+    factory, sink = Factory(), Sink()
+    owner = Owner(runner_args(factory, sink, model_dir), budget_s=0.05, step_timeout_s=0.5)
+    factory.block_next.set()
+    try:
+        owner.runner.start_group("g", Task("t", {}), 2)
+        owner.start()
+        wait_for(lambda: len(sink.outcomes) == 2)
+        abandoned = [reason for _, reason in sink.outcomes if reason]
+        assert abandoned == ["timeout: env 'inline-test' step did not return within 0.5 s"]
+        assert owner.runner.plugin_timeouts == 1 and owner.runner.hung_calls() == 1
+    finally:
+        factory.release.set()
+        owner.close()
