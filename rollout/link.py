@@ -105,9 +105,11 @@ class ReplayLink:
             if isinstance(reply, Ack):
                 self._acked(reply.msg_id)
                 self.duplicate_acks += reply.duplicate
-            elif isinstance(reply, Acks):  # a round's acks in one message
-                for msg_id in reply.msg_ids:
-                    self._acked(msg_id)
+            elif isinstance(reply, Acks):  # a round's acks in one message: their journal lines in one write
+                entries = [self.unacked.pop(msg_id, None) for msg_id in reply.msg_ids]
+                acked = [entry.message for entry in entries if entry is not None]
+                if self.journal is not None:
+                    self.journal.acked(*acked)
                 self.duplicate_acks += len(reply.duplicates)
             elif isinstance(reply, LeaseGrant | LeaseDenied):
                 if self.lease_request is not None and reply.msg_id == self.lease_request.msg_id:
