@@ -9,8 +9,6 @@ message ("again"), rendered with the same chat template:
     runner     the episode runner with a plain text Env (what any env gets: env threads, batching, the prompter)
     endpoint   the `agent` env: an agent per trajectory on its own thread calling the worker's endpoint with the
                openai client (HTTP over loopback, chat-template rendering, tool-call parsing, the agent's loop)
-    endpoint 3/4  the same with the runner's batching rule before it waited for stragglers (a call once 3/4 of
-               the trajectories wait): the change's own A/B
 
 Each figure is completions per second (and generated tokens per second), a median over `--rounds` rounds run
 interleaved in one process (the machine is shared and noisy), with the endpoint's ratio to each of the others.
@@ -123,19 +121,10 @@ def run_engine(engine: TorchEngine, prompts: list[list[int]], again: list[int], 
     return time.perf_counter() - started, completions, tokens
 
 
-class ThreeQuartersRunner(EpisodeRunner):
-    """The batching rule before the stragglers' wait (the `endpoint 3/4` arm): a call starts once 3/4 of the
-    trajectories in flight wait, or the first has waited batch_wait_s."""
-
-    def _gather_s(self, ready: int) -> float:
-        return 0.0 if 4 * ready >= 3 * self.acting() else self.batch_wait_s
-
-
-def run_runner(factory, engine: TorchEngine, tokenizer, tasks: list[Task], args,
-               runner_type: type[EpisodeRunner] = EpisodeRunner) -> tuple[float, int, int]:
+def run_runner(factory, engine: TorchEngine, tokenizer, tasks: list[Task], args) -> tuple[float, int, int]:
     sink = _Count()
     params = SamplingParams(max_new_tokens=args.action)
-    runner = runner_type("bench", factory, engine, tokenizer, params, 4096, sink, len(tasks), step_timeout_s=600,
+    runner = EpisodeRunner("bench", factory, engine, tokenizer, params, 4096, sink, len(tasks), step_timeout_s=600,
                            batch_wait_s=BATCH_WAIT_S)
     started = time.perf_counter()
     try:
@@ -187,8 +176,7 @@ def main() -> int:
     engine = TorchEngine(path, seed=0)
     arms = {"engine": lambda: run_engine(engine, prompts, again, args),
             "runner": lambda: run_runner(text, engine, tokenizer, tasks, args),
-            "endpoint": lambda: run_runner(agent, engine, tokenizer, tasks, args),
-            "endpoint 3/4": lambda: run_runner(agent, engine, tokenizer, tasks, args, ThreeQuartersRunner)}
+            "endpoint": lambda: run_runner(agent, engine, tokenizer, tasks, args)}
     rates: dict[str, list[float]] = {name: [] for name in arms}
     token_rates: dict[str, list[float]] = {name: [] for name in arms}
     with torch.inference_mode():
@@ -218,8 +206,7 @@ def main() -> int:
           "action": args.action, "rounds": args.rounds,
           "completions_per_s": {name: [round(x, 2) for x in r] for name, r in rates.items()},
           "endpoint_vs_engine": round(median["endpoint"] / median["engine"], 3),
-          "endpoint_vs_runner": round(median["endpoint"] / median["runner"], 3),
-          "endpoint_vs_three_quarters_rule": round(median["endpoint"] / median["endpoint 3/4"], 3)})
+          "endpoint_vs_runner": round(median["endpoint"] / median["runner"], 3)})
     return 0
 
 

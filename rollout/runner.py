@@ -7,10 +7,9 @@ A runner keeps up to `rollout.max_inflight` trajectories (of several groups) goi
 
 `act`: waiting for the engine; `generate`: in an engine call. Every engine call takes whichever trajectories are
 waiting and runs on the engine's own thread (rollout/engine_calls.py), so the runner's owner keeps its sockets
-answered while a slow model generates. A call starts once every trajectory in flight waits for it; once 3/4 do, after
-the stragglers had time to arrive if their steps are quick (`_gather_s`); before that, once the first of them has
-waited `rollout.engine_batch_wait_s` (a call's fixed cost is shared by more rows: docs/results.md, "The quick
-start"). A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the
+answered while a slow model generates. A call starts once 3/4 of the trajectories in flight wait for it, or the
+first of them has waited `rollout.engine_batch_wait_s` (a call's fixed cost is shared by more rows: docs/results.md,
+"The quick start"). A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the
 action's text is with the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory,
 and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). A worker
 runs them on its loop thread instead while they return within `rollout.inline_budget_s`; a call past it moves the
@@ -87,7 +86,6 @@ log = logging.getLogger("async_rl.rollout")
 NO_ROOM_STREAK_LIMIT = 64
 DEFAULT_MAX_ACTION_TOKENS = 256  # when neither rollout.max_new_tokens nor the env's max_action_tokens says
 BLIND_OBSERVATION = "?"  # what `blind` evaluation shows instead of every tool answer
-RECENT = 0.1  # the weight of the newest value in the runner's moving averages of step and engine call times
 
 def sampling_params(rollout: RunnerSettings, factory: EnvFactory,
                     tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
@@ -138,8 +136,6 @@ class EpisodeRunner:
         self.judge_timeout_s = judge_timeout_s
         self.batch_wait_s = batch_wait_s
         self.ready_since: float | None = None  # when the first trajectory now waiting for the engine began to wait
-        self.step_s_recent = 0.0  # moving averages of a step's and an engine call's own time (`_gather_s`)
-        self.call_s_recent = 0.0
         # a finished call (engine or pool) wakes `pump`'s one poll, as do the owner's sockets (`watch`)
         self.waker = Waker()
         self.poller = zmq.Poller()
@@ -239,8 +235,7 @@ class EpisodeRunner:
                 self.ready_since = None
                 self._generate(ready)
             else:  # gathering: wait no longer than the first one's deadline
-                assert self.ready_since is not None
-                wait_s = min(wait_s, max(0.0, self.ready_since + self._gather_s(len(ready)) - now))
+                wait_s = min(wait_s, max(0.0, self.ready_since + self.batch_wait_s - now))
         if wait_s > 0:  # until a call finishes (the Waker's byte) or a watched socket has a message
             for ready, _ in self.poller.poll(wait_s * 1000):
                 if ready == self.waker.fd:  # before collecting: a call finishing after this leaves its own byte
@@ -309,8 +304,6 @@ class EpisodeRunner:
             self._abandon(episode, f"internal_error: {type(error).__name__}: {error}")
             return
         (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(elapsed)
-        if episode.phase != "reset":
-            self.step_s_recent += RECENT * (elapsed - self.step_s_recent)
         if episode.phase == "reset" and isinstance(result, Prompt):  # a token-level env: tokens as they are
             episode.observation_tokens = result.tokens
             episode.max_new_tokens = result.max_new_tokens
@@ -374,22 +367,11 @@ class EpisodeRunner:
         return True
 
     def _call_is_due(self, ready: int, now: float) -> bool:
-        """Start the engine call now: every trajectory in flight waits for it, or the first of them has waited
-        `_gather_s` (the clock starts at the first pump that finds one waiting)."""
+        """Start the engine call now: 3/4 of the trajectories in flight wait for it, or the first of them has waited
+        `batch_wait_s` (the clock starts at the first pump that finds one waiting)."""
         if self.ready_since is None:
             self.ready_since = now
-        return ready >= self.acting() or now - self.ready_since >= self._gather_s(ready)
-
-    def _gather_s(self, ready: int) -> float:
-        """How long a call waits for more rows. Once 3/4 of the trajectories in flight wait, only for stragglers:
-        those whose step is quick against an engine call (an agent composing its next request through the
-        endpoint) are waited for, up to twice a recent step's time and at most a quarter of a recent call's, since a
-        call costs about the same with a few more rows and those few would otherwise take a call of their own
-        (docs/results.md, "agent_endpoint"). Before 3/4: `batch_wait_s`, or that straggler wait if longer."""
-        straggler_s = min(2 * self.step_s_recent, self.call_s_recent / 4)
-        if 4 * ready >= 3 * self.acting():
-            return straggler_s
-        return max(self.batch_wait_s, straggler_s)
+        return 4 * ready >= 3 * self.acting() or now - self.ready_since >= self.batch_wait_s
 
     def _generate(self, ready: list[Episode]) -> None:
         """One engine call for all of them; near the context limit a trajectory's action budget shrinks to what fits."""
@@ -423,7 +405,6 @@ class EpisodeRunner:
         for batch, generations, elapsed in results:
             self.engine_calls += 1
             self.stats.engine_s += elapsed
-            self.call_s_recent += RECENT * (elapsed - self.call_s_recent)
             for episode, generation in zip(batch, generations, strict=True):
                 self.stats.actions += 1
                 self.stats.action_tokens += len(generation.token_ids)
