@@ -12,6 +12,7 @@ hardly changes what the worker spends on one trajectory.
 
     python benchmarks/worker_cpu.py                  # 3 runs per arm, 30 s each
     python benchmarks/worker_cpu.py --profile        # and py-spy's share of the worker's samples by part, per arm
+    python benchmarks/worker_cpu.py --quick          # 1 run per arm, 15 s each (the suite's form)
 
 The last stdout line is JSON: {"worker_ms_per_trajectory": {arm: median}, "ratio_inline_to_pools": ...}.
 """
@@ -99,7 +100,9 @@ def one_run(arm: str, index: int, seconds: float, profile: bool) -> dict:
     if proc.returncode != 0 or first is None or last is None or last[2] <= first[2]:
         raise SystemExit(f"{arm} run {index} failed (exit {proc.returncode}): {stderr[-2000:]}")
     trajectories = last[2] - first[2]
+    worker_lines = (run_dir / "metrics" / "rollout-0.jsonl").read_text().splitlines()
     result = {"arm": arm, "trajectories": trajectories, "seconds": last[0] - first[0],
+              "loop_moves": json.loads(worker_lines[-1])["loop_moves"] if worker_lines else None,
               **{f"{role}_ms": 1000 * (last[1][role] - first[1][role]) / trajectories for role in first[1]}}
     if spy is not None and (run_dir / "worker.spy").exists():
         result["parts"] = parts(run_dir / "worker.spy")
@@ -128,7 +131,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per arm (default 3)")
     parser.add_argument("--seconds", type=float, default=30.0, help="run.max_wall_s of each run (default 30)")
     parser.add_argument("--profile", action="store_true", help="py-spy the worker in each arm's first run")
+    parser.add_argument("--quick", action="store_true", help="1 run per arm, 15 s each")
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.seconds = 1, 15.0
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for index in range(args.runs):
         for arm in (ARMS if index % 2 == 0 else reversed(list(ARMS))):

@@ -671,6 +671,20 @@ def test_quick_start_quick():
 
 
 @pytest.mark.slow
+def test_worker_cpu_quick():
+    """Slow: one run per arm (env calls inline, and on pools), each 15 s of vs_trl's task (~1 min idle): both
+    measured from /proc and the worker's journal, the ratio of the two."""
+    result = run_benchmark("worker_cpu.py", 300)
+    runs = result["runs"]
+    assert set(runs) == {"inline", "pools"} and all(len(r) == 1 for r in runs.values())
+    for (run,) in runs.values():
+        assert run["trajectories"] > 100 and run["seconds"] > 0
+        assert all(run[f"{role}_ms"] > 0 for role in ("rollout-0", "replay", "learner"))
+    assert result["ratio_inline_to_pools"] == result["worker_ms_per_trajectory"]["inline"] / result[
+        "worker_ms_per_trajectory"]["pools"]
+
+
+@pytest.mark.slow
 def test_agent_endpoint_quick():
     """Slow: 8 conversations x 2 turns, three ways (the engine alone, the runner with a text env, agents through the
     OpenAI-compatible endpoint), every completion made in each (~15 s idle)."""
