@@ -1310,3 +1310,20 @@ def test_admission_after_a_rollback_counts_the_versions_it_took_back_as_steps():
     assert isinstance(lease(service, worker), LeaseGrant)  # 2 groups <= (1 + 0 + 1) x 1, as before the crash
     denied = only_reply(service.handle(WORKER, worker.lease(), 0.0))
     assert isinstance(denied, LeaseDenied) and denied.reason == "staleness"
+
+
+def test_a_rounds_acks_to_one_peer_go_as_one_acks_message_in_place_of_the_first():
+    """Protocol 7: a worker with a stage record and an outcome acked in one round gets one Acks (duplicates named);
+    a peer with one Ack (the learner's BatchAck) gets it as it is; every other reply keeps its place."""
+    from async_rl.protocol import Acks, decode
+    from replay.server import coalesce_acks
+
+    grant = LeaseGrant(msg_id=9, group_id="g1", group_size=2, policy_version=0)
+    replies = [(b"w0", Ack(msg_id=1)), (b"learner", Ack(msg_id=5)), (b"w0", grant),
+               (b"w0", Ack(msg_id=2, duplicate=True)), (b"w1", Ack(msg_id=7))]
+    assert coalesce_acks(replies) == [(b"w0", Acks(msg_ids=[1, 2], duplicates=[2])), (b"learner", Ack(msg_id=5)),
+                                      (b"w0", grant), (b"w1", Ack(msg_id=7))]
+    single = [(b"w0", Ack(msg_id=1)), (b"w0", grant)]
+    assert coalesce_acks(single) == single
+    message = Acks(msg_ids=[1, 2], duplicates=[2])
+    assert decode(encode(message)) == message
