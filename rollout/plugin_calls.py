@@ -168,12 +168,18 @@ class Waker:
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
+        # a call may finish after the runner closed: its byte must not go to whatever file reuses the number
+        self._lock = threading.Lock()
+        self._closed = False
 
     def wake(self, *_: Any) -> None:
-        try:  # noqa: SIM105 - called once per finished call: no context manager on this path
-            os.write(self._write_fd, b"x")
-        except OSError:  # full (a wake-up is pending anyway) or closed
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            try:  # noqa: SIM105 - called once per finished call: no context manager on this path
+                os.write(self._write_fd, b"x")
+            except OSError:  # full: a wake-up is pending anyway
+                pass
 
     def clear(self) -> None:
         """Take the bytes waiting (called when a poll found some: more than 4096 only make the next poll return)."""
@@ -183,6 +189,10 @@ class Waker:
             pass
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         for fd in (self.fd, self._write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)

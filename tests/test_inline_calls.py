@@ -179,3 +179,24 @@ def test_a_moved_call_that_never_returns_is_abandoned_at_its_limit(model_dir):
     finally:
         factory.release.set()
         owner.close()
+
+
+def test_a_call_that_finishes_after_the_runner_closed_writes_nothing_to_a_reused_descriptor(tmp_path):
+    """The Waker's byte of a late call (a pool step that returned after close) must not land in whatever file the
+    process opened next under the closed pipe's number."""
+    import os
+
+    from rollout.plugin_calls import Waker
+
+    waker = Waker()
+    number = waker._write_fd
+    waker.wake()
+    waker.close()
+    other = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT)
+    os.dup2(other, number)  # the number reused, as the next open may
+    try:
+        waker.wake()
+    finally:
+        os.close(number)
+        os.close(other)
+    assert (tmp_path / "other").read_bytes() == b""
