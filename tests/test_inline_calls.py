@@ -140,13 +140,14 @@ def test_a_call_past_the_budget_moves_the_loop_and_finishes_as_a_pool_call(model
         owner.start()
         assert factory.blocked.wait(60)
         wait_for(lambda: len(sink.outcomes) == 3)  # the others, while the blocked step still holds loop-1
-        assert owner.threads_started == 2 and owner.moved_threads_ended == 0 and owner.inline.moved == 1
-        assert owner.runner.calls.pooled_kinds == {"step"}
+        # (a loaded machine may hold an instant call past the budget too: each move starts one more loop thread)
+        assert owner.inline.moved >= 1 and owner.threads_started == owner.inline.moved + 1
+        assert owner.moved_threads_ended <= owner.inline.moved - 1 and "step" in owner.runner.calls.pooled_kinds
         owner.runner.start_group("h", Task("t", {}), 2)  # a later group: its steps on the pool
         wait_for(lambda: len(sink.outcomes) == 5)
         factory.release.set()
         wait_for(lambda: len(sink.outcomes) == 6)
-        wait_for(lambda: owner.moved_threads_ended == 1)  # the written-off thread left by LoopMoved
+        wait_for(lambda: owner.moved_threads_ended == owner.inline.moved)  # each written-off thread left (LoopMoved)
         steps_of_h = [name for kind, name in factory.threads[-10:] if kind == "step"]
         assert steps_of_h and all(name.startswith("env-step-") for name in steps_of_h)
         for n in range(20):  # 4 quick pool steps a group: inline again after 64
@@ -161,20 +162,21 @@ def test_a_call_past_the_budget_moves_the_loop_and_finishes_as_a_pool_call(model
     finally:
         owner.close()
     assert all(reason == "" for _, reason in sink.outcomes)  # within step_timeout_s: nothing abandoned
-    assert [name for kind, name in factory.threads[mark:] if kind == "step"] == ["loop-2"] * 4
-    assert owner.runner.plugin_timeouts == 0 and owner.inline.moved == 1
+    latest = f"loop-{owner.threads_started}"
+    assert [name for kind, name in factory.threads[mark:] if kind == "step"] == [latest] * 4
+    assert owner.runner.plugin_timeouts == 0
 
 
 def test_a_moved_call_that_never_returns_is_abandoned_at_its_limit(model_dir):
     factory, sink = Factory(), Sink()
-    owner = Owner(runner_args(factory, sink, model_dir), budget_s=0.05, step_timeout_s=0.5)
+    owner = Owner(runner_args(factory, sink, model_dir), budget_s=0.3, step_timeout_s=3.0)
     factory.block_next.set()
     try:
         owner.runner.start_group("g", Task("t", {}), 2)
         owner.start()
         wait_for(lambda: len(sink.outcomes) == 2)
         abandoned = [reason for _, reason in sink.outcomes if reason]
-        assert abandoned == ["timeout: env 'inline-test' step did not return within 0.5 s"]
+        assert abandoned == ["timeout: env 'inline-test' step did not return within 3 s"]
         assert owner.runner.plugin_timeouts == 1 and owner.runner.hung_calls() == 1
     finally:
         factory.release.set()
