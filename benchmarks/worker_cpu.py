@@ -102,7 +102,7 @@ def one_run(arm: str, index: int, seconds: float, profile: bool) -> dict:
     trajectories = last[2] - first[2]
     worker_lines = (run_dir / "metrics" / "rollout-0.jsonl").read_text().splitlines()
     result = {"arm": arm, "trajectories": trajectories, "seconds": last[0] - first[0],
-              "loop_moves": json.loads(worker_lines[-1])["loop_moves"] if worker_lines else None,
+              "loop_moves": json.loads(worker_lines[-1]).get("loop_moves") if worker_lines else None,
               **{f"{role}_ms": 1000 * (last[1][role] - first[1][role]) / trajectories for role in first[1]}}
     if spy is not None and (run_dir / "worker.spy").exists():
         result["parts"] = parts(run_dir / "worker.spy")
