@@ -74,7 +74,8 @@ class InlineCalls:
             error = exc
         elapsed = time.monotonic() - running.started
         with self._lock:
-            self._running = None
+            if self._running is running:  # a moved call returns while the loop's new thread may run its own
+                self._running = None
             future = running.future
         if future is None:
             return result, error, elapsed

@@ -202,3 +202,56 @@ def test_a_call_that_finishes_after_the_runner_closed_writes_nothing_to_a_reused
         os.close(number)
         os.close(other)
     assert (tmp_path / "other").read_bytes() == b""
+
+
+class RaceEnv:
+    """One step. The first env made blocks its step on `release_step`; the second blocks its judge on
+    `release_judge`; the others are instant."""
+
+    def __init__(self, owner: RaceFactory, index: int):
+        self.owner, self.index = owner, index
+
+    def reset(self, task):
+        return "go"
+
+    def step(self, action):
+        if self.index == 0:
+            self.owner.release_step.wait(60)
+        return StepResult(None, 0.0, True)
+
+    def judge(self):
+        if self.index == 1:
+            self.owner.judge_blocked.set()
+            self.owner.release_judge.wait(60)
+        return Judgement(1.0, True)
+
+
+class RaceFactory(Factory):
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+        self.release_step, self.release_judge, self.judge_blocked = (threading.Event(), threading.Event(),
+                                                                    threading.Event())
+
+    def make(self):
+        self.made += 1
+        return RaceEnv(self, self.made - 1)
+
+
+def test_a_moved_call_that_returns_leaves_the_next_threads_hung_call_watched(model_dir):
+    """A's step is moved; the loop's new thread runs B's judge inline, which hangs; A's step then returns. The
+    watchdog must still see B's judge (the old thread must not clear the new thread's call) and move it too, so
+    that a later group runs while B's judge still hangs."""
+    factory, sink = RaceFactory(), Sink()
+    owner = Owner(runner_args(factory, sink, model_dir), budget_s=0.3)
+    try:
+        owner.runner.start_group("g", Task("t", {}), 2)
+        owner.start()
+        assert factory.judge_blocked.wait(60)  # B's judge, inline on the loop's second thread
+        factory.release_step.set()  # A's step returns on the written-off first thread
+        wait_for(lambda: owner.inline.moved >= 2)
+        owner.runner.start_group("later", Task("t", {}), 2)
+        wait_for(lambda: sum(t.startswith("later/") for t, _ in sink.outcomes) == 2)
+    finally:
+        factory.release_judge.set()
+        owner.close()
