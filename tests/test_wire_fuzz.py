@@ -32,6 +32,7 @@ from async_rl.protocol import (
     LOGPROB,
     TOKEN,
     Ack,
+    Acks,
     Batch,
     BatchAck,
     BatchRequest,
@@ -243,14 +244,14 @@ class Link:
             if not poll(self.dealer, 0.5):
                 continue
             reply = receive(self.dealer)[1]
-            replies -= 1
+            replies -= len(reply.msg_ids) if isinstance(reply, Acks) else 1  # a round's acks in one (protocol 7)
             if isinstance(reply, Error):  # detail "<reason>: ..."; a frame that did not decode says why instead
                 head = reply.detail.split(":")[0]
                 self.refused[head if re.fullmatch(r"[a-z_]+", head) else "undecodable"] += 1
             elif isinstance(reply, LeaseGrant):
                 self.grants.append(reply)
             elif not isinstance(reply, LeaseDenied):
-                assert isinstance(reply, Ack), reply
+                assert isinstance(reply, Ack | Acks), reply
         assert replies == 0, f"{replies} replies missing"
 
 
