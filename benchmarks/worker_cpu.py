@@ -88,7 +88,7 @@ def one_run(arm: str, index: int, seconds: float, profile: bool) -> dict:
             break  # a role has exited: the run is stopping
         if first is None:
             first = (now, cpus, done)
-            if profile and shutil.which("py-spy"):
+            if profile:
                 spy = subprocess.Popen(["py-spy", "record", "-p", str(pids["rollout-0"]), "-r", "200", "-f", "raw",
                                         "-o", str(run_dir / "worker.spy"), "--nonblocking",
                                         "-d", str(max(1, int(seconds / 2)))],
@@ -135,6 +135,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.runs, args.seconds = 1, 15.0
+    if args.profile and not shutil.which("py-spy"):
+        parser.error("--profile needs py-spy on the PATH (the bench extra: pip install -e '.[bench]')")
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for index in range(args.runs):
         for arm in (ARMS if index % 2 == 0 else reversed(list(ARMS))):
