@@ -22,7 +22,6 @@ from rollout.plugin_calls import ElasticPool, PluginPool
 
 log = logging.getLogger("async_rl.rollout")
 
-KINDS = ("reset", "step", "judge")
 # A pooled kind goes back inline after this many of its pool calls in a row each took under a quarter of the
 # budget: a call that overran only because the machine was busy (its thread waited for a core) costs one move,
 # not the rest of the run on the pools.

@@ -103,13 +103,10 @@ class ReplayLink:
         self._advance_read_clock(reading=False)
         for reply in self.inbox.messages(timeout_s):
             if isinstance(reply, Ack):
-                self._acked(reply.msg_id)
+                self._acked([reply.msg_id])
                 self.duplicate_acks += reply.duplicate
-            elif isinstance(reply, Acks):  # a round's acks in one message: their journal lines in one write
-                entries = [self.unacked.pop(msg_id, None) for msg_id in reply.msg_ids]
-                acked = [entry.message for entry in entries if entry is not None]
-                if self.journal is not None:
-                    self.journal.acked(*acked)
+            elif isinstance(reply, Acks):  # a round's acks in one message
+                self._acked(reply.msg_ids)
                 self.duplicate_acks += len(reply.duplicates)
             elif isinstance(reply, LeaseGrant | LeaseDenied):
                 if self.lease_request is not None and reply.msg_id == self.lease_request.msg_id:
@@ -127,10 +124,11 @@ class ReplayLink:
         self._advance_read_clock(reading=True)
         return replies
 
-    def _acked(self, msg_id: int) -> None:
-        acked = self.unacked.pop(msg_id, None)
-        if acked is not None and self.journal is not None:
-            self.journal.acked(acked.message)
+    def _acked(self, msg_ids: list[int]) -> None:
+        """Off the resend list; the first ack of each journalled, their lines in one write."""
+        entries = [self.unacked.pop(msg_id, None) for msg_id in msg_ids]
+        if self.journal is not None:
+            self.journal.acked(*(entry.message for entry in entries if entry is not None))
 
     def tick(self, group_ids: list[str]) -> None:
         """Resend what is overdue for an ack (or a lease reply) on the read clock; send a heartbeat when due."""

@@ -132,8 +132,6 @@ class EpisodeRunner:
         self.sink = sink
         self.max_inflight = max_inflight
         self.blind = blind
-        self.step_timeout_s = step_timeout_s
-        self.judge_timeout_s = judge_timeout_s
         self.batch_wait_s = batch_wait_s
         self.ready_since: float | None = None  # when the first trajectory now waiting for the engine began to wait
         # a finished call (engine or pool) wakes `pump`'s one poll, as do the owner's sockets (`watch`)
@@ -294,14 +292,19 @@ class EpisodeRunner:
         else:
             self._env_returned(returned.episode, returned.result, returned.error, returned.elapsed_s)
 
-    def _env_returned(self, episode: Episode, result: object, error: BaseException | None, elapsed: float) -> None:
-        """A reset or step came back (`error`: what it raised)."""
+    def _failed(self, episode: Episode, error: BaseException) -> None:
+        """An env call raised: the checked calls raise EnvError for whatever the env did wrong; anything else is a
+        bug of ours around the call, and still costs only this trajectory."""
         if isinstance(error, EnvError):
             self._abandon(episode, f"env_error: {error}")
             return
-        if error is not None:  # a bug of ours around the env call: still only this trajectory
-            log.error("trajectory %s: internal error", episode.trajectory_id, exc_info=error)
-            self._abandon(episode, f"internal_error: {type(error).__name__}: {error}")
+        log.error("trajectory %s: internal error", episode.trajectory_id, exc_info=error)
+        self._abandon(episode, f"internal_error: {type(error).__name__}: {error}")
+
+    def _env_returned(self, episode: Episode, result: object, error: BaseException | None, elapsed: float) -> None:
+        """A reset or step came back (`error`: what it raised)."""
+        if error is not None:
+            self._failed(episode, error)
             return
         (self.stats.reset_s if episode.phase == "reset" else self.stats.step_s).append(elapsed)
         if episode.phase == "reset" and isinstance(result, Prompt):  # a token-level env: tokens as they are
@@ -455,9 +458,8 @@ class EpisodeRunner:
             self._returned(returned)  # with the judge's own time, not when we looked
 
     def _judged(self, episode: Episode, judgement: object, error: BaseException | None, elapsed: float) -> None:
-        if error is not None:  # checked_judge raises EnvError for whatever the env did wrong
-            reason = f"env_error: {error}" if isinstance(error, EnvError) else f"internal_error: {error!r}"
-            self._abandon(episode, reason)
+        if error is not None:
+            self._failed(episode, error)
             return
         self.stats.judge_s.append(elapsed)
         self.stats.trajectories_finished += 1
