@@ -22,9 +22,16 @@ from rollout.plugin_calls import ElasticPool, PluginPool
 
 log = logging.getLogger("async_rl.rollout")
 
-# A pooled kind goes back inline after this many of its pool calls in a row each took under a quarter of the
-# budget: a call that overran only because the machine was busy (its thread waited for a core) costs one move,
-# not the rest of the run on the pools.
+# A call is instant under a twentieth of rollout.inline_budget_s (1 ms at its default): a pool call's hand-off costs
+# ~0.1 ms of CPU (docs/results.md, "worker_cpu"), so a call ten times that is worth overlapping with the others on
+# a pool. Inline calls run one after another: a tool that waits 10 ms (a sandbox, a request) inline caps a worker
+# at 100 steps a second, where a pool runs its trajectories' waits side by side. A kind goes to the pools once the
+# mean of its inline calls (a moving average over about the last MEAN_OVER) is not instant, long before the
+# watchdog's budget (a hung call) would move it.
+INSTANT_FRACTION = 20
+MEAN_OVER = 16
+# A pooled kind goes back inline after this many of its pool calls in a row were instant: a call that overran only
+# because the machine was busy (its thread waited for a core) costs one move, not the rest of the run on the pools.
 BACK_INLINE_AFTER = 64
 
 
@@ -51,7 +58,8 @@ class EnvCalls:
         self.inline = inline
         self.queue: deque[tuple[str, Episode, Callable, tuple]] = deque()  # inline calls not run yet
         self.pooled_kinds: set[str] = set()  # kinds that overran the inline budget: on the pools for now
-        self.quick_in_a_row: dict[str, int] = {}  # per pooled kind: its pool calls in a row well within the budget
+        self.quick_in_a_row: dict[str, int] = {}  # per pooled kind: its pool calls in a row that were instant
+        self.mean_s: dict[str, float] = {}  # per inline kind: its calls' moving mean time (over ~MEAN_OVER calls)
         self.moved: set[Future] = set()  # moved inline calls among `calls` (their thread is not the pool's)
         self.timeouts = 0  # calls written off past their time limit
         self.written_off: list[Future] = []  # those calls, until they return
@@ -79,7 +87,18 @@ class EnvCalls:
                 continue
             episode.since = time.monotonic()
             result, error, elapsed = self.inline.call(kind, episode, fn, *args)
+            self._inline_call_took(kind, elapsed)
             handle(Returned(kind, episode, result, error, elapsed))
+
+    def _inline_call_took(self, kind: str, elapsed: float) -> None:
+        """A kind whose inline calls are not instant on average goes to the pools (they overlap there)."""
+        mean = self.mean_s.get(kind, 0.0)
+        mean += (elapsed - mean) / MEAN_OVER
+        self.mean_s[kind] = mean
+        if mean > self._instant_s():
+            log.info("env %r: its %ss take %.1f ms on average: they run on a pool for now, side by side",
+                     self.env_name, kind, mean * 1e3)
+            self._to_pools(kind)
 
     def returned(self, kinds: tuple[str, ...]) -> list[Returned]:
         """The pool calls of `kinds` that are done, taken off the books (results of abandoned trajectories too)."""
@@ -99,12 +118,13 @@ class EnvCalls:
 
     def _pooled_call_took(self, kind: str, elapsed: float) -> None:
         assert self.inline is not None  # only an inline kind is ever pooled
-        quick = self.quick_in_a_row.get(kind, 0) + 1 if elapsed < self.inline.budget_s / 4 else 0
+        quick = self.quick_in_a_row.get(kind, 0) + 1 if elapsed < self._instant_s() else 0
         self.quick_in_a_row[kind] = quick
         if quick >= BACK_INLINE_AFTER:
             self.pooled_kinds.discard(kind)
+            self.mean_s.pop(kind, None)
             log.info("env %r: its last %d %ss each took under %g s on a pool: inline again", self.env_name, quick,
-                     kind, self.inline.budget_s / 4)
+                     kind, self._instant_s())
 
     def expired(self, now: float) -> list[tuple[str, Episode, float]]:
         """(kind, episode, limit) of each call past its time limit: written off (a pool's thread is replaced)."""
@@ -143,14 +163,20 @@ class EnvCalls:
         if self.wake is not None:
             future.add_done_callback(self.wake)
 
+    def _instant_s(self) -> float:
+        return self.inline.budget_s / INSTANT_FRACTION if self.inline is not None else 0.0
+
+    def _to_pools(self, kind: str) -> None:
+        self.quick_in_a_row[kind] = 0
+        self.pooled_kinds.add(kind)
+
     def _moved(self, kind: str, episode: Episode, future: Future) -> None:
         """The watchdog moved an inline call past its budget (the loop thread is inside the env, so the books are
         ours): filed with the pool calls, so its time limit applies, and this kind goes to the pools from now on."""
-        self.quick_in_a_row[kind] = 0
         if kind not in self.pooled_kinds:
             log.info("env %r: a %s took longer than rollout.inline_budget_s (%g s): its %ss run on a pool for now",
                      self.env_name, kind, self.inline.budget_s if self.inline else 0.0, kind)
-        self.pooled_kinds.add(kind)
+        self._to_pools(kind)
         self.calls[future] = (kind, episode)
         self.moved.add(future)
         if self.wake is not None:

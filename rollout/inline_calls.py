@@ -11,9 +11,10 @@ judge time limits abandon it as they abandon any hung call) and calls `resume`, 
 on a new thread. The old thread, stuck in the env, is written off: when the call returns, its result goes into
 the Future and the thread leaves the loop by raising `LoopMoved` (caught where the owner started the thread),
 touching nothing else. The runner then sends that kind of call (reset, step or judge) of its env to its pools
-(an env that was slow once is likely to be slow again, and a move costs a thread) until 64 of them in a row have
-returned well within the budget (rollout/env_calls.py): a call that overran only because the machine was busy
-costs one move, not the rest of the run.
+(an env that was slow once is likely to be slow again, and a move costs a thread) until 64 of them in a row were
+instant (rollout/env_calls.py, which also pools a kind whose calls are slow on average without being hung: inline
+calls run one after another). A call that overran only because the machine was busy costs one move, not the rest
+of the run.
 
 The handshake is one lock: the watchdog moves a call only while the call is still inside the env, and the loop
 thread, once the env returns, learns under the same lock whether its call was moved.

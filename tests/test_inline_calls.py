@@ -33,6 +33,7 @@ class RecordingEnv:
     def step(self, action):
         self.owner.threads.append(("step", threading.current_thread().name))
         self.steps += 1
+        time.sleep(self.owner.step_wait_s)  # a tool that waits (a request, a sandbox): no CPU, but no return either
         if self.steps == 1 and self.owner.block_next.is_set():
             self.owner.block_next.clear()
             self.owner.blocked.set()
@@ -47,6 +48,7 @@ class RecordingEnv:
 class Factory:
     def __init__(self):
         self.threads: list[tuple[str, str]] = []
+        self.step_wait_s = 0.0
         self.block_next, self.blocked, self.release = threading.Event(), threading.Event(), threading.Event()
 
     def tasks(self, split):
@@ -126,6 +128,27 @@ def test_instant_calls_run_on_the_loops_own_thread(model_dir):
     assert {name for _, name in factory.threads} == {"loop-1"}  # reset, both steps and the judge: no hand-off
     assert [kind for kind, _ in factory.threads].count("judge") == 4
     assert owner.inline.moved == 0 and owner.threads_started == 1 and owner.runner.calls.pooled_kinds == set()
+
+
+def test_steps_that_wait_go_to_the_pool_where_they_overlap_without_moving_the_loop(model_dir):
+    """Steps that each wait 20 ms, within a 100 ms budget: inline they would run one after another (16 trajectories
+    x 2 steps = 0.64 s of waiting); their mean passes a twentieth of the budget (5 ms) by the 5th call, steps go to
+    the pool, and the trajectories' waits overlap there. No loop move: nothing overran the budget."""
+    factory, sink = Factory(), Sink()
+    factory.step_wait_s = 0.02
+    owner = Owner(runner_args(factory, sink, model_dir), budget_s=0.1)
+    try:
+        owner.runner.start_group("g", Task("t", {}), 16)
+        owner.start()
+        wait_for(lambda: len(sink.outcomes) == 16)
+    finally:
+        owner.close()
+    steps = [name for kind, name in factory.threads if kind == "step"]
+    inline = [name for name in steps if name.startswith("loop-")]
+    assert len(steps) == 32 and 1 <= len(inline) <= 5
+    # (a loaded machine may hold a call past the budget: a move sends steps to the pool all the same)
+    assert owner.runner.calls.pooled_kinds == {"step"} and owner.inline.moved <= 1
+    assert all(reason == "" for _, reason in sink.outcomes)
 
 
 def test_a_call_past_the_budget_moves_the_loop_and_finishes_as_a_pool_call(model_dir):
