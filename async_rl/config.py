@@ -138,6 +138,14 @@ class SGLangConfig(_Section):
         "<key>`). null: the SGLANG_API_KEY environment variable when it is set and non-empty, else no key. Never "
         "the key itself."
     )] = None
+    admin_key_file: Annotated[str | None, doc(
+        "A file holding the servers' admin key (they run with `--admin-api-key` as well as `--api-key`: then only "
+        "this key reaches their weight, pause, abort and LoRA routes, and the API key only generation and "
+        "reads). Read by the learner alone, which then loads every version into the servers itself (with "
+        "`weight_sync: disk` too); rollout workers hold the API key, which can generate and nothing else. null: "
+        "SGLANG_ADMIN_API_KEY when set and non-empty, else none (workers load disk versions themselves) "
+        "([sglang](sglang.md#keys))"
+    )] = None
 
 
 class VLLMConfig(_Section):

@@ -227,6 +227,13 @@ def sglang_headers(api_key_file: str | None) -> dict[str, str]:
     return bearer_headers(api_key_file, "SGLANG_API_KEY", "rollout.sglang.api_key_file")
 
 
+def sglang_admin_headers(admin_key_file: str | None) -> dict[str, str]:
+    """The learner's headers for the SGLang servers' admin routes (weights, pause, abort, LoRA: their
+    `--admin-api-key`): `rollout.sglang.admin_key_file`, else a non-empty SGLANG_ADMIN_API_KEY, else none. A
+    rollout worker never asks for them: its API key can generate and nothing else."""
+    return bearer_headers(admin_key_file, "SGLANG_ADMIN_API_KEY", "rollout.sglang.admin_key_file")
+
+
 def vllm_headers(api_key_file: str | None) -> dict[str, str]:
     """The same for the vLLM servers: `rollout.vllm.api_key_file`, else a non-empty VLLM_API_KEY, else none."""
     return bearer_headers(api_key_file, "VLLM_API_KEY", "rollout.vllm.api_key_file")

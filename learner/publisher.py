@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -106,18 +107,34 @@ class WeightPublisher:
         self._socket.close(linger=0)
 
 
+@dataclass(frozen=True)
+class ServerHeaders:
+    """The HTTP headers of the learner's calls to the engine's servers: `api` with their API key (reads; async_rl/
+    security.py `sglang_headers`, `vllm_headers`), `admin` with SGLang's admin key (`sglang_admin_headers`: its
+    weight, pause and abort routes take that key alone; empty where the servers have none)."""
+
+    api: dict[str, str] = field(default_factory=dict)
+    admin: dict[str, str] = field(default_factory=dict)
+
+
 def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir: Path, curve: CurveKeys | None,
-                   server_headers: Callable[[], dict[str, str]] = dict) -> WeightPublisher:
+                   server_headers: Callable[[], ServerHeaders] = ServerHeaders) -> WeightPublisher:
     """The publisher the learner's rank 0 uses: its transport by `rollout.engine` and that engine's `weight_sync`
     (`rollout.sglang.weight_sync`, `rollout.vllm.weight_sync`). `curve`: the learner's keys (None: CURVE off);
-    `server_headers`: the HTTP headers of the `distributed` transport's calls to the engine's servers
-    (async_rl/security.py `sglang_headers` or `vllm_headers`), asked for by that transport alone."""
+    `server_headers`: of the transport's calls to the engine's servers, asked for by the transports that make
+    them. With SGLang's admin key, the learner loads `disk` versions into the servers itself (the workers' API key
+    cannot: learner/sglang_disk.py)."""
     weights_dir = settings.weights_dir
     transport: Publisher = FilePublisher(weights_dir)
     if settings.engine == "sglang" and settings.sglang.weight_sync == "distributed":
         from learner.sglang_sync import DistributedWeightSync  # httpx and the servers' group: server users only
 
-        transport = DistributedWeightSync(settings.sglang, server_headers())
+        headers = server_headers()
+        transport = DistributedWeightSync(settings.sglang, headers.api, headers.admin)
+    elif settings.engine == "sglang" and (headers := server_headers()).admin:
+        from learner.sglang_disk import ServerDiskLoad
+
+        transport = ServerDiskLoad(HFDirPublisher(weights_dir, model_dir), settings.sglang, headers.admin)
     elif settings.adapters is not None:  # vLLM servers load each version's LoRA adapters beside their base weights
         from learner.lora import adapter_config
 
@@ -125,7 +142,7 @@ def make_publisher(context: zmq.Context, settings: PublisherSettings, model_dir:
     elif settings.engine == "vllm" and settings.vllm.weight_sync == "distributed":
         from learner.vllm_sync import VLLMWeightSync
 
-        transport = VLLMWeightSync(settings.vllm, server_headers())
+        transport = VLLMWeightSync(settings.vllm, server_headers().api)
     elif settings.engine in ("sglang", "vllm"):  # servers load an HF directory
         transport = HFDirPublisher(weights_dir, model_dir)
     return WeightPublisher(context, settings.publish_endpoint, weights_dir, settings.keep_weights, curve, transport,

@@ -52,22 +52,31 @@ class Tensors:
 class DistributedWeightSync:
     """The learner's side of the servers' weight-update group: rank 0 here, the servers' ranks after it. An
     `async_rl.weights.base.Publisher` of format "distributed" (nothing on disk: `write` pushes, `prune` has nothing
-    to remove). `headers`: of every HTTP request to the servers (async_rl/security.py `sglang_headers`). The server
+    to remove). `headers`: of the HTTP requests to the servers (async_rl/security.py `sglang_headers`);
+    `admin_headers`, when the servers have an admin key (`sglang_admin_headers`), of the calls that change them (join,
+    pause, update, resume: SGLang's admin routes take that key alone), `headers` then for reads only. The server
     calls are the methods below `push`; a subclass for another server kind overrides them (learner/vllm_sync.py)."""
 
     format = "distributed"
     kind = "SGLang"
+    key_hint = ("servers started with --admin-api-key take that key alone there: give the learner it in "
+                "rollout.sglang.admin_key_file or SGLANG_ADMIN_API_KEY (docs/sglang.md#keys)")
 
-    def __init__(self, config: SGLangSyncSettings | VLLMSyncSettings, headers: dict[str, str]) -> None:
+    def __init__(self, config: SGLangSyncSettings | VLLMSyncSettings, headers: dict[str, str],
+                 admin_headers: dict[str, str] | None = None) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s, headers=headers)
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=admin_headers or headers)
+        self.reads = httpx.Client(timeout=config.request_timeout_s, headers=headers) if admin_headers else self.http
         self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="weight-sync")
         ranks = [self._ranks(url) for url in self.urls]
         self.world_size = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(self.urls))]
         for url in self.urls:  # a learner that died left its group behind on the server
-            self._leave(url)
+            left = self._leave(url)
+            if left.status_code in (401, 403):  # refused here, not as a join the group would wait 300 s for
+                raise RuntimeError(f"{url}: HTTP {left.status_code}: the server refuses the learner's key on the "
+                                   f"routes that change its weights ({left.request.url.path}): {self.key_hint}")
         # The store first: a port already taken fails here, before any server is asked to join it.
         self.secret = self._store_secret()
         self.group = BroadcastGroup(config.dist_master_addr, config.dist_master_port, self.world_size,
@@ -115,11 +124,11 @@ class DistributedWeightSync:
 
     def _ranks(self, url: str) -> int:
         """The ranks one server takes in the group (one per tensor-parallel worker)."""
-        return int(self._call(url, "GET", "/get_server_info").get("tp_size", 1))
+        return int(self._call(url, "GET", "/get_server_info", client=self.reads).get("tp_size", 1))
 
-    def _leave(self, url: str) -> None:
+    def _leave(self, url: str) -> httpx.Response:
         """Leave the group if the server is in one (best effort: before joining, and at close)."""
-        self.http.post(url + "/destroy_weights_update_group", json={"group_name": GROUP_NAME})
+        return self.http.post(url + "/destroy_weights_update_group", json={"group_name": GROUP_NAME})
 
     def _join(self, url: str, rank_offset: int) -> None:
         """The server joins the group (blocks until the learner has: called on a thread)."""
@@ -169,10 +178,12 @@ class DistributedWeightSync:
         for call in [self.threads.submit(self._call, url, "POST", path, body, timeout) for url in self.urls]:
             call.result()
 
-    def _call(self, url: str, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        """One request (`timeout`: longer than rollout.<kind>.request_timeout_s, for a call that waits on purpose)."""
-        response = self.http.request(method, url + path, json=body,
-                                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+    def _call(self, url: str, method: str, path: str, body: dict | None = None, timeout: float | None = None,
+              client: httpx.Client | None = None) -> Any:
+        """One request (`timeout`: longer than rollout.<kind>.request_timeout_s, for a call that waits on purpose;
+        `client`: `self.reads` for a read, else the admin key's where the servers have one)."""
+        response = (client or self.http).request(method, url + path, json=body,
+                                                 timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         if response.status_code != 200:
             raise RuntimeError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json() if response.content else {}
@@ -186,3 +197,4 @@ class DistributedWeightSync:
         self.group.close()
         self.threads.shutdown(wait=False)
         self.http.close()
+        self.reads.close()

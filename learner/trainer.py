@@ -33,7 +33,14 @@ from async_rl.evidence import trained_item
 from async_rl.loss import LossStats
 from async_rl.model import wait_for_model_dir
 from async_rl.protocol import Batch, ReplayStats, TrainItem, decode, encode
-from async_rl.security import CurveKeys, check_transport, load_keys, sglang_headers, vllm_headers
+from async_rl.security import (
+    CurveKeys,
+    check_transport,
+    load_keys,
+    sglang_admin_headers,
+    sglang_headers,
+    vllm_headers,
+)
 from async_rl.signals import StopRequest, stop_on_signals
 from async_rl.telemetry import RoleMetrics
 from learner.batch import collate
@@ -48,7 +55,7 @@ from learner.engine import (
     world_size,
 )
 from learner.metrics import HISTOGRAMS, METRICS_FILE, MetricsLog, batch_metrics, step_metrics
-from learner.publisher import WeightPublisher, make_publisher
+from learner.publisher import ServerHeaders, WeightPublisher, make_publisher
 from learner.replay_client import ReplayClient, ResumeRefused
 from learner.settings import LearnerSettings, StopSettings
 from learner.step import layout_metrics, train_on_items
@@ -86,7 +93,7 @@ class Outside:
     model_dir: Callable[[], Path]  # async_rl/model.py `wait_for_model_dir`
     keys: Callable[[], CurveKeys | None]  # the learner's CURVE keys (async_rl/security.py `load_keys`)
     metrics: Callable[[], RoleMetrics]  # <run_dir>/metrics.jsonl and the learner's W&B run
-    server_headers: Callable[[], dict[str, str]]  # of the `distributed` weight transport's HTTP calls
+    server_headers: Callable[[], ServerHeaders]  # of the weight transport's HTTP calls to the servers
 
 
 def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -102,8 +109,10 @@ def run(config: Config, stop: threading.Event | None = None) -> dict[str, Any]:
         keys=lambda: load_keys(config.security.curve_dir, "learner"),
         metrics=lambda: RoleMetrics(settings.metrics, "learner", path=settings.run_dir / METRICS_FILE,
                                     histograms=HISTOGRAMS),
-        server_headers=lambda: (vllm_headers(config.rollout.vllm.api_key_file) if config.rollout.engine == "vllm"
-                                else sglang_headers(config.rollout.sglang.api_key_file)))
+        server_headers=lambda: (
+            ServerHeaders(vllm_headers(config.rollout.vllm.api_key_file)) if config.rollout.engine == "vllm"
+            else ServerHeaders(sglang_headers(config.rollout.sglang.api_key_file),
+                               sglang_admin_headers(config.rollout.sglang.admin_key_file))))
     with stop_on_signals(stop) as request:  # a signal finishes the current step, then stops
         summary = _train(settings, outside, request, started)
     # With several ranks at ZeRO-3, a rank that exits while the engine's threads still hold the process group

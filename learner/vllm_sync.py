@@ -21,6 +21,8 @@ the server resumes on the weights it had, or the ones it got before the failure.
 
 from __future__ import annotations
 
+import httpx
+
 from async_rl.config import VLLM_PAUSE_MODES
 from async_rl.weights.keyed_store import new_secret
 from learner.settings import VLLMSyncSettings
@@ -32,6 +34,7 @@ class VLLMWeightSync(DistributedWeightSync):
     `vllm_headers`."""
 
     kind = "vLLM"
+    key_hint = "check rollout.vllm.api_key_file (or VLLM_API_KEY) against the servers' --api-key"
     config: VLLMSyncSettings
 
     def __init__(self, config: VLLMSyncSettings, headers: dict[str, str]) -> None:
@@ -40,8 +43,8 @@ class VLLMWeightSync(DistributedWeightSync):
     def _ranks(self, url: str) -> int:
         return int(self._call(url, "GET", "/get_world_size").get("world_size", 1))
 
-    def _leave(self, url: str) -> None:
-        self.http.post(url + "/shutdown_weight_transfer_engine")
+    def _leave(self, url: str) -> httpx.Response:
+        return self.http.post(url + "/shutdown_weight_transfer_engine")
 
     def _store_secret(self) -> bytes:
         return new_secret()  # fresh for each group; the plugin refuses a join without one

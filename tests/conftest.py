@@ -119,6 +119,15 @@ def pool(tmp_path_factory) -> Pool:
 
 
 @pytest.fixture(scope="session")
+def keyed_pool(tmp_path_factory) -> Pool:
+    """One real SGLang server with an API key and an admin key (tests/sglang_server.py `KeyedSGLangServer`), on the
+    same tiny model (`xdist_group("sglang")`)."""
+    from sglang_server import KeyedSGLangServer
+
+    yield from _server_pool(tmp_path_factory, "SGLang", "build_sglang_env.sh", [], KeyedSGLangServer, count=1)
+
+
+@pytest.fixture(scope="session")
 def vllm_pool(tmp_path_factory) -> Pool:
     """The same for vLLM (`xdist_group("vllm")`; scripts/build_vllm_env.sh, about 5 min when missing), on a tiny
     model with 2 heads of 32 (vLLM's CPU attention has no kernel for the default's head dimension of 16)."""

@@ -152,3 +152,27 @@ class Pool:
         self.restart_dead()
         for server in self.servers:
             server.load(self.model_dir, 0)
+
+
+# The keys of `KeyedSGLangServer`: what a rollout worker holds (generation) and what the learner holds (admin).
+API_KEY, ADMIN_KEY = "worker-generates", "learner-administers"
+
+
+@dataclass
+class KeyedSGLangServer(SGLangServer):
+    """A server started with `--api-key` and `--admin-api-key`: its weight, pause and abort routes take the admin key
+    alone, generation and reads the API key alone (as docs/sglang.md#keys starts them)."""
+
+    ARGS: ClassVar[tuple[str, ...]] = ("--", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
+
+    def load(self, model_path: Path, version: int) -> None:
+        reply = httpx.post(self.url + "/update_weights_from_disk", timeout=60, headers=bearer(ADMIN_KEY),
+                           json={"model_path": str(model_path), "weight_version": str(version)})
+        reply.raise_for_status()
+
+    def model_info(self) -> dict:
+        return httpx.get(self.url + "/get_model_info", timeout=10, headers=bearer(API_KEY)).json()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

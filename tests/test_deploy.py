@@ -54,6 +54,11 @@ class Kustomization:
     key_env: str
     model_flag: str  # the server's flag for the model directory
     image: str  # the servers' image name
+    admin_secret: str | None = None  # the Secret (and key) of the servers' admin key, where they have one
+
+    @property
+    def secrets(self) -> set[str]:  # the Secrets of this engine's keys
+        return {self.key_secret} | ({self.admin_secret} if self.admin_secret else set())
 
     @property
     def server(self) -> str:  # the StatefulSet and its headless Service
@@ -61,7 +66,7 @@ class Kustomization:
 
 
 SGLANG = Kustomization("sglang", K8S, CLUSTER_CONFIG, "sglang-api-key", "SGLANG_API_KEY", "--model-path",
-                       "async-rl-sglang")
+                       "async-rl-sglang", "sglang-admin-key")
 VLLM = Kustomization("vllm", K8S / "vllm", ROOT / "configs" / "cluster-vllm.yaml", "vllm-api-key", "VLLM_API_KEY",
                      "--model", "async-rl-vllm")
 KUSTOMIZATIONS = [SGLANG, VLLM]
@@ -311,8 +316,8 @@ def test_each_kustomization_generates_only_its_own_secrets(docs, kz):
     """The Secrets are the shared ones and this engine's API key, no other; every reference to a Secret it does not
     generate is an optional one (the other engine's key, in the pods that serve either engine)."""
     generated = set(by_kind(docs, "Secret"))
-    assert generated == BASE_SECRETS | {kz.key_secret}
-    others = {other.key_secret for other in KUSTOMIZATIONS} - {kz.key_secret}
+    assert generated == BASE_SECRETS | kz.secrets
+    others = set().union(*(other.secrets for other in KUSTOMIZATIONS)) - kz.secrets
     for doc in workloads(docs):
         for c in containers(doc):
             for env in c.get("env", []):
@@ -322,7 +327,8 @@ def test_each_kustomization_generates_only_its_own_secrets(docs, kz):
     # The servers themselves take only their own engine's key, and require it.
     server = container(docs, "StatefulSet", kz.server)
     refs = [e["valueFrom"]["secretKeyRef"] for e in server["env"] if "secretKeyRef" in e.get("valueFrom", {})]
-    assert refs == [{"name": kz.key_secret, "key": kz.key_env}]
+    admin = [{"name": kz.admin_secret, "key": "SGLANG_ADMIN_API_KEY"}] if kz.admin_secret else []
+    assert refs == [{"name": kz.key_secret, "key": kz.key_env}, *admin]
 
 
 def test_the_vllm_kustomization_reuses_the_base_files(vllm_docs):
@@ -497,6 +503,19 @@ def test_vllm_server_dtype_flags_probes_and_api_key(vllm_docs):
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert "VLLM_API_KEY" in env
     assert engine_settings(VLLM).api_key_file is None  # the clients read VLLM_API_KEY (async_rl/security.py)
+
+
+def test_the_sglang_servers_require_an_admin_key_that_only_the_learner_holds(sglang_docs):
+    """The servers' weight, pause, abort and LoRA routes take the admin key alone (docs/sglang.md#keys): required
+    by the servers, referenced by the learner's container and by no other (a rollout worker's key can generate
+    and nothing else); the learner reads it from SGLANG_ADMIN_API_KEY (async_rl/security.py)."""
+    line = command_line(container(sglang_docs, "StatefulSet", "sglang"))
+    assert '--admin-api-key "${SGLANG_ADMIN_API_KEY}"' in line and ': "${SGLANG_ADMIN_API_KEY:?' in line
+    holders = sorted((doc["metadata"]["name"], c["name"]) for doc in workloads(sglang_docs) for c in containers(doc)
+                     for e in c.get("env", []) if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+                     == "sglang-admin-key")
+    assert holders == [("async-rl-learner", "learner"), ("sglang", "sglang")]
+    assert cluster_config(SGLANG).rollout.sglang.admin_key_file is None  # so: the environment variable
 
 
 def test_the_router_requires_the_api_key(sglang_docs):

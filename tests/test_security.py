@@ -47,6 +47,7 @@ from async_rl.security import (
     load_keys,
     role_files,
     routing_id,
+    sglang_admin_headers,
     sglang_headers,
 )
 from async_rl.transport import bind_publisher, bind_router, connect_dealer, connect_subscriber, poll, receive, send
@@ -692,3 +693,16 @@ def test_the_sglang_client_sends_the_api_key_from_its_file(tmp_path, monkeypatch
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_admin_key_is_read_from_its_own_file_or_variable_and_never_from_the_api_keys(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_ADMIN_API_KEY", raising=False)
+    monkeypatch.setenv("SGLANG_API_KEY", "worker")
+    assert sglang_admin_headers(None) == {}  # the API key is no admin key: without one, the workers load disk
+    monkeypatch.setenv("SGLANG_ADMIN_API_KEY", "learner")
+    assert sglang_admin_headers(None) == {"Authorization": "Bearer learner"}
+    (tmp_path / "admin").write_text("from-file\n")
+    assert sglang_admin_headers(str(tmp_path / "admin")) == {"Authorization": "Bearer from-file"}
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match="rollout.sglang.admin_key_file: .* is empty"):
+        sglang_admin_headers(str(tmp_path / "empty"))

@@ -25,8 +25,9 @@ FORMATS = {
     "hf-dir": "an HF model directory with a manifest of its files' crc32s (async_rl/weights/hf_dir.py)",
     "lora-adapter": "a PEFT LoRA adapter directory with a manifest of its files' crc32s, loaded by vLLM servers "
                     "beside their base weights (async_rl/weights/hf_dir.py)",
-    "distributed": "pushed by the learner into SGLang servers over a torch.distributed group, no file to read "
-                   "(async_rl/weights/distributed.py)",
+    "distributed": "in the servers already, no file to read: pushed by the learner over a torch.distributed group "
+                   "(async_rl/weights/distributed.py), or loaded into SGLang servers by the learner with their admin "
+                   "key (learner/sglang_disk.py)",
 }
 
 
