@@ -146,6 +146,11 @@ class SGLangConfig(_Section):
         "SGLANG_ADMIN_API_KEY when set and non-empty, else none (workers load disk versions themselves) "
         "([sglang](sglang.md#keys))"
     )] = None
+    ca_file: Annotated[str | None, doc(
+        "With `https://` URLs (servers started with `--ssl-keyfile` and `--ssl-certfile`): the CA certificates "
+        "that signed the servers' certificate, for every client of the servers (workers and learner). null: the "
+        "system's trust store. Set with an `http://` URL: refused ([sglang](sglang.md#tls))"
+    )] = None
 
 
 class VLLMConfig(_Section):
@@ -192,6 +197,9 @@ class VLLMConfig(_Section):
     api_key_file: Annotated[str | None, doc(
         "A file holding the servers' API key (`--api-key`); null: the VLLM_API_KEY environment variable when it "
         "is set and non-empty, else no key. Never the key itself."
+    )] = None
+    ca_file: Annotated[str | None, doc(
+        "as `rollout.sglang.ca_file`, for vLLM servers started with `--ssl-keyfile` and `--ssl-certfile`"
     )] = None
 
 

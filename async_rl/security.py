@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import re
+import ssl
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -237,6 +238,22 @@ def sglang_admin_headers(admin_key_file: str | None) -> dict[str, str]:
 def vllm_headers(api_key_file: str | None) -> dict[str, str]:
     """The same for the vLLM servers: `rollout.vllm.api_key_file`, else a non-empty VLLM_API_KEY, else none."""
     return bearer_headers(api_key_file, "VLLM_API_KEY", "rollout.vllm.api_key_file")
+
+
+def server_tls(urls: list[str] | tuple[str, ...], ca_file: str | None, setting: str) -> ssl.SSLContext | bool:
+    """The `verify` of an HTTP client of the servers at `urls`: an SSL context trusting `ca_file` (`setting`, e.g.
+    rollout.sglang.ca_file), or True (the system's trust store, for https:// URLs). ConfigError naming `setting`
+    when the file cannot be read as certificates, or when it is set for an http:// URL (nothing would use it)."""
+    if ca_file is None:
+        return True
+    plain = [url for url in urls if not url.startswith("https://")]
+    if plain:
+        raise ConfigError(f"{setting}: set, but {', '.join(plain)} is not https://: start the servers with "
+                          "--ssl-keyfile and --ssl-certfile and use https:// URLs, or leave it null")
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{setting}: cannot load {ca_file} as CA certificates: {exc}") from None
 
 
 def bearer_headers(key_file: str | None, env_var: str, setting: str) -> dict[str, str]:

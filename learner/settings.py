@@ -93,6 +93,7 @@ class SGLangSyncSettings(msgspec.Struct, frozen=True, kw_only=True):
     dist_backend: Literal["gloo", "nccl"]  # rollout.sglang.dist_backend
     dist_master_addr: str  # rollout.sglang.dist_master_addr
     dist_master_port: int  # rollout.sglang.dist_master_port
+    ca_file: str | None = None  # rollout.sglang.ca_file
 
 
 class VLLMSyncSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,6 +106,7 @@ class VLLMSyncSettings(msgspec.Struct, frozen=True, kw_only=True):
     dist_backend: Literal["gloo", "nccl"]  # rollout.vllm.dist_backend
     dist_master_addr: str  # rollout.vllm.dist_master_addr
     dist_master_port: int  # rollout.vllm.dist_master_port
+    ca_file: str | None = None  # rollout.vllm.ca_file
 
 
 class PublisherSettings(msgspec.Struct, frozen=True, kw_only=True):

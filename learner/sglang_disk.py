@@ -25,6 +25,7 @@ import torch
 
 from async_rl.errors import WeightsError
 from async_rl.protocol import WeightsPublished
+from async_rl.security import server_tls
 from async_rl.weights.hf_dir import HFDirPublisher
 from learner.settings import SGLangSyncSettings
 
@@ -40,7 +41,8 @@ class ServerDiskLoad:
     def __init__(self, hf_dir: HFDirPublisher, config: SGLangSyncSettings, admin_headers: dict[str, str]) -> None:
         self.hf_dir, self.config = hf_dir, config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.admin = httpx.Client(timeout=config.request_timeout_s, headers=admin_headers)
+        self.admin = httpx.Client(timeout=config.request_timeout_s, headers=admin_headers,
+                                  verify=server_tls(config.urls, config.ca_file, "rollout.sglang.ca_file"))
         self.threads = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="disk-load")
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:

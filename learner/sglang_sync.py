@@ -23,6 +23,7 @@ import httpx
 import torch
 
 from async_rl.protocol import WeightsPublished
+from async_rl.security import server_tls
 from async_rl.weights.distributed import BroadcastGroup
 from learner.settings import SGLangSyncSettings, VLLMSyncSettings
 
@@ -66,8 +67,10 @@ class DistributedWeightSync:
                  admin_headers: dict[str, str] | None = None) -> None:
         self.config = config
         self.urls = [url.rstrip("/") for url in config.urls]
-        self.http = httpx.Client(timeout=config.request_timeout_s, headers=admin_headers or headers)
-        self.reads = httpx.Client(timeout=config.request_timeout_s, headers=headers) if admin_headers else self.http
+        verify = server_tls(config.urls, config.ca_file, f"rollout.{self.kind.lower()}.ca_file")
+        self.http = httpx.Client(timeout=config.request_timeout_s, headers=admin_headers or headers, verify=verify)
+        self.reads = (httpx.Client(timeout=config.request_timeout_s, headers=headers, verify=verify) if admin_headers
+                      else self.http)
         self.threads = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="weight-sync")
         ranks = [self._ranks(url) for url in self.urls]
         self.world_size = 1 + sum(ranks)

@@ -46,6 +46,7 @@ class SGLangSettings(msgspec.Struct, frozen=True, kw_only=True):
     partial_rollouts: bool  # rollout.sglang.partial_rollouts
     unavailable_timeout_s: float  # rollout.sglang.unavailable_timeout_s
     api_key_file: str | None  # rollout.sglang.api_key_file
+    ca_file: str | None = None  # rollout.sglang.ca_file
 
 
 class VLLMSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +60,7 @@ class VLLMSettings(msgspec.Struct, frozen=True, kw_only=True):
     partial_rollouts: bool  # rollout.vllm.partial_rollouts
     unavailable_timeout_s: float  # rollout.vllm.unavailable_timeout_s
     api_key_file: str | None  # rollout.vllm.api_key_file
+    ca_file: str | None = None  # rollout.vllm.ca_file
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):

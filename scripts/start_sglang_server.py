@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -69,13 +70,14 @@ def server_env(threads: int) -> dict[str, str]:
     return env
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health_generate") -> bool:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health_generate",
+                 context: ssl.SSLContext | None = None) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(url + path, timeout=10) as r:
+            with urllib.request.urlopen(url + path, timeout=10, context=context) as r:
                 if r.status == 200:
                     return True
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
@@ -118,19 +120,31 @@ def main() -> int:
 
     log_path = args.log or os.path.join(args.venv, f"server-{args.port}.log")
     cmd = build_command(args.venv, args.model_path, args.port, args.host, extra)
-    return launch(cmd, server_env(args.threads), f"http://{args.host}:{args.port}", log_path, args.timeout,
-                  "SGLang", "/health_generate")
+    context = tls_context(extra)
+    scheme = "https" if context else "http"
+    return launch(cmd, server_env(args.threads), f"{scheme}://{args.host}:{args.port}", log_path, args.timeout,
+                  "SGLang", "/health_generate", context)
+
+
+def tls_context(extra: list[str]) -> ssl.SSLContext | None:
+    """With `--ssl-certfile` among the server's arguments (TLS, docs/sglang.md#tls): the context the readiness
+    check verifies it with (the CAs of `--ssl-ca-certs`, else the certificate itself, as a self-signed one)."""
+    def value(flag: str) -> str | None:
+        return extra[extra.index(flag) + 1] if flag in extra[:-1] else None
+
+    certfile = value("--ssl-certfile")
+    return None if certfile is None else ssl.create_default_context(cafile=value("--ssl-ca-certs") or certfile)
 
 
 def launch(cmd: list[str], env: dict[str, str], url: str, log_path: str, timeout: float, name: str,
-           health_path: str) -> int:
+           health_path: str, context: ssl.SSLContext | None = None) -> int:
     """Start `cmd` in its own process group, logging to `log_path`; print its JSON line once `health_path`
     answers 200 (exit status 0), or kill it and print the log's tail (1). Shared with start_vllm_server.py."""
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
-    if not wait_healthy(url, proc, timeout, health_path):
+    if not wait_healthy(url, proc, timeout, health_path, context):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

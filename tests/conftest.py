@@ -120,11 +120,12 @@ def pool(tmp_path_factory) -> Pool:
 
 @pytest.fixture(scope="session")
 def keyed_pool(tmp_path_factory) -> Pool:
-    """One real SGLang server with an API key and an admin key (tests/sglang_server.py `KeyedSGLangServer`), on the
-    same tiny model (`xdist_group("sglang")`)."""
-    from sglang_server import KeyedSGLangServer
+    """One real SGLang server started closed: an API key, an admin key and TLS (tests/sglang_server.py
+    `KeyedSGLangServer`), on the same tiny model (`xdist_group("sglang")`)."""
+    from sglang_server import keyed_tls_server
 
-    yield from _server_pool(tmp_path_factory, "SGLang", "build_sglang_env.sh", [], KeyedSGLangServer, count=1)
+    kind = keyed_tls_server(tmp_path_factory.mktemp("tls"))
+    yield from _server_pool(tmp_path_factory, "SGLang", "build_sglang_env.sh", [], kind, count=1)
 
 
 @pytest.fixture(scope="session")

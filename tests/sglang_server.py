@@ -160,18 +160,35 @@ API_KEY, ADMIN_KEY = "worker-generates", "learner-administers"
 
 @dataclass
 class KeyedSGLangServer(SGLangServer):
-    """A server started with `--api-key` and `--admin-api-key`: its weight, pause and abort routes take the admin key
-    alone, generation and reads the API key alone (as docs/sglang.md#keys starts them)."""
+    """A server started closed, as docs/sglang.md#keys and #tls start one: `--api-key` and `--admin-api-key` (its
+    weight, pause and abort routes take the admin key alone, generation and reads the API key alone) and TLS with a
+    certificate for 127.0.0.1 signed by the test CA `CA` (a class of it is made by `keyed_tls_server`)."""
 
-    ARGS: ClassVar[tuple[str, ...]] = ("--", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
+    CA: ClassVar[str] = ""  # the CA certificate file the clients verify the server with
 
     def load(self, model_path: Path, version: int) -> None:
         reply = httpx.post(self.url + "/update_weights_from_disk", timeout=60, headers=bearer(ADMIN_KEY),
-                           json={"model_path": str(model_path), "weight_version": str(version)})
+                           verify=self.CA, json={"model_path": str(model_path), "weight_version": str(version)})
         reply.raise_for_status()
 
     def model_info(self) -> dict:
-        return httpx.get(self.url + "/get_model_info", timeout=10, headers=bearer(API_KEY)).json()
+        return httpx.get(self.url + "/get_model_info", timeout=10, headers=bearer(API_KEY), verify=self.CA).json()
+
+
+def keyed_tls_server(cert_dir: Path) -> type[KeyedSGLangServer]:
+    """The `KeyedSGLangServer` class whose servers use a fresh test CA (trustme) written to `cert_dir`: ca.pem, and
+    the server's cert.pem and key.pem for 127.0.0.1."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    paths = {name: cert_dir / f"{name}.pem" for name in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    args = ("--", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--ssl-keyfile", str(paths["key"]),
+            "--ssl-certfile", str(paths["cert"]), "--ssl-ca-certs", str(paths["ca"]))
+    return type("KeyedTLSServer", (KeyedSGLangServer,), {"ARGS": args, "CA": str(paths["ca"])})
 
 
 def bearer(key: str) -> dict[str, str]:

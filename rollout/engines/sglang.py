@@ -54,7 +54,7 @@ import httpx
 from async_rl.durable import manifest_problem
 from async_rl.errors import WeightsError
 from async_rl.ratelimit import RateLimitedLog
-from async_rl.security import sglang_headers
+from async_rl.security import server_tls, sglang_headers
 from async_rl.weights.base import Loader, loader_for
 from async_rl.weights.hf_dir import load_view, version_dirs
 from rollout.engines.base import EngineStopped, EngineUnavailable, Generation, SamplingParams
@@ -111,6 +111,7 @@ class Server:
     url: str
     alive: bool = True
     dead_since: float = 0.0
+    last_error: str = ""  # why it was last marked dead (EngineUnavailable says it)
 
 
 @dataclass
@@ -156,7 +157,8 @@ class SGLangEngine:
         self.stop = stop
         self.closed = threading.Event()
         self.servers = [Server(url.rstrip("/")) for url in settings.urls]
-        self.http = httpx.Client(timeout=settings.request_timeout_s, headers=self._headers())
+        self.http = httpx.Client(timeout=settings.request_timeout_s, headers=self._headers(),
+                                 verify=server_tls(settings.urls, settings.ca_file, f"rollout.{self.section}.ca_file"))
         # Several calls per server can be in flight: a server's re-sent rows need not wait for another's share.
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.servers), thread_name_prefix=self.section)
         self.ratelog = RateLimitedLog(log, LOG_EVERY_S)
@@ -335,9 +337,10 @@ class SGLangEngine:
                     return
             waited = time.monotonic() - started
             if waited >= self.settings.unavailable_timeout_s:
+                last = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers if s.last_error)
                 raise EngineUnavailable(f"no {self.kind} server left of {[s.url for s in self.servers]} (none "
                                         f"answered for {waited:.0f} s, rollout.{self.section}.unavailable_timeout_s="
-                                        f"{self.settings.unavailable_timeout_s:g})")
+                                        f"{self.settings.unavailable_timeout_s:g}){'; last: ' + last if last else ''}")
             self.ratelog("unavailable", logging.WARNING,
                          "no %s server answers (of %d); waiting, %.0f s so far, giving up after %.0f s",
                          self.kind, len(self.servers), waited, self.settings.unavailable_timeout_s)
@@ -504,7 +507,7 @@ class SGLangEngine:
     def _mark_dead(self, server: Server, reason: str) -> None:
         if server.alive:
             log.error("%s server %s lost: %s", self.kind, server.url, reason)
-        server.alive, server.dead_since = False, time.monotonic()
+        server.alive, server.dead_since, server.last_error = False, time.monotonic(), reason[:500]
 
     def _request(self, server: Server, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
