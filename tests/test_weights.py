@@ -29,7 +29,7 @@ from async_rl.protocol import WeightsPublished
 from async_rl.security import load_keys, sglang_headers
 from async_rl.transport import bind_publisher, connect_subscriber, send
 from async_rl.weights.base import WeightsFormatError, loader_for
-from learner.publisher import WeightPublisher, make_publisher
+from learner.publisher import ServerHeaders, WeightPublisher, make_publisher
 from learner.settings import LearnerSettings
 from rollout.engines.sglang import SGLangEngine
 from rollout.engines.thread import EngineThread
@@ -58,7 +58,7 @@ def publisher_of(context: zmq.Context, config, model_dir: Path) -> WeightPublish
     """The learner's publisher (rank 0's) as the learner's entry builds it from the config."""
     return make_publisher(context, LearnerSettings.from_config(config).publisher, model_dir,
                           load_keys(config.security.curve_dir, "learner"),
-                          lambda: sglang_headers(config.rollout.sglang.api_key_file))
+                          lambda: ServerHeaders(sglang_headers(config.rollout.sglang.api_key_file)))
 
 
 class Worker:
