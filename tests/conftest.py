@@ -118,10 +118,11 @@ def pool(tmp_path_factory) -> Pool:
     yield from _server_pool(tmp_path_factory, "SGLang", "build_sglang_env.sh", [])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def keyed_pool(tmp_path_factory) -> Pool:
     """One real SGLang server started closed: an API key, an admin key and TLS (tests/sglang_server.py
-    `KeyedSGLangServer`), on the same tiny model (`xdist_group("sglang")`)."""
+    `KeyedSGLangServer`), on the same tiny model (`xdist_group("sglang")`); stopped after its module, so that it
+    does not sit beside the pool's two for the rest of the session."""
     from sglang_server import keyed_tls_server
 
     kind = keyed_tls_server(tmp_path_factory.mktemp("tls"))
