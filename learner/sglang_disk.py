@@ -31,6 +31,8 @@ from learner.settings import SGLangSyncSettings
 
 log = logging.getLogger("async_rl.learner")
 
+KEY_CHECK_GROUP = "async-rl-key-check"  # a weight-update group no one joins: leaving it changes nothing
+
 
 class ServerDiskLoad:
     """A `Publisher` (async_rl/weights/base.py) of format "distributed": `hf_dir` writes each version, then every
@@ -44,6 +46,22 @@ class ServerDiskLoad:
         self.admin = httpx.Client(timeout=config.request_timeout_s, headers=admin_headers,
                                   verify=server_tls(config.urls, config.ca_file, "rollout.sglang.ca_file"))
         self.threads = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="disk-load")
+        for url in self.urls:
+            self._check_key(url)
+
+    def _check_key(self, url: str) -> None:
+        """Refuse at start a key the server refuses on its admin routes (else every version would fail to load and
+        the run would train on without publishing): a call that changes nothing (leaving a group that no one has
+        joined). A server that does not answer yet is left to the loads."""
+        try:
+            reply = self.admin.post(url + "/destroy_weights_update_group", json={"group_name": KEY_CHECK_GROUP})
+        except httpx.HTTPError:
+            return
+        if reply.status_code in (401, 403):
+            raise WeightsError(f"{url}: HTTP {reply.status_code}: the server refuses the learner's admin key "
+                               "(rollout.sglang.admin_key_file or SGLANG_ADMIN_API_KEY) on the routes that load "
+                               "weights: give the learner the key the servers run with --admin-api-key "
+                               "(docs/sglang.md#keys)")
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsPublished:
         """Write version `version`, load it into every server that answers; WeightsError when none took it (the

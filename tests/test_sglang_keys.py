@@ -23,7 +23,7 @@ from rollout_helpers import sglang_settings
 from sglang_server import ADMIN_KEY, API_KEY, bearer, free_port
 
 from async_rl.config import Config, RolloutConfig, SGLangConfig
-from async_rl.errors import ConfigError
+from async_rl.errors import ConfigError, WeightsError
 from async_rl.model import load_model
 from async_rl.security import sglang_admin_headers, sglang_headers
 from learner.publisher import ServerHeaders, make_publisher
@@ -100,8 +100,10 @@ def test_the_learner_loads_disk_versions_with_the_admin_key_and_the_worker_reads
                                        publish_endpoint=f"ipc://{tmp_path}/w.sock")
     headers = ServerHeaders(sglang_headers(sglang.api_key_file), sglang_admin_headers(sglang.admin_key_file))
     assert headers.admin == bearer(ADMIN_KEY) and headers.api == bearer(API_KEY)
-    engine = SGLangEngine(sglang_settings(urls=keyed.urls, api_key_file=str(tmp_path / "api-key"), ca_file=ca(keyed)))
     context = zmq.Context()
+    with pytest.raises(WeightsError, match="HTTP 401: the server refuses the learner's admin key"):
+        make_publisher(context, settings, keyed.model_dir, None, lambda: ServerHeaders(headers.api, headers.api))
+    engine = SGLangEngine(sglang_settings(urls=keyed.urls, api_key_file=str(tmp_path / "api-key"), ca_file=ca(keyed)))
     publisher = make_publisher(context, settings, keyed.model_dir, None, lambda: headers)
     try:
         model = load_model(keyed.model_dir)
