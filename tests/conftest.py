@@ -138,6 +138,16 @@ def vllm_pool(tmp_path_factory) -> Pool:
     yield from _server_pool(tmp_path_factory, "vLLM", "build_vllm_env.sh", VLLM_MODEL, VLLMServer)
 
 
+@pytest.fixture(scope="module")
+def vllm_tls_pool(tmp_path_factory) -> Pool:
+    """One vLLM server speaking TLS with a certificate from a test CA (tests/vllm_server.py `tls_vllm_server`), on
+    the pool's tiny model (`xdist_group("vllm")`); stopped after its module."""
+    from vllm_server import tls_vllm_server
+
+    kind = tls_vllm_server(tmp_path_factory.mktemp("vllm-tls"))
+    yield from _server_pool(tmp_path_factory, "vLLM", "build_vllm_env.sh", VLLM_MODEL, kind, count=1)
+
+
 @pytest.fixture(scope="session")
 def vllm_lora_pool(tmp_path_factory) -> Pool:
     """One vLLM server that loads LoRA adapters (scripts/start_vllm_server.py --max-lora-rank 8), on the same tiny

@@ -45,3 +45,19 @@ def reload_weights(http: httpx.Client, url: str, model_path: Path, version: int,
         http.post(url + "/update_weight_version", json={"new_version": str(version)}).raise_for_status()
     finally:
         http.post(url + "/resume").raise_for_status()
+
+
+def tls_vllm_server(cert_dir: Path) -> type[VLLMServer]:
+    """A `VLLMServer` class whose servers speak TLS with a certificate for 127.0.0.1 from a fresh test CA (trustme)
+    written to `cert_dir` (ca.pem, cert.pem, key.pem); its `CA` is the file clients verify it with."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    paths = {name: cert_dir / f"{name}.pem" for name in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    args = (*VLLMServer.ARGS, "--", "--ssl-keyfile", str(paths["key"]), "--ssl-certfile", str(paths["cert"]),
+            "--ssl-ca-certs", str(paths["ca"]))  # the start script's readiness check trusts this CA
+    return type("TLSVLLMServer", (VLLMServer,), {"ARGS": args, "CA": str(paths["ca"])})
