@@ -175,9 +175,10 @@ class KeyedSGLangServer(SGLangServer):
         return httpx.get(self.url + "/get_model_info", timeout=10, headers=bearer(API_KEY), verify=self.CA).json()
 
 
-def keyed_tls_server(cert_dir: Path) -> type[KeyedSGLangServer]:
-    """The `KeyedSGLangServer` class whose servers use a fresh test CA (trustme) written to `cert_dir`: ca.pem, and
-    the server's cert.pem and key.pem for 127.0.0.1."""
+def make_test_certificates(cert_dir: Path) -> tuple[str, tuple[str, ...]]:
+    """A fresh test CA (trustme) and a server certificate for 127.0.0.1 written to `cert_dir` (ca.pem, cert.pem,
+    key.pem): the CA file the clients verify with, and the server flags that serve TLS with them (`--ssl-ca-certs`
+    too: the start scripts' readiness check trusts that CA)."""
     import trustme
 
     ca = trustme.CA()
@@ -186,9 +187,16 @@ def keyed_tls_server(cert_dir: Path) -> type[KeyedSGLangServer]:
     ca.cert_pem.write_to_path(str(paths["ca"]))
     cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
     cert.private_key_pem.write_to_path(str(paths["key"]))
-    args = ("--", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--ssl-keyfile", str(paths["key"]),
-            "--ssl-certfile", str(paths["cert"]), "--ssl-ca-certs", str(paths["ca"]))
-    return type("KeyedTLSServer", (KeyedSGLangServer,), {"ARGS": args, "CA": str(paths["ca"])})
+    return str(paths["ca"]), ("--ssl-keyfile", str(paths["key"]), "--ssl-certfile", str(paths["cert"]),
+                              "--ssl-ca-certs", str(paths["ca"]))
+
+
+def keyed_tls_server(cert_dir: Path) -> type[KeyedSGLangServer]:
+    """The `KeyedSGLangServer` class whose servers use a fresh test CA written to `cert_dir`
+    (`make_test_certificates`)."""
+    ca, tls = make_test_certificates(cert_dir)
+    args = ("--", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, *tls)
+    return type("KeyedTLSServer", (KeyedSGLangServer,), {"ARGS": args, "CA": ca})
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import httpx
-from sglang_server import SGLangServer
+from sglang_server import SGLangServer, make_test_certificates
 
 
 class VLLMServer(SGLangServer):
@@ -48,16 +48,7 @@ def reload_weights(http: httpx.Client, url: str, model_path: Path, version: int,
 
 
 def tls_vllm_server(cert_dir: Path) -> type[VLLMServer]:
-    """A `VLLMServer` class whose servers speak TLS with a certificate for 127.0.0.1 from a fresh test CA (trustme)
-    written to `cert_dir` (ca.pem, cert.pem, key.pem); its `CA` is the file clients verify it with."""
-    import trustme
-
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {name: cert_dir / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    args = (*VLLMServer.ARGS, "--", "--ssl-keyfile", str(paths["key"]), "--ssl-certfile", str(paths["cert"]),
-            "--ssl-ca-certs", str(paths["ca"]))  # the start script's readiness check trusts this CA
-    return type("TLSVLLMServer", (VLLMServer,), {"ARGS": args, "CA": str(paths["ca"])})
+    """A `VLLMServer` class whose servers speak TLS with a certificate for 127.0.0.1 from a fresh test CA written to
+    `cert_dir` (tests/sglang_server.py `make_test_certificates`); its `CA` is the file clients verify it with."""
+    ca, tls = make_test_certificates(cert_dir)
+    return type("TLSVLLMServer", (VLLMServer,), {"ARGS": (*VLLMServer.ARGS, "--", *tls), "CA": ca})
