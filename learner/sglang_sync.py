@@ -200,4 +200,5 @@ class DistributedWeightSync:
         self.group.close()
         self.threads.shutdown(wait=False)
         self.http.close()
-        self.reads.close()
+        if self.reads is not self.http:
+            self.reads.close()

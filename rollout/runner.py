@@ -12,9 +12,9 @@ first of them has waited `rollout.engine_batch_wait_s` (a call's fixed cost is s
 "The quick start"). A turn ends at EOS, a stop string (`rollout.stop`) or the action token budget. `step`: the
 action's text is with the environment, on a pool of daemon threads, so a slow tool holds up only its own trajectory,
 and one past `step_timeout_s` (or a judge past `judge_timeout_s`) abandons it (rollout/plugin_calls.py). A worker
-runs them on its loop thread instead while they are instant (a twentieth of `rollout.inline_budget_s` on average); a
-call past the budget moves the loop to a new thread, and either sends that kind of call to the pools for a while
-(rollout/env_calls.py, rollout/inline_calls.py). When the
+runs them on its loop thread instead while they are instant (a twentieth of `rollout.inline_budget_s` on average);
+a kind that is slower goes to the pools for a while, and a call past the budget moves the loop to a new thread
+first (rollout/env_calls.py, rollout/inline_calls.py). When the
 step returns, the stage (observation tokens, action tokens, behaviour log-probs, versions, stage reward) goes to the
 sink at once, long before the trajectory ends. `judge`: the finished trajectory's outcome is computed on its own
 thread (a slow judge holds up nothing). What the runner did goes to its metrics line (rollout/runner_stats.py).

@@ -120,20 +120,21 @@ def main() -> int:
 
     log_path = args.log or os.path.join(args.venv, f"server-{args.port}.log")
     cmd = build_command(args.venv, args.model_path, args.port, args.host, extra)
-    context = tls_context(extra)
-    scheme = "https" if context else "http"
-    return launch(cmd, server_env(args.threads), f"{scheme}://{args.host}:{args.port}", log_path, args.timeout,
-                  "SGLang", "/health_generate", context)
+    url, context = server_url(args.host, args.port, extra)
+    return launch(cmd, server_env(args.threads), url, log_path, args.timeout, "SGLang", "/health_generate", context)
 
 
-def tls_context(extra: list[str]) -> ssl.SSLContext | None:
-    """With `--ssl-certfile` among the server's arguments (TLS, docs/sglang.md#tls): the context the readiness
-    check verifies it with (the CAs of `--ssl-ca-certs`, else the certificate itself, as a self-signed one)."""
+def server_url(host: str, port: int, extra: list[str]) -> tuple[str, ssl.SSLContext | None]:
+    """The server's URL, and with `--ssl-certfile` among its arguments (TLS, docs/sglang.md#tls) the context the
+    readiness check verifies it with (the CAs of `--ssl-ca-certs`, else the certificate itself, as a self-signed
+    one). Shared with start_vllm_server.py."""
     def value(flag: str) -> str | None:
         return extra[extra.index(flag) + 1] if flag in extra[:-1] else None
 
     certfile = value("--ssl-certfile")
-    return None if certfile is None else ssl.create_default_context(cafile=value("--ssl-ca-certs") or certfile)
+    if certfile is None:
+        return f"http://{host}:{port}", None
+    return f"https://{host}:{port}", ssl.create_default_context(cafile=value("--ssl-ca-certs") or certfile)
 
 
 def launch(cmd: list[str], env: dict[str, str], url: str, log_path: str, timeout: float, name: str,

@@ -34,7 +34,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from start_sglang_server import launch, server_args, tls_context  # noqa: E402  (the same arguments and launch)
+from start_sglang_server import launch, server_args, server_url  # noqa: E402  (the same arguments and launch)
 
 WEIGHT_TRANSFER_BACKEND = "async_rl"  # scripts/vllm_plugin/async_rl_vllm_plugin.py, installed by build_vllm_env.sh
 DEFAULT_VENV = os.environ.get(
@@ -79,10 +79,9 @@ def main() -> int:
         return 1
     log_path = args.log or os.path.join(args.venv, f"server-{args.port}.log")
     cmd = build_command(args.venv, args.model_path, args.port, args.host, args.max_model_len, extra, args.max_lora_rank)
-    context = tls_context(extra)  # with --ssl-certfile: https, checked against its CA
-    scheme = "https" if context else "http"
-    return launch(cmd, server_env(args.threads, args.max_lora_rank > 0), f"{scheme}://{args.host}:{args.port}",
-                  log_path, args.timeout, "vLLM", "/health", context)
+    url, context = server_url(args.host, args.port, extra)  # with --ssl-certfile: https, checked against its CA
+    return launch(cmd, server_env(args.threads, args.max_lora_rank > 0), url, log_path, args.timeout, "vLLM",
+                  "/health", context)
 
 
 if __name__ == "__main__":
